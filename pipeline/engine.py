@@ -1,0 +1,206 @@
+"""Executes a schedule: prefill each shared prefix once, fan its cache out, decode in batches.
+
+Correct by construction for prompts that are wholly shared: the tree holds each prompt minus
+its last token, so every request feeds at least that token itself and samples its first new
+token from that position's logits; positions continue exactly from the reused prefix.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Sequence
+
+import torch
+
+from pipeline import kvcache, masks
+from pipeline.prefix_tree import PrefixTree
+from pipeline.sampling import make_generator, sample
+from pipeline.schedule import Batch, JobShape, Prefill, Release, plan
+from pipeline.types import Completion, Request, RunStats, SamplingParams
+
+
+@dataclass
+class _Row:
+    """One sample being decoded."""
+
+    request: Request
+    sample_index: int
+    cached: int
+    generator: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        eos_token_ids: Iterable[int] = (),
+        min_shared_tokens: int = 16,
+        max_batch_tokens: int = 65536,
+        default_seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.eos = frozenset(eos_token_ids)
+        self.min_shared_tokens = min_shared_tokens
+        self.max_batch_tokens = max_batch_tokens
+        self.default_seed = default_seed
+        self.kinds = masks.layer_kinds(model.config)
+        self.stats = RunStats()
+
+    def generate(self, requests: Sequence[Request]) -> list[Completion]:
+        return list(self.run(requests))
+
+    @torch.inference_mode()
+    def run(self, requests: Sequence[Request]) -> Iterator[Completion]:
+        """Yield every sample of every request, batch by batch (prefix order, not input order)."""
+        tree = PrefixTree()
+        shapes: dict[int, JobShape] = {}
+        for i, req in enumerate(requests):
+            if not req.prompt_ids:
+                raise ValueError(f"request {req.key!r} has an empty prompt")
+            # hold back the last prompt token: its logits start generation
+            tree.insert(i, req.prompt_ids[:-1])
+            shapes[i] = JobShape(len(req.prompt_ids), req.params.max_new_tokens, req.params.n)
+            self.stats.jobs += 1
+            self.stats.rows += req.params.n
+            self.stats.prompt_tokens += len(req.prompt_ids)
+        prefixes: dict[int, kvcache.PrefixKV] = {}
+        ops = plan(tree, shapes, min_shared_tokens=self.min_shared_tokens, max_batch_tokens=self.max_batch_tokens)
+        for op in ops:
+            if isinstance(op, Prefill):
+                ids = requests[op.key].prompt_ids[op.start : op.end]
+                parent = prefixes.get(op.parent) if op.parent is not None else None
+                prefixes[op.node] = self.prefill(parent, ids, op.start)
+                self.stats.prefix_nodes += 1
+            elif isinstance(op, Release):
+                del prefixes[op.node]
+            else:
+                yield from self._run_batch(op, requests, prefixes)
+
+    # -- phases ---------------------------------------------------------------------------
+
+    def prefill(self, parent: kvcache.PrefixKV | None, ids: list[int], start: int) -> kvcache.PrefixKV:
+        """Extend a batch-1 prefix by `ids` at positions start.. (no padding: the model's own causal mask)."""
+        cache = kvcache.extend_from(parent)
+        input_ids = torch.tensor([ids], device=self.device)  # (1, L)
+        positions = torch.arange(start, start + len(ids), device=self.device)[None]  # (1, L)
+        self.model(input_ids=input_ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
+        self.stats.prefill_tokens += len(ids)
+        return kvcache.snapshot(cache)
+
+    def forward(self, input_ids, q_pos, kv_pos, cache) -> torch.Tensor:
+        """One forward over padded rows; returns the last position's logits (B, V)."""
+        mask = masks.build(q_pos, kv_pos, self.kinds, self.dtype)
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=q_pos.clamp(min=0),
+            attention_mask=mask,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1, :].float()  # (B, V)
+
+    def _run_batch(self, batch: Batch, requests: Sequence[Request], prefixes) -> Iterator[Completion]:
+        self.stats.batches += 1
+        rows = batch.rows
+        reqs = [requests[r.key] for r in rows]
+        width = max(r.cached for r in rows)
+        suffixes = [q.prompt_ids[r.cached :] for q, r in zip(reqs, rows)]
+        s_max = max(len(s) for s in suffixes)
+
+        groups: list[tuple[kvcache.PrefixKV | None, int]] = []
+        for r in rows:
+            prefix = prefixes[r.node] if r.node is not None else None
+            if groups and groups[-1][0] is prefix:
+                groups[-1] = (prefix, groups[-1][1] + 1)
+            else:
+                groups.append((prefix, 1))
+        cache = kvcache.fan_out(groups, width)
+
+        # layout per row: prefix | pad | pad | suffix, so every row's last prompt token is last
+        b = len(rows)
+        kv_pos = torch.full((b, width), masks.PAD, dtype=torch.long)  # (B, P)
+        q_pos = torch.full((b, s_max), masks.PAD, dtype=torch.long)  # (B, S)
+        input_ids = torch.zeros((b, s_max), dtype=torch.long)  # (B, S)
+        for i, (r, s) in enumerate(zip(rows, suffixes)):
+            kv_pos[i, : r.cached] = torch.arange(r.cached)
+            q_pos[i, s_max - len(s) :] = torch.arange(r.cached, r.cached + len(s))
+            input_ids[i, s_max - len(s) :] = torch.tensor(s)
+            self.stats.prefill_tokens += len(s)
+            if r.samples.start == 0:
+                self.stats.cached_tokens += r.cached
+        input_ids, q_pos, kv_pos = (t.to(self.device) for t in (input_ids, q_pos, kv_pos))
+        kv_pos = torch.cat([kv_pos, q_pos], dim=1)  # (B, P + S)
+        logits = self.forward(input_ids, q_pos, kv_pos, cache)  # (B, V)
+
+        # fork each request into its samples: they share the prompt and its last logits
+        live: list[_Row] = []
+        fork = []
+        for i, (q, r) in enumerate(zip(reqs, rows)):
+            seed = q.params.seed if q.params.seed is not None else self.default_seed
+            for s in r.samples:
+                gen = None if q.params.greedy else make_generator(seed, s, self.device)
+                live.append(_Row(q, s, r.cached, gen))
+                fork.append(i)
+        if fork != list(range(b)):
+            index = torch.tensor(fork, device=self.device)
+            kvcache.select_rows(cache, index)
+            kv_pos, logits = kv_pos[index], logits[index]
+        next_pos = torch.tensor([len(row.request.prompt_ids) for row in live], device=self.device)  # (B,)
+
+        while True:
+            finite = torch.isfinite(logits).all(dim=-1).tolist()
+            tokens = sample(logits, [row.request.params for row in live], [row.generator for row in live])
+            keep, done = [], []
+            for i, (row, tok) in enumerate(zip(live, tokens.tolist())):
+                if not finite[i]:
+                    done.append(self._finish(row, "error", "non-finite logits"))
+                    continue
+                row.tokens.append(tok)
+                reason = self._finish_reason(row, tok)
+                if reason:
+                    done.append(self._finish(row, reason))
+                else:
+                    keep.append(i)
+            yield from done
+            if not keep:
+                return
+            if len(keep) < len(live):
+                index = torch.tensor(keep, device=self.device)
+                kvcache.select_rows(cache, index)
+                kv_pos, next_pos, tokens = kv_pos[index], next_pos[index], tokens[index]
+                live = [live[i] for i in keep]
+            logits, kv_pos, next_pos = self.decode_step(tokens, next_pos, kv_pos, cache)
+
+    def decode_step(self, tokens, next_pos, kv_pos, cache):
+        """Feed one token per row at its own next position."""
+        q_pos = next_pos[:, None]  # (B, 1)
+        kv_pos = torch.cat([kv_pos, q_pos], dim=1)  # (B, L + 1)
+        logits = self.forward(tokens[:, None].to(self.device), q_pos, kv_pos, cache)  # (B, V)
+        self.stats.decode_steps += 1
+        return logits, kv_pos, next_pos + 1
+
+    def _finish_reason(self, row: _Row, token: int) -> str | None:
+        if token in self.eos:
+            return "stop"
+        if row.request.stop is not None and row.request.stop(row.tokens):
+            return "stop"
+        if len(row.tokens) >= row.request.params.max_new_tokens:
+            return "length"
+        return None
+
+    def _finish(self, row: _Row, reason: str, error: str | None = None) -> Completion:
+        n_prompt = len(row.request.prompt_ids)
+        self.stats.completion_tokens += len(row.tokens)
+        return Completion(
+            key=row.request.key,
+            sample_index=row.sample_index,
+            token_ids=row.tokens,
+            finish_reason=reason,
+            prompt_tokens=n_prompt,
+            cached_tokens=row.cached,
+            error=error,
+        )

@@ -1,0 +1,91 @@
+"""A radix tree over token ids: every shared prefix, at every level, is one node.
+
+Pure Python, no torch: the scheduling policy walks it and the engine never sees it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable, Iterator, Sequence
+
+
+@dataclass(eq=False)
+class Node:
+    tokens: list[int]  # edge label: the tokens from the parent's end to this node's end
+    depth: int  # tokens from the root to this node's end
+    parent: "Node | None" = None
+    children: dict[int, "Node"] = field(default_factory=dict)  # first token of the child's edge -> child
+    keys: list[Hashable] = field(default_factory=list)  # sequences that end exactly here
+    size: int = 0  # sequences ending in this subtree
+
+    @property
+    def start(self) -> int:
+        return self.depth - len(self.tokens)
+
+    def walk(self) -> Iterator["Node"]:
+        """Pre-order, iteratively: prompts can nest thousands of nodes deep."""
+        stack = [self]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(reversed(list(node.children.values())))
+
+
+class PrefixTree:
+    """Insert token sequences; shared prefixes become internal nodes (edges are split on divergence)."""
+
+    def __init__(self) -> None:
+        self.root = Node(tokens=[], depth=0)
+        self._end: dict[Hashable, Node] = {}
+
+    def __len__(self) -> int:
+        return self.root.size
+
+    def insert(self, key: Hashable, seq: Sequence[int]) -> Node:
+        if key in self._end:
+            raise KeyError(f"sequence {key!r} is already in the tree")
+        node, i = self.root, 0
+        node.size += 1
+        while i < len(seq):
+            child = node.children.get(seq[i])
+            if child is None:
+                leaf = Node(tokens=list(seq[i:]), depth=len(seq), parent=node, size=1)
+                node.children[seq[i]] = leaf
+                node = leaf
+                break
+            common = _common_length(child.tokens, seq, i)
+            if common < len(child.tokens):
+                child = self._split(child, common)
+            child.size += 1
+            node, i = child, i + common
+        node.keys.append(key)
+        self._end[key] = node
+        return node
+
+    def _split(self, child: Node, at: int) -> Node:
+        """Cut child's edge after `at` tokens; the new middle node takes child's place."""
+        parent = child.parent
+        assert parent is not None
+        mid = Node(tokens=child.tokens[:at], depth=child.start + at, parent=parent, size=child.size)
+        parent.children[mid.tokens[0]] = mid
+        child.tokens = child.tokens[at:]
+        child.parent = mid
+        mid.children[child.tokens[0]] = child
+        return mid
+
+    def node_of(self, key: Hashable) -> Node:
+        return self._end[key]
+
+    def nodes(self) -> Iterator[Node]:
+        return self.root.walk()
+
+    def token_count(self) -> int:
+        """Distinct token prefixes: the least prefill work any prefix cache can do."""
+        return sum(len(n.tokens) for n in self.nodes())
+
+
+def _common_length(edge: list[int], seq: Sequence[int], offset: int) -> int:
+    n = min(len(edge), len(seq) - offset)
+    k = 0
+    while k < n and edge[k] == seq[offset + k]:
+        k += 1
+    return k
