@@ -18,7 +18,7 @@ CONFIGS = {
     "qwen2": lambda: T.Qwen2Config(**COMMON, **LLAMA_LIKE),
     # a short window so prompts and generations cross it
     "mistral": lambda: T.MistralConfig(**COMMON, **LLAMA_LIKE, sliding_window=12),
-    "gemma2": lambda: T.Gemma2Config(**COMMON, **{**LLAMA_LIKE, "num_hidden_layers": 4}, head_dim=16,
+    "gemma2": lambda: T.Gemma2Config(**COMMON, **LLAMA_LIKE, head_dim=16,
                                      sliding_window=10, query_pre_attn_scalar=16),
     "phi3": lambda: T.Phi3Config(**COMMON, **LLAMA_LIKE, partial_rotary_factor=0.5),
     "gpt2": lambda: T.GPT2Config(**COMMON, n_embd=64, n_layer=2, n_head=4, n_positions=512),

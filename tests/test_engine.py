@@ -1,0 +1,167 @@
+"""The core of the project: the engine's greedy output equals plain uncached generation."""
+import copy
+
+import pytest
+import torch
+
+from jobsets import SYSTEM, edge_case_requests, tokenizer
+from pipeline.engine import Engine
+from pipeline.prefix_tree import PrefixTree
+from pipeline.reference import reference_generate
+from pipeline.types import Request, SamplingParams
+from tiny_models import ARCHS, make_model
+
+EOS = [2]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tokenizer()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_equals_uncached_generate(arch, tok):
+    model = make_model(arch)
+    reqs = edge_case_requests(tok)
+    # a small budget: more jobs than one batch holds, and groups split across batches
+    engine = Engine(model, eos_token_ids=EOS, min_shared_tokens=4, max_batch_tokens=600)
+    got = {}
+    for c in engine.run(reqs):
+        got[(c.key, c.sample_index)] = c
+    assert engine.stats.batches > 3
+    for r in reqs:
+        want = reference_generate(model, r, EOS)
+        for s in range(r.params.n):
+            c = got[(r.key, s)]
+            assert c.token_ids == want, f"{arch}: job {r.key} sample {s}"
+            assert c.finish_reason == ("stop" if want[-1] in EOS else "length")
+            assert c.prompt_tokens == len(r.prompt_ids) and 0 <= c.cached_tokens < len(r.prompt_ids)
+    assert engine.stats.completion_tokens == sum(len(c.token_ids) for c in got.values())
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_equivalence_holds_for_any_batch_budget(arch, tok):
+    model = make_model(arch, seed=3)
+    reqs = edge_case_requests(tok, max_new_tokens=6)
+    outs = []
+    for budget in (60, 10_000):
+        engine = Engine(model, eos_token_ids=EOS, min_shared_tokens=1, max_batch_tokens=budget)
+        outs.append(sorted((c.key, c.sample_index, c.token_ids) for c in engine.run(reqs)))
+    assert outs[0] == outs[1]
+
+
+def test_prefill_work_is_the_radix_tree_bound(tok):
+    reqs = edge_case_requests(tok, max_new_tokens=2)
+    engine = Engine(make_model("llama"), eos_token_ids=[], min_shared_tokens=1)
+    completions = engine.generate(reqs)
+    held_back, full = PrefixTree(), PrefixTree()
+    for r in reqs:
+        held_back.insert(r.key, r.prompt_ids[:-1])
+        full.insert(r.key, r.prompt_ids)
+    # every shared token once, plus exactly the held-back last token of each job
+    assert engine.stats.prefill_tokens == held_back.token_count() + len(reqs)
+    assert full.token_count() <= engine.stats.prefill_tokens <= full.token_count() + len(reqs)
+    assert engine.stats.prompt_tokens == sum(len(r.prompt_ids) for r in reqs)
+    # a job's prompt is its reused tokens plus the suffix it ran itself
+    assert engine.stats.cached_tokens == sum(c.cached_tokens for c in completions if c.sample_index == 0)
+    assert engine.stats.prompt_tokens - engine.stats.cached_tokens < engine.stats.prefill_tokens
+    system_len = len(tok.encode_prompt(SYSTEM))
+    by_key = {c.key: c for c in completions}
+    assert by_key[4].cached_tokens >= system_len  # a question under system + shots + doc reuses them
+    want = sum(r.params.max_new_tokens * r.params.n for r in reqs)  # no EOS: every row runs to its length
+    assert engine.stats.decode_steps > 0 and engine.stats.completion_tokens == want
+
+
+def test_min_shared_tokens_disables_sharing_without_changing_output(tok):
+    model = make_model("qwen2")
+    reqs = edge_case_requests(tok, max_new_tokens=5)
+    shared = Engine(model, eos_token_ids=EOS, min_shared_tokens=1)
+    unshared = Engine(model, eos_token_ids=EOS, min_shared_tokens=10_000)
+    a = sorted((c.key, c.sample_index, c.token_ids) for c in shared.run(reqs))
+    b = sorted((c.key, c.sample_index, c.token_ids) for c in unshared.run(reqs))
+    assert a == b
+    assert unshared.stats.prefill_tokens == unshared.stats.prompt_tokens
+    assert shared.stats.prefill_tokens < unshared.stats.prefill_tokens / 2
+
+
+def sampled(key, prompt, seed, n=3):
+    return Request(key, prompt, SamplingParams(max_new_tokens=8, temperature=0.9, top_p=0.9, top_k=40, seed=seed, n=n))
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(tok):
+    model = make_model("llama")
+    prompt = tok.encode_prompt(SYSTEM + "Tell me a story.")
+    others = [sampled(100 + i, tok.encode_prompt(SYSTEM + f"Question {i}?"), seed=i, n=1) for i in range(49)]
+
+    def run(reqs, budget):
+        engine = Engine(model, eos_token_ids=EOS, min_shared_tokens=4, max_batch_tokens=budget)
+        return {(c.key, c.sample_index): c.token_ids for c in engine.run(reqs) if c.key == "me"}
+
+    alone = run([sampled("me", prompt, 42)], 100_000)
+    in_group = run(others[:25] + [sampled("me", prompt, 42)] + others[25:], 100_000)
+    small_batches = run(others + [sampled("me", prompt, 42)], 150)
+    assert alone == in_group == small_batches
+    assert len({tuple(v) for v in alone.values()}) > 1, "the samples of one job differ from each other"
+    assert run([sampled("me", prompt, 43)], 100_000) != alone, "another seed gives another text"
+
+
+def test_stop_strings_and_eos_end_rows_early(tok):
+    model = make_model("llama")
+    reqs = edge_case_requests(tok, max_new_tokens=12)[:6]
+    free = {c.key: c.token_ids for c in Engine(model, eos_token_ids=[]).run(reqs)}
+    # stop when the job's third generated token shows up, whatever it decodes to
+    for r in reqs:
+        third = tok.decode(free[r.key][:3])
+        r.stop = tok.stop_check([third[-1:]]) if third.strip() else None
+    stopped = {c.key: c for c in Engine(model, eos_token_ids=[]).run(reqs)}
+    for r in reqs:
+        c = stopped[r.key]
+        assert c.token_ids == free[r.key][: len(c.token_ids)]
+        if r.stop is not None:
+            assert len(c.token_ids) <= 3 and c.finish_reason == "stop"
+    # an EOS id that greedy decoding emits ends the row there, the EOS kept
+    eos = free[0][4]
+    c = next(c for c in Engine(model, eos_token_ids=[eos]).run(reqs[:1]))
+    assert c.token_ids == free[0][: free[0].index(eos) + 1] and c.finish_reason == "stop"
+
+
+def test_non_finite_logits_fail_one_row_alone(tok, monkeypatch):
+    model = make_model("llama")
+    reqs = edge_case_requests(tok, max_new_tokens=4)[:4]
+    engine = Engine(model, eos_token_ids=EOS)
+    real = engine.forward
+    calls = []
+
+    def poisoned(input_ids, q_pos, kv_pos, cache):
+        logits = real(input_ids, q_pos, kv_pos, cache)
+        if not calls:
+            logits[0] = float("nan")  # one row of the first forward
+        calls.append(1)
+        return logits
+
+    monkeypatch.setattr(engine, "forward", poisoned)
+    out = engine.generate(reqs)
+    assert [c.finish_reason for c in out].count("error") == 1
+    assert sum(c.error is None and len(c.token_ids) > 0 for c in out) == len(out) - 1
+
+
+def test_naive_hf_recipe_is_wrong_when_the_whole_prompt_is_cached(tok):
+    """The bug batchgen exists to avoid: cache a prompt, deep-copy, generate with the full prompt."""
+    model = make_model("llama")
+    prompt = tok.encode_prompt("I have a dream")
+    req = Request(0, prompt, SamplingParams(max_new_tokens=8))
+    want = reference_generate(model, req, [])
+    ids = torch.tensor([prompt])
+    from transformers import DynamicCache
+
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ids, past_key_values=cache)
+        try:
+            out = model.generate(input_ids=ids, past_key_values=copy.deepcopy(cache), max_new_tokens=8,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)
+            naive = out[0, ids.shape[1]:].tolist()
+        except IndexError:  # transformers <= 5.2
+            naive = None
+    assert naive != want
+    assert Engine(model, eos_token_ids=[]).generate([req, Request(1, prompt, req.params)])[0].token_ids == want
