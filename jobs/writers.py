@@ -1,0 +1,381 @@
+"""Atomic result writers: Parquet, JSON Lines, and OpenAI Batch API output.
+
+Every writer streams into ``.{name}.tmp-<pid>`` next to the target and only
+``os.replace``s it into place after a clean exit and an fsync, so a reader
+(or a rerun deciding whether to skip work) never sees a half-written file.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as _dt
+import decimal
+import gzip
+import json
+import os
+import time
+from typing import IO, Any, Iterable, Mapping, Sequence
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .schema import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, InvalidRow, JobError
+
+# Result columns, in output order after the carried-through input columns.
+RESULT_FIELDS: tuple[pa.Field, ...] = (
+    pa.field("sample_index", pa.int32()),
+    pa.field("completion", pa.string()),
+    pa.field("finish_reason", pa.string()),
+    pa.field("prompt_tokens", pa.int64()),
+    pa.field("cached_tokens", pa.int64()),
+    pa.field("completion_tokens", pa.int64()),
+)
+RESULT_COLUMNS = ("id",) + tuple(f.name for f in RESULT_FIELDS)
+ERROR_SCHEMA = pa.schema([pa.field("id", pa.string()), pa.field("location", pa.string()),
+                          pa.field("reason", pa.string())])
+FORMATS = ("parquet", "jsonl", "openai")
+_ROW_GROUP_ROWS = 8192  # buffer tiny write() calls so Parquet row groups stay efficient
+
+
+def result_schema(extra_schema: pa.Schema | None, id_type: pa.DataType) -> pa.Schema:
+    """Extra (carried-through) columns first, then ``id`` and the result columns.
+
+    Raises JobError when an input column has the name of a result column, since
+    one would silently overwrite the other.
+    """
+    extra = list(extra_schema or [])
+    clash = sorted({f.name for f in extra} & set(RESULT_COLUMNS))
+    if clash:
+        raise JobError(f"input column(s) {', '.join(clash)} clash with result columns of the "
+                       "same name; rename them in the input")
+    return pa.schema(extra + [pa.field("id", id_type), *RESULT_FIELDS])
+
+
+def id_type_for(ids: Iterable[str | int]) -> pa.DataType:
+    """int64 when every id is an int, else string (ints are written as their decimal text)."""
+    return pa.int64() if all(isinstance(i, int) for i in ids) else pa.string()
+
+
+def infer_extra_schema(extras: Iterable[Mapping[str, Any]],
+                       hint: pa.Schema | None = None) -> pa.Schema:
+    """Schema for carried-through columns, in first-seen order.
+
+    Types come from ``hint`` (see readers.input_schema) where it has the column,
+    else from the values. A column whose values Arrow cannot unify (a dict in one
+    JSONL row, a string in the next) becomes a string column of JSON text.
+    """
+    columns: dict[str, list[Any]] = {}
+    count = 0
+    for extra in extras:
+        for name in extra:
+            columns.setdefault(name, [None] * count)
+        for name, values in columns.items():
+            values.append(extra.get(name))
+        count += 1
+    out = []
+    for name, values in columns.items():
+        if hint is not None and name in hint.names:
+            out.append(hint.field(name))
+            continue
+        try:
+            dtype = pa.array(values).type
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+            dtype = pa.string()
+        out.append(pa.field(name, pa.string() if pa.types.is_null(dtype) else dtype))
+    return pa.schema(out)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, (_dt.date, _dt.datetime, _dt.time)):
+        return value.isoformat()
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode("ascii")
+    if isinstance(value, _dt.timedelta):
+        return value.total_seconds()
+    raise TypeError(f"cannot write {type(value).__name__} as JSON")
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, default=_json_default)
+
+
+def _check_required(rows: Sequence[Mapping[str, Any]], names: Sequence[str]) -> None:
+    # A missing token count is an engine bug; fail here rather than write nulls.
+    missing = [c for c in RESULT_COLUMNS if c in names and any(r.get(c) is None for r in rows)]
+    if missing:
+        raise ValueError(f"result rows lack required value(s) for {', '.join(missing)}")
+
+
+def _conform(rows: Sequence[Mapping[str, Any]], schema: pa.Schema) -> list[dict[str, Any]]:
+    """Order keys by schema and turn non-strings in string columns into JSON text."""
+    _check_required(rows, schema.names)
+    string_cols = {f.name for f in schema if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)}
+    out = []
+    for r in rows:
+        row = {}
+        for name in schema.names:
+            v = r.get(name)
+            row[name] = _dumps(v) if name in string_cols and v is not None and not isinstance(v, str) else v
+        out.append(row)
+    return out
+
+
+class _AtomicWriter:
+    """Temp file next to the target; replaced into place only on a clean exit."""
+
+    _allow_gzip = False  # only line formats; a gzipped Parquet file helps nobody
+
+    def __init__(self, path: str | os.PathLike[str], overwrite: bool = False) -> None:
+        self.path = os.fspath(path)
+        if os.path.isdir(self.path):
+            raise JobError(f"{self.path}: is a directory; give an output file name")
+        if os.path.exists(self.path) and not overwrite:
+            raise JobError(f"{self.path}: already exists; pass --overwrite to replace it")
+        head, name = os.path.split(self.path)
+        self.tmp_path = os.path.join(head, f".{name}.tmp-{os.getpid()}")
+        self._file: IO[bytes] | None = None
+
+    def __enter__(self) -> _AtomicWriter:
+        parent = os.path.dirname(self.path)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        raw = open(self.tmp_path, "wb")
+        gz = self._allow_gzip and self.path.endswith(".gz")
+        self._file = gzip.GzipFile(fileobj=raw, mode="wb") if gz else raw
+        self._raw = raw
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None:
+            self._discard()
+            return
+        try:
+            self._finish()
+            if self._file is not self._raw:
+                self._file.close()  # type: ignore[union-attr]
+            self._raw.flush()
+            os.fsync(self._raw.fileno())  # data on disk before the rename makes it visible
+            self._raw.close()
+            self._commit()
+        except BaseException:
+            self._discard()
+            raise
+
+    def _commit(self) -> None:
+        os.replace(self.tmp_path, self.path)
+        # fsync the directory so the rename itself survives a power loss.
+        fd = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _discard(self) -> None:
+        try:
+            self._abort()
+        except Exception:
+            pass  # already failing; the original error is the one to report
+        for f in (self._file, getattr(self, "_raw", None)):
+            try:
+                if f is not None:
+                    f.close()
+            except Exception:
+                pass  # already failing; the original error is the one to report
+        try:
+            os.unlink(self.tmp_path)
+        except FileNotFoundError:
+            pass
+
+    def _finish(self) -> None:
+        """Flush anything buffered into the temp file (subclasses)."""
+
+    def _abort(self) -> None:
+        """Release format-level state before the temp file is deleted (subclasses)."""
+
+
+class ParquetWriter(_AtomicWriter):
+    """Result rows to Parquet with an explicit schema (see :func:`result_schema`)."""
+
+    def __init__(self, path: str | os.PathLike[str], schema: pa.Schema, overwrite: bool = False) -> None:
+        super().__init__(path, overwrite)
+        self.schema = schema
+        self._buffer: list[dict[str, Any]] = []
+        self._pq: pq.ParquetWriter | None = None
+
+    def __enter__(self) -> ParquetWriter:
+        super().__enter__()
+        self._pq = pq.ParquetWriter(self._file, self.schema)
+        return self
+
+    def write(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        self._buffer.extend(_conform(rows, self.schema))
+        if len(self._buffer) >= _ROW_GROUP_ROWS:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._buffer:
+            self._pq.write_table(pa.Table.from_pylist(self._buffer, schema=self.schema))  # type: ignore[union-attr]
+            self._buffer = []
+
+    def _finish(self) -> None:
+        self._flush()
+        self._pq.close()  # type: ignore[union-attr]  # writes the footer; empty input still gets one
+
+    def _abort(self) -> None:
+        # Close now: otherwise its __del__ later writes a footer into a closed file.
+        self._buffer = []
+        if self._pq is not None:
+            self._pq.close()
+
+
+class JsonlWriter(_AtomicWriter):
+    """Result rows as JSON Lines, keys in schema order (``.gz`` suffix compresses)."""
+
+    def __init__(self, path: str | os.PathLike[str], schema: pa.Schema, overwrite: bool = False) -> None:
+        super().__init__(path, overwrite)
+        self.schema = schema
+
+    _allow_gzip = True
+
+    def write(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        _check_required(rows, self.schema.names)
+        # Not _conform: nested extras stay real JSON here instead of JSON-in-a-string.
+        id_is_str = pa.types.is_string(self.schema.field("id").type)
+        lines = []
+        for r in rows:
+            row = {name: r.get(name) for name in self.schema.names}
+            if id_is_str:
+                row["id"] = str(row["id"])
+            lines.append(_dumps(row) + "\n")
+        self._file.write("".join(lines).encode("utf-8"))  # type: ignore[union-attr]
+
+
+class OpenAIBatchWriter(_AtomicWriter):
+    """Output in the OpenAI Batch API format: one line per job, samples grouped as choices.
+
+    ``model`` is reported as the response's model. Each row may carry an
+    ``endpoint`` key (``/v1/chat/completions`` or ``/v1/completions``, i.e.
+    ``Job.openai_endpoint``); rows without one use the constructor's ``endpoint``.
+    ``id`` becomes ``custom_id``. Because samples of one job may arrive in
+    separate write() calls, rows are held until close (memory ~ output size),
+    then written in first-seen job order with choices sorted by sample_index.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], schema: pa.Schema | None = None,
+                 overwrite: bool = False, *, model: str, endpoint: str = CHAT_ENDPOINT) -> None:
+        super().__init__(path, overwrite)
+        if endpoint not in (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT):
+            raise ValueError(f"unknown endpoint {endpoint!r}")
+        self.schema, self.model, self.endpoint = schema, model, endpoint
+        self._jobs: dict[str, list[Mapping[str, Any]]] = {}
+
+    _allow_gzip = True
+
+    def write(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        _check_required(rows, RESULT_COLUMNS)
+        for r in rows:
+            self._jobs.setdefault(str(r["id"]), []).append(r)
+
+    def _finish(self) -> None:
+        created = int(time.time())
+        for k, (custom_id, samples) in enumerate(self._jobs.items(), start=1):
+            line = _openai_line(k, custom_id, samples, self.model, self.endpoint, created)
+            self._file.write((_dumps(line) + "\n").encode("utf-8"))  # type: ignore[union-attr]
+        self._jobs.clear()
+
+
+def _openai_line(k: int, custom_id: str, samples: list[Mapping[str, Any]], model: str,
+                 default_endpoint: str, created: int) -> dict[str, Any]:
+    samples = sorted(samples, key=lambda r: r["sample_index"])
+    chat = samples[0].get("endpoint", default_endpoint) == CHAT_ENDPOINT
+    choices = []
+    for s in samples:
+        choice: dict[str, Any] = {"index": int(s["sample_index"])}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": s["completion"]}
+        else:
+            choice["text"] = s["completion"]
+        choice["logprobs"] = None
+        choice["finish_reason"] = s["finish_reason"]
+        choices.append(choice)
+    # The prompt is shared by all samples; OpenAI counts it once per request.
+    prompt_tokens = int(samples[0]["prompt_tokens"])
+    completion_tokens = sum(int(s["completion_tokens"]) for s in samples)
+    body = {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{k}",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens,
+                  "prompt_tokens_details": {"cached_tokens": int(samples[0]["cached_tokens"])}},
+    }
+    return {"id": f"batch_req_{k}", "custom_id": custom_id,
+            "response": {"status_code": 200, "request_id": f"req_{k}", "body": body},
+            "error": None}
+
+
+def open_result_writer(path: str | os.PathLike[str], schema: pa.Schema, fmt: str = "parquet",
+                       overwrite: bool = False, *, model: str | None = None,
+                       endpoint: str = CHAT_ENDPOINT) -> _AtomicWriter:
+    """Writer for ``fmt`` in FORMATS; ``model`` is required for ``openai``."""
+    if fmt == "parquet":
+        return ParquetWriter(path, schema, overwrite)
+    if fmt == "jsonl":
+        return JsonlWriter(path, schema, overwrite)
+    if fmt == "openai":
+        if not model:
+            raise JobError("the openai output format needs a model name")
+        return OpenAIBatchWriter(path, schema, overwrite, model=model, endpoint=endpoint)
+    raise JobError(f"unknown output format {fmt!r}; choose one of {', '.join(FORMATS)}")
+
+
+def errors_path(output_path: str | os.PathLike[str]) -> str:
+    """``out/results.parquet`` -> ``out/results.errors.parquet`` (any output suffix)."""
+    path = os.fspath(output_path)
+    for suffix in (".jsonl.gz", ".parquet", ".jsonl", ".json"):
+        if path.endswith(suffix):
+            path = path[: -len(suffix)]
+            break
+    return path + ".errors.parquet"
+
+
+class ErrorWriter(_AtomicWriter):
+    """Invalid rows to Parquet (id, location, reason), atomically.
+
+    No rows -> no file. A stale errors file from an earlier run is left alone in
+    that case (it is only replaced when there are new errors), so callers that
+    rerun into the same place should remove it themselves if that matters.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], overwrite: bool = False) -> None:
+        super().__init__(path, overwrite)
+        self._rows: list[dict[str, Any]] = []
+
+    def write(self, rows: Iterable[InvalidRow | Mapping[str, Any]]) -> None:
+        for r in rows:
+            self._rows.append(r.to_row() if isinstance(r, InvalidRow) else dict(r))
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None and not self._rows:
+            self._discard()  # nothing to report: do not create an empty errors file
+            return
+        super().__exit__(exc_type, exc, tb)
+
+    def _finish(self) -> None:
+        pq.write_table(pa.Table.from_pylist(self._rows, schema=ERROR_SCHEMA), self._file)
+
+
+def write_summary(path: str | os.PathLike[str], summary: Mapping[str, Any]) -> None:
+    """Write ``summary`` as indented JSON, atomically (always replaces the old one)."""
+    with _AtomicWriter(path, overwrite=True) as w:
+        w._file.write((json.dumps(summary, indent=2, ensure_ascii=False,  # type: ignore[union-attr]
+                                  default=_json_default) + "\n").encode("utf-8"))
+
+
+__all__ = ["result_schema", "id_type_for", "infer_extra_schema", "ParquetWriter", "JsonlWriter",
+           "OpenAIBatchWriter", "ErrorWriter", "open_result_writer", "errors_path",
+           "write_summary", "RESULT_COLUMNS", "ERROR_SCHEMA", "FORMATS"]
