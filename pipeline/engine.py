@@ -118,7 +118,9 @@ class Engine:
                 groups[-1] = (prefix, groups[-1][1] + 1)
             else:
                 groups.append((prefix, 1))
-        cache = kvcache.fan_out(groups, width)
+        samples = [len(r.samples) for r in rows]
+        capacity = width + s_max + max(q.params.max_new_tokens for q in reqs)
+        cache = kvcache.fan_out(groups, width, capacity, rows=sum(samples))
 
         # layout per row: prefix | pad | pad | suffix, so every row's last prompt token is last
         b = len(rows)
@@ -146,8 +148,8 @@ class Engine:
                 live.append(_Row(q, s, r.cached, gen))
                 fork.append(i)
         if fork != list(range(b)):
+            kvcache.fork_rows(cache, samples)
             index = torch.tensor(fork, device=self.device)
-            kvcache.select_rows(cache, index)
             kv_pos, logits = kv_pos[index], logits[index]
         next_pos = torch.tensor([len(row.request.prompt_ids) for row in live], device=self.device)  # (B,)
 
@@ -169,8 +171,8 @@ class Engine:
             if not keep:
                 return
             if len(keep) < len(live):
+                kvcache.keep_rows(cache, keep)
                 index = torch.tensor(keep, device=self.device)
-                kvcache.select_rows(cache, index)
                 kv_pos, next_pos, tokens = kv_pos[index], next_pos[index], tokens[index]
                 live = [live[i] for i in keep]
             logits, kv_pos, next_pos = self.decode_step(tokens, next_pos, kv_pos, cache)

@@ -1,10 +1,14 @@
 """The one module that touches the transformers Cache API (it churns between releases).
 
-Pinned to transformers >=5.24,<6: `DynamicCache.layers[i].keys/.values` are [B, H_kv, S, D];
-a layer's `update` is a `torch.cat`, so a cache built over `expand`ed views of a batch-1 prefix
-is a zero-copy fan-out whose first update materializes the rows and never writes the prefix.
-Every layer is a plain full `DynamicLayer`, also for sliding-window models: windows are applied by
-the engine's masks in position space, which stays exact when rows carry padding.
+Pinned to transformers >=5.24,<6: a `DynamicCache`'s `layers[i]` hold keys/values [B, H_kv, S, D]
+and the model calls `layer.update(k, v)` once per forward. Two layer kinds live here:
+- prefix caches (batch 1) are plain `DynamicLayer`s: extending one builds new tensors by `cat`,
+  so the parent prefix is never written and its children can all start from it;
+- batch caches are preallocated buffers sized for the whole generation: an append writes in place
+  and reads are views, so a decode step copies nothing (a growing `cat` would re-copy, and on CPU
+  re-fault, the whole cache every step).
+Every layer is full-length, also for sliding-window models: windows are applied by the engine's
+masks in position space, which stays exact when rows carry padding.
 """
 from __future__ import annotations
 
@@ -25,18 +29,11 @@ class PrefixKV:
     def length(self) -> int:
         return self.layers[0][0].shape[-2] if self.layers else 0
 
-    def nbytes(self) -> int:
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.layers)
 
-
-def new_cache() -> DynamicCache:
-    # no config on purpose: sliding layers would crop by index, which padding makes wrong
-    return DynamicCache()
-
-
-def _cache_of(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
-    cache = new_cache()
-    for k, v in layers:
+def extend_from(prefix: PrefixKV | None) -> DynamicCache:
+    """A batch-1 cache that starts as `prefix`; appending to it leaves `prefix` untouched."""
+    cache = DynamicCache()  # no config on purpose: sliding layers would crop by index
+    for k, v in prefix.layers if prefix is not None else ():
         layer = DynamicLayer()
         layer.lazy_initialization(k, v)
         layer.keys, layer.values = k, v
@@ -44,58 +41,106 @@ def _cache_of(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
     return cache
 
 
-def extend_from(prefix: PrefixKV | None) -> DynamicCache:
-    """A batch-1 cache that starts as `prefix`; appending to it leaves `prefix` untouched."""
-    return new_cache() if prefix is None or not prefix.layers else _cache_of(list(prefix.layers))
-
-
 def snapshot(cache: DynamicCache) -> PrefixKV:
     return PrefixKV([(layer.keys, layer.values) for layer in cache.layers])
 
 
-def fan_out(groups: list[tuple[PrefixKV | None, int]], width: int) -> DynamicCache:
-    """One cache row per fanned-out request: `count` rows of each prefix, right-padded to `width`.
+class BufferLayer(DynamicLayer):
+    """Keys/values in a preallocated [rows, H, capacity, D] buffer; `keys`/`values` are views."""
 
-    A single group that needs no padding is an `expand`ed view: no copy until the next update.
-    """
+    def __init__(self, slots: int, capacity: int, rows: int, length: int = 0,
+                 kbuf: torch.Tensor | None = None, vbuf: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.slots, self.capacity = slots, capacity
+        self.rows, self.length = rows, length
+        self.kbuf, self.vbuf = kbuf, vbuf
+        if kbuf is not None:
+            self.lazy_initialization(kbuf, vbuf)
+            self._views()
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        if self.kbuf is None:  # no prefix to copy in: the buffer takes the first update's shape
+            _, heads, _, dim = key_states.shape
+            self.kbuf = key_states.new_empty(self.slots, heads, self.capacity, dim)
+            self.vbuf = value_states.new_empty(self.slots, heads, self.capacity, value_states.shape[3])
+        self.is_initialized = True
+
+    def _views(self) -> None:
+        self.keys = self.kbuf[: self.rows, :, : self.length]
+        self.values = self.vbuf[: self.rows, :, : self.length]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        q = key_states.shape[-2]
+        end = self.length + q
+        if end > self.kbuf.shape[2] or key_states.shape[0] != self.rows:
+            raise RuntimeError(f"cache buffer overflow: {end} > {self.kbuf.shape[2]} or rows {key_states.shape[0]}")
+        self.kbuf[: self.rows, :, self.length : end] = key_states
+        self.vbuf[: self.rows, :, self.length : end] = value_states
+        self.length = end
+        self._views()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def move_rows(self, sources: list[int]) -> None:
+        """Row i becomes old row sources[i], in place; sources must satisfy sources[i] >= i
+        when read front to back, or <= i back to front, which `keep_rows`/`fork_rows` ensure."""
+        order = range(len(sources)) if all(s >= i for i, s in enumerate(sources)) else reversed(range(len(sources)))
+        for i in order:
+            s = sources[i]
+            if s != i:
+                self.kbuf[i, :, : self.length] = self.kbuf[s, :, : self.length]
+                self.vbuf[i, :, : self.length] = self.vbuf[s, :, : self.length]
+        self.rows = len(sources)
+        self._views()
+
+
+def fan_out(groups: list[tuple[PrefixKV | None, int]], width: int, capacity: int, rows: int) -> DynamicCache:
+    """A batch cache of `rows` slots: the first ones hold `count` copies of each group's prefix,
+    right-padded with zeros to `width` (zeros, not garbage: masked keys still meet the values in a
+    matmul, and NaN * 0 is NaN); room is left for `capacity` tokens per row."""
     template = next((p for p, _ in groups if p is not None and p.layers), None)
-    if template is None:
-        return new_cache()
-    layers = []
+    used = sum(count for _, count in groups)
+    cache = DynamicCache()
+    if template is None:  # nothing cached yet: the model's first update sizes the buffers
+        cache.layer_class_to_replicate = lambda: BufferLayer(rows, capacity, used)
+        return cache
     for i, (k0, v0) in enumerate(template.layers):
-        keys, values = [], []
+        _, heads, _, dim = k0.shape
+        kbuf = k0.new_empty(rows, heads, capacity, dim)  # (rows, H, capacity, D)
+        vbuf = v0.new_empty(rows, heads, capacity, v0.shape[3])
+        kbuf[:, :, :width].zero_()
+        vbuf[:, :, :width].zero_()
+        r = 0
         for prefix, count in groups:
-            k, v = _padded(prefix, i, k0, v0, width)
-            keys.append(k.expand(count, -1, -1, -1))  # (count, H, width, D), a view
-            values.append(v.expand(count, -1, -1, -1))
-        if len(keys) == 1:
-            layers.append((keys[0], values[0]))
-        else:
-            layers.append((torch.cat(keys, dim=0), torch.cat(values, dim=0)))
-    return _cache_of(layers)
+            if prefix is not None and prefix.layers:
+                k, v = prefix.layers[i]
+                kbuf[r : r + count, :, : k.shape[2]] = k  # broadcast over the group's rows
+                vbuf[r : r + count, :, : v.shape[2]] = v
+            r += count
+        cache.layers.append(BufferLayer(rows, capacity, used, width, kbuf, vbuf))
+    return cache
 
 
-def _padded(prefix: PrefixKV | None, i: int, k0: torch.Tensor, v0: torch.Tensor, width: int):
-    if prefix is None or not prefix.layers:
-        k = k0.new_zeros(1, k0.shape[1], 0, k0.shape[3])
-        v = v0.new_zeros(1, v0.shape[1], 0, v0.shape[3])
-    else:
-        k, v = prefix.layers[i]
-    gap = width - k.shape[-2]
-    if gap:
-        # zeros, not garbage: masked keys still meet the values in a matmul, and NaN * 0 is NaN
-        k = torch.cat([k, k.new_zeros(1, k.shape[1], gap, k.shape[3])], dim=-2)
-        v = torch.cat([v, v.new_zeros(1, v.shape[1], gap, v.shape[3])], dim=-2)
-    return k, v
-
-
-def select_rows(cache: DynamicCache, index: torch.Tensor) -> None:
-    """Keep (and repeat) rows by index, in place: rows that finished stop costing work."""
+def keep_rows(cache: DynamicCache, keep: list[int]) -> None:
+    """Drop finished rows (keep is ascending): they stop costing work."""
     for layer in cache.layers:
-        if layer.is_initialized and layer.keys is not None:
-            layer.keys = layer.keys.index_select(0, index.to(layer.keys.device))
-            layer.values = layer.values.index_select(0, index.to(layer.values.device))
+        if isinstance(layer, BufferLayer):
+            layer.move_rows(keep)
 
 
-def length(cache: DynamicCache) -> int:
-    return cache.get_seq_length()
+def fork_rows(cache: DynamicCache, counts: list[int]) -> None:
+    """Row i becomes counts[i] consecutive rows (n samples of one prompt share its cache)."""
+    sources = [i for i, c in enumerate(counts) for _ in range(c)]
+    for layer in cache.layers:
+        if isinstance(layer, BufferLayer):
+            if len(sources) > layer.slots:
+                raise RuntimeError("fork beyond the buffer's rows")
+            layer.move_rows(sources)
