@@ -9,12 +9,12 @@ from .readers import input_schema, read_jobs
 from .schema import (GenerationDefaults, InvalidRow, Job, JobError, JobValidationError,
                      Location)
 from .writers import (ErrorWriter, JsonlWriter, OpenAIBatchWriter, ParquetWriter,
-                      errors_path, id_type_for, infer_extra_schema, open_result_writer,
+                      errors_path, summary_path, id_type_for, infer_extra_schema, open_result_writer,
                       result_schema, write_summary)
 
 __all__ = [
     "ErrorWriter", "GenerationDefaults", "InvalidRow", "Job", "JobError",
     "JobValidationError", "JsonlWriter", "Location", "OpenAIBatchWriter", "ParquetWriter",
-    "errors_path", "id_type_for", "infer_extra_schema", "input_schema", "open_result_writer",
+    "errors_path", "summary_path", "id_type_for", "infer_extra_schema", "input_schema", "open_result_writer",
     "read_jobs", "result_schema", "write_summary",
 ]

@@ -334,13 +334,13 @@ def open_result_writer(path: str | os.PathLike[str], schema: pa.Schema, fmt: str
 
 
 def errors_path(output_path: str | os.PathLike[str]) -> str:
-    """``out/results.parquet`` -> ``out/results.errors.parquet`` (any output suffix)."""
-    path = os.fspath(output_path)
-    for suffix in (".jsonl.gz", ".parquet", ".jsonl", ".json"):
-        if path.endswith(suffix):
-            path = path[: -len(suffix)]
-            break
-    return path + ".errors.parquet"
+    """``out/results.parquet`` -> ``out/results.parquet.errors.parquet``: beside the output,
+    named after it whole, like the summary (``OUTPUT.summary.json``)."""
+    return os.fspath(output_path) + ".errors.parquet"
+
+
+def summary_path(output_path: str | os.PathLike[str]) -> str:
+    return os.fspath(output_path) + ".summary.json"
 
 
 class ErrorWriter(_AtomicWriter):
@@ -377,5 +377,5 @@ def write_summary(path: str | os.PathLike[str], summary: Mapping[str, Any]) -> N
 
 
 __all__ = ["result_schema", "id_type_for", "infer_extra_schema", "ParquetWriter", "JsonlWriter",
-           "OpenAIBatchWriter", "ErrorWriter", "open_result_writer", "errors_path",
+           "OpenAIBatchWriter", "ErrorWriter", "open_result_writer", "errors_path", "summary_path",
            "write_summary", "RESULT_COLUMNS", "ERROR_SCHEMA", "FORMATS"]

@@ -145,3 +145,14 @@ def _insert_releases(ops: list[Op]) -> list[Op]:
         out.append(op)
         out.extend(Release(n) for n in sorted(releases.get(i, ())))
     return out
+
+
+def prefill_cost(ops: list[Op], prompt_len: Mapping[Hashable, int]) -> int:
+    """Tokens the engine will run through the model in prefill for these ops."""
+    total = 0
+    for op in ops:
+        if isinstance(op, Prefill):
+            total += op.end - op.start
+        elif isinstance(op, Batch):
+            total += sum(prompt_len[row.key] - row.cached for row in op.rows)
+    return total

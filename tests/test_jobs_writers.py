@@ -174,8 +174,8 @@ def test_open_result_writer_dispatch(tmp_path: Path) -> None:
 
 def test_error_writer(tmp_path: Path) -> None:
     path = errors_path(tmp_path / "results.parquet")
-    assert path == str(tmp_path / "results.errors.parquet")
-    assert errors_path("out.jsonl.gz") == "out.errors.parquet"
+    assert path == str(tmp_path / "results.parquet.errors.parquet")
+    assert errors_path("out.jsonl.gz") == "out.jsonl.gz.errors.parquet"
     with ErrorWriter(path) as w:
         w.write([])
     assert not os.path.exists(path) and os.listdir(tmp_path) == []

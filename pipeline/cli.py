@@ -1,0 +1,210 @@
+"""The `batchgen` command line. Library code raises its own errors; only this module turns them
+into click errors with a non-zero exit."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import click
+
+from pipeline import __version__
+
+EXAMPLES = """
+\b
+Examples:
+  batchgen process data/system_prompt.jsonl -o out/results.parquet
+  batchgen process reviews.parquet --prompt-template "Rewrite politely: {text}" -o out.parquet
+  batchgen process batch_input.jsonl -o batch_output.jsonl --output-format openai
+"""
+
+
+def _model_options(f):
+    f = click.option("--model", envvar="BATCHGEN_MODEL", default=None, metavar="NAME_OR_PATH",
+                     help="Hugging Face model id or local directory [default: embedded SmolLM2-135M-Instruct]")(f)
+    f = click.option("--trust-remote-code", is_flag=True, envvar="BATCHGEN_TRUST_REMOTE_CODE",
+                     help="Allow a model's own Python code to run (off unless asked).")(f)
+    return f
+
+
+def _input_options(f):
+    f = click.argument("inputs", nargs=-1, type=click.Path())(f)
+    f = click.option("--dataset", default=None, help="A `datasets` dataset name to read (from the local cache).")(f)
+    f = click.option("--split", default="train", show_default=True, help="Split of --dataset or a saved DatasetDict.")(f)
+    f = click.option("--prompt-template", default=None, envvar="BATCHGEN_PROMPT_TEMPLATE",
+                     help='Build prompts from columns, e.g. "Summarize: {text}".')(f)
+    f = click.option("--system", default=None, envvar="BATCHGEN_SYSTEM",
+                     help="System prompt: jobs become chat messages with it.")(f)
+    return f
+
+
+def _generation_options(f):
+    opts = [
+        click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True,
+                     envvar="BATCHGEN_MAX_NEW_TOKENS", help="Default for jobs without max_new_tokens."),
+        click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+                     envvar="BATCHGEN_TEMPERATURE", help="0 is greedy."),
+        click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True,
+                     envvar="BATCHGEN_TOP_P"),
+        click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, envvar="BATCHGEN_TOP_K"),
+        click.option("--seed", type=int, default=0, show_default=True, envvar="BATCHGEN_SEED",
+                     help="Run seed: jobs without a seed derive theirs from it and their id."),
+        click.option("--n", "n", type=click.IntRange(min=1), default=1, show_default=True, envvar="BATCHGEN_N",
+                     help="Samples per job."),
+        click.option("--stop", multiple=True, help="Stop string (repeatable)."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def _defaults(kw):
+    from jobs import GenerationDefaults
+
+    return GenerationDefaults(max_new_tokens=kw["max_new_tokens"], temperature=kw["temperature"],
+                              top_p=kw["top_p"], top_k=kw["top_k"], seed=kw["seed"], stop=tuple(kw["stop"]),
+                              n=kw["n"])
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="batchgen")
+def main() -> None:
+    """batchgen: batch LLM generation that prefills each shared token prefix once.
+
+    \b
+    Example:
+      batchgen process data/system_prompt.jsonl -o out/results.parquet
+    """
+
+
+@main.command(epilog=EXAMPLES)
+@_input_options
+@click.option("-o", "--output", required=True, type=click.Path(), envvar="BATCHGEN_OUTPUT",
+              help="Output file (.parquet, or .jsonl with --output-format jsonl/openai).")
+@_model_options
+@click.option("--device", default="auto", show_default=True, envvar="BATCHGEN_DEVICE", help="auto, cpu, cuda, cuda:N")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
+              show_default=True, envvar="BATCHGEN_DTYPE")
+@_generation_options
+@click.option("--max-batch-tokens", type=click.IntRange(min=1), default=65536, show_default=True,
+              envvar="BATCHGEN_MAX_BATCH_TOKENS", help="KV-cache token budget of one batch (rows x longest row).")
+@click.option("--min-shared-tokens", type=click.IntRange(min=1), default=16, show_default=True,
+              envvar="BATCHGEN_MIN_SHARED_TOKENS", help="Shorter shared prefixes are not cached separately.")
+@click.option("--output-format", type=click.Choice(["parquet", "jsonl", "openai"]), default="parquet",
+              show_default=True, envvar="BATCHGEN_OUTPUT_FORMAT")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output.")
+def process(inputs, output, model, trust_remote_code, device, dtype, max_batch_tokens, min_shared_tokens,
+            output_format, overwrite, dataset, split, prompt_template, system, **gen):
+    """Generate completions for every job in INPUTS and write them to OUTPUT in input order.
+
+    INPUTS are JSONL (optionally .gz/.zst), Parquet, directories of part files, `datasets`
+    save_to_disk directories, or OpenAI Batch API files (auto-detected).
+    """
+    from transformers.utils import logging as hf_logging
+
+    from pipeline.runner import RunOptions, process as run_process
+
+    hf_logging.disable_progress_bar()  # our own bar reports progress; logs stay quiet
+
+    options = RunOptions(model=model, device=device, dtype=dtype, defaults=_guard(_defaults, gen),
+                         max_batch_tokens=max_batch_tokens, min_shared_tokens=min_shared_tokens,
+                         output_format=output_format, overwrite=overwrite, prompt_template=prompt_template,
+                         system=system, dataset=dataset, split=split, trust_remote_code=trust_remote_code)
+    bar = _ProgressBar()
+    summary = _guard(run_process, list(inputs), output, options, progress=bar.update)
+    bar.close()
+    click.echo(
+        f"{summary['completed']}/{summary['jobs']} jobs done, {summary['failed']} failed; "
+        f"prefill {summary['prefill_tokens']} of {summary['prompt_tokens']} prompt tokens "
+        f"({summary['prefill_saving']:.0%} saved); {summary['completion_tokens']} new tokens in "
+        f"{summary['wall_seconds']:.1f}s -> {output}", err=True)
+    if summary["failed"]:
+        click.echo(f"errors: {summary['errors_file']}", err=True)
+
+
+@main.command(epilog="\b\nExample:\n  batchgen plan data/fewshot.jsonl --min-shared-tokens 8")
+@_input_options
+@_model_options
+@_generation_options
+@click.option("--min-shared-tokens", type=click.IntRange(min=1), default=16, show_default=True,
+              envvar="BATCHGEN_MIN_SHARED_TOKENS")
+@click.option("--max-batch-tokens", type=click.IntRange(min=1), default=65536, show_default=True,
+              envvar="BATCHGEN_MAX_BATCH_TOKENS")
+@click.option("--top", type=int, default=10, show_default=True, help="How many groups to list.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+def plan(inputs, model, trust_remote_code, dataset, split, prompt_template, system, min_shared_tokens,
+         max_batch_tokens, top, as_json, **gen):
+    """Show how INPUTS share prefixes and the predicted prefill saving (tokenizer only, no model)."""
+    from pipeline.planning import describe
+
+    report = _guard(describe, list(inputs), _guard(_defaults, gen), model=model, dataset=dataset, split=split,
+                    prompt_template=prompt_template, system=system, min_shared_tokens=min_shared_tokens,
+                    max_batch_tokens=max_batch_tokens, top=top, trust_remote_code=trust_remote_code)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    click.echo(f"jobs: {report['jobs']} ({report['invalid']} invalid)   groups: {report['groups']}   "
+               f"shared prefixes: {report['shared_prefixes']}   batches: {report['batches']}")
+    click.echo(f"prompt tokens: {report['prompt_tokens']}   prefill tokens: {report['prefill_tokens']}   "
+               f"saving: {report['prefill_saving']:.1%}   (radix-tree bound: {report['lower_bound']})")
+    if report["top_groups"]:
+        click.echo("top groups (jobs x shared prefix tokens):")
+        for g in report["top_groups"]:
+            click.echo(f"  {g['jobs']:>7} jobs x {g['prefix_tokens']:>6} tokens   nested prefixes: {g['nested']}"
+                       f"   e.g. {g['example']!r}")
+
+
+@main.command(epilog="\b\nExample:\n  batchgen validate data/*.jsonl")
+@_input_options
+@_generation_options
+def validate(inputs, dataset, split, prompt_template, system, **gen):
+    """Check every job in INPUTS and report every problem with its file:line."""
+    from jobs import InvalidRow, read_jobs
+
+    count, problems = 0, 0
+    for item in _guard(read_jobs, list(inputs), _guard(_defaults, gen), dataset=dataset, split=split,
+                       prompt_template=prompt_template, system=system):
+        count += 1
+        if isinstance(item, InvalidRow):
+            problems += 1
+            click.echo(str(item))
+    click.echo(f"{count} jobs checked, {problems} with problems", err=True)
+    if problems:
+        sys.exit(1)
+
+
+def _guard(fn, *args, **kwargs):
+    """Call library code; its own errors become a clean CLI error."""
+    from jobs import JobError
+    from pipeline.model import ModelLoadError
+    from pipeline.tokenize import TokenizerError
+
+    try:
+        return fn(*args, **kwargs)
+    except (JobError, ModelLoadError, TokenizerError, ValueError, FileNotFoundError) as e:
+        raise click.ClickException(str(e)) from e
+
+
+class _ProgressBar:
+    """A tqdm bar on a terminal; silent in logs (scheduled jobs)."""
+
+    def __init__(self) -> None:
+        self.bar = None
+        self.started = time.monotonic()
+        self.enabled = sys.stderr.isatty()
+
+    def update(self, completion, stats) -> None:
+        if not self.enabled:
+            return
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=stats.rows, unit="row", desc="generating", dynamic_ncols=True)
+        self.bar.update(1)
+        wall = max(1e-9, time.monotonic() - self.started)
+        reuse = stats.cached_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0
+        self.bar.set_postfix_str(f"{stats.completion_tokens / wall:.1f} tok/s, cache reuse {reuse:.0%}", refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,141 @@
+"""`batchgen` end to end on a tiny model saved to disk: every input format, outputs, plan, validate."""
+import json
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from pipeline.cli import main
+from pipeline.reference import reference_generate
+from pipeline.tokenize import Tokenizer
+from pipeline.types import Request, SamplingParams
+from tiny_models import make_model
+from tiny_tokenizer import make_tokenizer
+
+SYSTEM = "You answer briefly and kindly, in plain words, and you never make things up. "
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny-llama")
+    make_model("llama").save_pretrained(d)
+    make_tokenizer().save_pretrained(d)
+    return d
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def run(args, model_dir, ok=True):
+    result = CliRunner().invoke(main, [*args, "--model", str(model_dir)] if args[0] != "validate" else args)
+    if ok:
+        assert result.exit_code == 0, result.output + repr(result.exception)
+    return result
+
+
+def test_process_jsonl_in_input_order_with_extras_samples_and_errors(tmp_path, model_dir):
+    rows = [
+        {"id": "b", "prompt": SYSTEM + "What is rain?", "topic": "weather"},
+        {"id": "a", "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}],
+         "topic": "chat", "n": 2},
+        "{not json",
+        {"id": "c", "prompt": SYSTEM + "What is snow?", "topic": "weather", "max_new_tokens": 3},
+        {"id": "d", "prompt": "", "topic": "bad"},
+    ]
+    src = write_jsonl(tmp_path / "jobs.jsonl", rows)
+    out = tmp_path / "out.parquet"
+    run(["process", str(src), "-o", str(out), "--max-new-tokens", "6", "--min-shared-tokens", "4"], model_dir)
+    table = pq.read_table(out).to_pylist()
+    assert [(r["id"], r["sample_index"]) for r in table] == [("b", 0), ("a", 0), ("a", 1), ("c", 0)]
+    assert [r["topic"] for r in table] == ["weather", "chat", "chat", "weather"]
+    assert pq.read_schema(out).names == ["topic", "id", "sample_index", "completion", "finish_reason",
+                                         "prompt_tokens", "cached_tokens", "completion_tokens"]
+    assert table[3]["completion_tokens"] <= 3
+    assert table[0]["cached_tokens"] == 0 or table[3]["cached_tokens"] > 0
+    # greedy output is plain generate's, job by job
+    tok, model = Tokenizer(make_tokenizer()), make_model("llama")
+    want = reference_generate(model, Request(0, tok.encode_prompt(rows[0]["prompt"]), SamplingParams(6)), [2])
+    assert table[0]["completion"] == tok.decode(want)
+    assert table[1]["completion"] == table[2]["completion"]  # greedy samples agree
+    errors = pq.read_table(str(out) + ".errors.parquet").to_pylist()
+    assert {e["location"] for e in errors} == {f"{src}:3", f"{src}:5"}
+    summary = json.loads((tmp_path / "out.parquet.summary.json").read_text())
+    assert summary["jobs"] == 5 and summary["completed"] == 3 and summary["failed"] == 2
+    assert summary["prompt_tokens"] == sum(r["prompt_tokens"] for r in table if r["sample_index"] == 0)
+    assert summary["cached_tokens"] > 0 and summary["prefill_tokens"] < summary["prompt_tokens"]
+    for key in ("wall_seconds", "model", "versions", "options", "completion_tokens"):
+        assert key in summary
+    # an existing output is never replaced without --overwrite
+    again = run(["process", str(src), "-o", str(out)], model_dir, ok=False)
+    assert again.exit_code != 0 and "--overwrite" in again.output
+
+
+def test_parquet_input_with_template_and_jsonl_output(tmp_path, model_dir):
+    src = tmp_path / "reviews.parquet"
+    pq.write_table(pa.table({"text": ["good boots", "bad tent", "fine"], "stars": [5, 1, 3]}), src)
+    out = tmp_path / "out.jsonl"
+    run(["process", str(src), "-o", str(out), "--output-format", "jsonl", "--max-new-tokens", "4",
+         "--prompt-template", SYSTEM + "Rewrite: {text}"], model_dir)
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [(x["id"], x["text"], x["stars"]) for x in lines] == [(0, "good boots", 5), (1, "bad tent", 1), (2, "fine", 3)]
+    assert all(x["finish_reason"] in ("stop", "length") for x in lines)
+
+
+def test_openai_batch_in_and_out(tmp_path, model_dir):
+    rows = [
+        {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "x", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 5, "n": 2}},
+        {"custom_id": "r2", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "x", "prompt": "Once upon", "max_tokens": 3, "temperature": 0.7, "seed": 1}},
+    ]
+    src = write_jsonl(tmp_path / "batch.jsonl", rows)
+    out = tmp_path / "answers.jsonl"
+    run(["process", str(src), "-o", str(out), "--output-format", "openai"], model_dir)
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["custom_id"] for x in lines] == ["r1", "r2"]
+    chat, text = lines[0]["response"]["body"], lines[1]["response"]["body"]
+    assert len(chat["choices"]) == 2 and "message" in chat["choices"][0]
+    assert len(text["choices"]) == 1 and "text" in text["choices"][0]
+    assert text["usage"]["completion_tokens"] <= 3
+
+
+def test_plan_and_validate(tmp_path, model_dir):
+    header = SYSTEM * 2
+    rows = [{"prompt": header + f"Question {i}?"} for i in range(6)] + [{"prompt": "alone"}]
+    src = write_jsonl(tmp_path / "jobs.jsonl", rows + [{"prompt": 3}])
+    res = run(["plan", str(src), "--min-shared-tokens", "8", "--json"], model_dir)
+    report = json.loads(res.output)
+    assert report["jobs"] == 8 and report["invalid"] == 1 and report["groups"] == 1
+    assert report["top_groups"][0]["jobs"] == 6
+    assert report["lower_bound"] <= report["prefill_tokens"] <= report["lower_bound"] + 7
+    assert report["prefill_saving"] > 0.5
+    text = run(["plan", str(src), "--min-shared-tokens", "8"], model_dir).output
+    assert "saving" in text and "top groups" in text
+    bad = run(["validate", str(src)], model_dir, ok=False)
+    assert bad.exit_code == 1 and f"{src}:8: field 'prompt'" in bad.output
+    good = write_jsonl(tmp_path / "good.jsonl", rows)
+    assert run(["validate", str(good)], model_dir).exit_code == 0
+
+
+def test_missing_input_is_a_clean_error(tmp_path, model_dir):
+    res = run(["process", str(tmp_path / "nope.jsonl"), "-o", str(tmp_path / "o.parquet")], model_dir, ok=False)
+    assert res.exit_code == 1 and "nope.jsonl" in res.output and "Traceback" not in res.output
+
+
+@pytest.mark.slow
+def test_subprocess_run_with_env_vars(tmp_path, model_dir):
+    src = write_jsonl(tmp_path / "jobs.jsonl", [{"prompt": SYSTEM + f"Q{i}"} for i in range(3)])
+    out = tmp_path / "o.parquet"
+    env = {"BATCHGEN_MODEL": str(model_dir), "BATCHGEN_MAX_NEW_TOKENS": "3", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "process", str(src), "-o", str(out)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert pq.read_table(out).num_rows == 3
+    assert "3/3 jobs done" in proc.stderr
+    version = subprocess.run([sys.executable, "-m", "pipeline", "--version"], capture_output=True, text=True)
+    assert "batchgen, version" in version.stdout
