@@ -70,10 +70,20 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _is_number_text(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return "_" not in text  # float() accepts 1_000; JSON does not
+
+
 def _bad_type(value: Any, expected: str) -> str:
     if isinstance(value, str):
-        # The commonest mistake is a quoted number coming out of a spreadsheet export.
-        return f"must be {expected}, got the string {_show(value)}; write it without quotes"
+        # The commonest mistake is a quoted number coming out of a spreadsheet export;
+        # only then is "drop the quotes" the fix ('abc' unquoted would be invalid JSON).
+        hint = "; write it without quotes" if _is_number_text(value) else ""
+        return f"must be {expected}, got the string {_show(value)}{hint}"
     return f"must be {expected}, got {_show(value)} ({type(value).__name__})"
 
 

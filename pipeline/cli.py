@@ -92,26 +92,45 @@ def main() -> None:
               envvar="BATCHGEN_MIN_SHARED_TOKENS", help="Shorter shared prefixes are not cached separately.")
 @click.option("--output-format", type=click.Choice(["parquet", "jsonl", "openai"]), default="parquet",
               show_default=True, envvar="BATCHGEN_OUTPUT_FORMAT")
-@click.option("--overwrite", is_flag=True, help="Replace an existing output.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace an existing output, and discard unfinished work of a run with other options.")
+@click.option("--on-error", type=click.Choice(["skip", "fail"]), default="skip", show_default=True,
+              envvar="BATCHGEN_ON_ERROR",
+              help="skip: run every valid job, bad ones go to OUTPUT.errors.parquet; fail: stop before any "
+                   "generation and list the problems.")
+@click.option("--shard", default=None, metavar="I/N", envvar="BATCHGEN_SHARD",
+              help="Process shard I of N (prefix-aware: jobs sharing a prefix share a shard); "
+                   "join the outputs with `batchgen merge`.")
+@click.option("--commit-every", type=click.IntRange(min=1), default=256, show_default=True,
+              envvar="BATCHGEN_COMMIT_EVERY", help="Commit finished jobs in parts of this many (or every 60 s).")
 def process(inputs, output, model, trust_remote_code, device, dtype, max_batch_tokens, min_shared_tokens,
-            output_format, overwrite, dataset, split, prompt_template, system, **gen):
+            output_format, overwrite, on_error, shard, commit_every, dataset, split, prompt_template, system, **gen):
     """Generate completions for every job in INPUTS and write them to OUTPUT in input order.
 
     INPUTS are JSONL (optionally .gz/.zst), Parquet, directories of part files, `datasets`
     save_to_disk directories, or OpenAI Batch API files (auto-detected).
+
+    Finished jobs are committed in OUTPUT.parts/ as they complete: after a crash, rerun the same
+    command to resume. On SIGTERM/SIGINT the run commits what is finished and exits with code 75.
     """
     from transformers.utils import logging as hf_logging
 
-    from pipeline.runner import RunOptions, process as run_process
+    from pipeline.runner import PREEMPTED_EXIT_CODE, Preempted, RunOptions, process as run_process
 
     hf_logging.disable_progress_bar()  # our own bar reports progress; logs stay quiet
 
     options = RunOptions(model=model, device=device, dtype=dtype, defaults=_guard(_defaults, gen),
                          max_batch_tokens=max_batch_tokens, min_shared_tokens=min_shared_tokens,
                          output_format=output_format, overwrite=overwrite, prompt_template=prompt_template,
-                         system=system, dataset=dataset, split=split, trust_remote_code=trust_remote_code)
+                         system=system, dataset=dataset, split=split, trust_remote_code=trust_remote_code,
+                         on_error=on_error, shard=shard, commit_every=commit_every)
     bar = _ProgressBar()
-    summary = _guard(run_process, list(inputs), output, options, progress=bar.update)
+    try:
+        summary = _guard(run_process, list(inputs), output, options, progress=bar.update)
+    except Preempted as e:
+        bar.close()
+        click.echo(f"batchgen: {e}", err=True)
+        sys.exit(PREEMPTED_EXIT_CODE)
     bar.close()
     click.echo(
         f"{summary['completed']}/{summary['jobs']} jobs done, {summary['failed']} failed; "
@@ -171,6 +190,20 @@ def validate(inputs, dataset, split, prompt_template, system, **gen):
     click.echo(f"{count} jobs checked, {problems} with problems", err=True)
     if problems:
         sys.exit(1)
+
+
+@main.command(epilog="\b\nExample:\n  batchgen merge out/shard-*.parquet -o out/all.parquet")
+@click.argument("shards", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("-o", "--output", required=True, type=click.Path(), help="The merged Parquet file.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output.")
+def merge(shards, output, overwrite):
+    """Join the outputs of `process --shard I/N` runs in input order, checking that every job of
+    the input is present exactly once (in an output or an errors file)."""
+    from pipeline.sharding import merge as run_merge
+
+    summary = _guard(run_merge, list(shards), output, overwrite)
+    click.echo(f"merged {summary['shards']} shards: {summary['completed']} jobs done, {summary['failed']} failed "
+               f"-> {output}", err=True)
 
 
 def _guard(fn, *args, **kwargs):

@@ -6,15 +6,16 @@ token from that position's logits; positions continue exactly from the reused pr
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
 from pipeline import kvcache, masks
 from pipeline.prefix_tree import PrefixTree
 from pipeline.sampling import make_generator, sample
-from pipeline.schedule import Batch, JobShape, Prefill, Release, plan
+from pipeline.schedule import JobShape, Prefill, Release, Row, plan
 from pipeline.types import Completion, Request, RunStats, SamplingParams
 
 
@@ -38,6 +39,7 @@ class Engine:
         min_shared_tokens: int = 16,
         max_batch_tokens: int = 65536,
         default_seed: int = 0,
+        prefill_chunk: int = 4096,
     ) -> None:
         self.model = model
         self.device = next(model.parameters()).device
@@ -46,6 +48,7 @@ class Engine:
         self.min_shared_tokens = min_shared_tokens
         self.max_batch_tokens = max_batch_tokens
         self.default_seed = default_seed
+        self.prefill_chunk = prefill_chunk  # tokens per prefill forward; halves on out-of-memory
         self.kinds = masks.layer_kinds(model.config)
         self.stats = RunStats()
 
@@ -53,8 +56,12 @@ class Engine:
         return list(self.run(requests))
 
     @torch.inference_mode()
-    def run(self, requests: Sequence[Request]) -> Iterator[Completion]:
-        """Yield every sample of every request, batch by batch (prefix order, not input order)."""
+    def run(self, requests: Sequence[Request], should_stop: Callable[[], bool] = lambda: False) -> Iterator[Completion]:
+        """Yield every sample of every request, batch by batch (prefix order, not input order).
+
+        Returns early, between steps, once `should_stop()` is true (preemption): the batch in
+        flight is dropped, everything yielded so far is complete.
+        """
         tree = PrefixTree()
         shapes: dict[int, JobShape] = {}
         for i, req in enumerate(requests):
@@ -69,6 +76,8 @@ class Engine:
         prefixes: dict[int, kvcache.PrefixKV] = {}
         ops = plan(tree, shapes, min_shared_tokens=self.min_shared_tokens, max_batch_tokens=self.max_batch_tokens)
         for op in ops:
+            if should_stop():
+                return
             if isinstance(op, Prefill):
                 ids = requests[op.key].prompt_ids[op.start : op.end]
                 parent = prefixes.get(op.parent) if op.parent is not None else None
@@ -77,16 +86,58 @@ class Engine:
             elif isinstance(op, Release):
                 del prefixes[op.node]
             else:
-                yield from self._run_batch(op, requests, prefixes)
+                done = self._run_split(op.rows, requests, prefixes, should_stop)
+                if done is None:
+                    return
+                yield from done
+
+    def _run_split(self, rows, requests, prefixes, should_stop) -> list[Completion] | None:
+        """Run one batch; out of memory, run its halves instead, down to one sample of one job,
+        which then fails alone. None: stopped."""
+        before = dataclasses.replace(self.stats)
+        try:
+            return self._run_batch(rows, requests, prefixes, should_stop)
+        except torch.OutOfMemoryError:
+            self.stats = before  # the halves count their own work
+            self.stats.oom_splits += 1
+            _release_memory(self.device)
+        halves = _split(rows)
+        if halves is None:
+            row = rows[0]
+            req = requests[row.key]
+            return [Completion(req.key, s, [], "error", len(req.prompt_ids), row.cached, "out of memory")
+                    for s in row.samples]
+        out: list[Completion] = []
+        for half in halves:
+            done = self._run_split(half, requests, prefixes, should_stop)
+            if done is None:
+                return None
+            out += done
+        return out
 
     # -- phases ---------------------------------------------------------------------------
 
     def prefill(self, parent: kvcache.PrefixKV | None, ids: list[int], start: int) -> kvcache.PrefixKV:
-        """Extend a batch-1 prefix by `ids` at positions start.. (no padding: the model's own causal mask)."""
+        """Extend a batch-1 prefix by `ids` at positions start.. (no padding: the model's own causal
+        mask), in chunks that halve when memory runs out."""
         cache = kvcache.extend_from(parent)
-        input_ids = torch.tensor([ids], device=self.device)  # (1, L)
-        positions = torch.arange(start, start + len(ids), device=self.device)[None]  # (1, L)
-        self.model(input_ids=input_ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
+        done = 0
+        while done < len(ids):
+            chunk = ids[done : done + self.prefill_chunk]
+            pos = start + done
+            input_ids = torch.tensor([chunk], device=self.device)  # (1, C)
+            positions = torch.arange(pos, pos + len(chunk), device=self.device)[None]  # (1, C)
+            try:
+                self.model(input_ids=input_ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
+            except torch.OutOfMemoryError:
+                if self.prefill_chunk <= 16:
+                    raise
+                self.stats.oom_splits += 1
+                kvcache.truncate(cache, pos)  # layers that ran before the failure appended this chunk
+                _release_memory(self.device)
+                self.prefill_chunk //= 2
+                continue
+            done += len(chunk)
         self.stats.prefill_tokens += len(ids)
         return kvcache.snapshot(cache)
 
@@ -103,9 +154,9 @@ class Engine:
         )
         return out.logits[:, -1, :].float()  # (B, V)
 
-    def _run_batch(self, batch: Batch, requests: Sequence[Request], prefixes) -> Iterator[Completion]:
+    def _run_batch(self, rows, requests: Sequence[Request], prefixes, should_stop) -> list[Completion] | None:
+        """Prefill the rows' suffixes over their shared prefixes, then decode them to the end."""
         self.stats.batches += 1
-        rows = batch.rows
         reqs = [requests[r.key] for r in rows]
         width = max(r.cached for r in rows)
         suffixes = [q.prompt_ids[r.cached :] for q, r in zip(reqs, rows)]
@@ -153,7 +204,10 @@ class Engine:
             kv_pos, logits = kv_pos[index], logits[index]
         next_pos = torch.tensor([len(row.request.prompt_ids) for row in live], device=self.device)  # (B,)
 
+        finished: list[Completion] = []
         while True:
+            if should_stop():
+                return None
             finite = torch.isfinite(logits).all(dim=-1).tolist()
             tokens = sample(logits, [row.request.params for row in live], [row.generator for row in live])
             keep, done = [], []
@@ -167,9 +221,9 @@ class Engine:
                     done.append(self._finish(row, reason))
                 else:
                     keep.append(i)
-            yield from done
+            finished += done
             if not keep:
-                return
+                return finished
             if len(keep) < len(live):
                 kvcache.keep_rows(cache, keep)
                 index = torch.tensor(keep, device=self.device)
@@ -206,3 +260,20 @@ class Engine:
             cached_tokens=row.cached,
             error=error,
         )
+
+
+def _split(rows: tuple[Row, ...]) -> tuple[tuple[Row, ...], tuple[Row, ...]] | None:
+    if len(rows) > 1:
+        mid = len(rows) // 2
+        return rows[:mid], rows[mid:]
+    row = rows[0]
+    if len(row.samples) > 1:
+        mid = row.samples.start + len(row.samples) // 2
+        return ((Row(row.key, row.node, row.cached, range(row.samples.start, mid)),),
+                (Row(row.key, row.node, row.cached, range(mid, row.samples.stop)),))
+    return None
+
+
+def _release_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

@@ -41,6 +41,14 @@ def extend_from(prefix: PrefixKV | None) -> DynamicCache:
     return cache
 
 
+def truncate(cache: DynamicCache, length: int) -> None:
+    """Drop whatever a failed forward appended past `length` (some layers may have run)."""
+    for layer in cache.layers:
+        if layer.is_initialized and layer.keys is not None and layer.keys.shape[-2] > length:
+            layer.keys = layer.keys[..., :length, :]
+            layer.values = layer.values[..., :length, :]
+
+
 def snapshot(cache: DynamicCache) -> PrefixKV:
     return PrefixKV([(layer.keys, layer.values) for layer in cache.layers])
 

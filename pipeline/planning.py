@@ -16,14 +16,14 @@ def describe(inputs: Sequence[str], defaults: GenerationDefaults, *, model: str 
              top: int = 10, trust_remote_code: bool = False) -> dict[str, Any]:
     from pipeline.model import default_model_path
 
-    jobs: list[Job] = []
+    jobs: dict[int, Job] = {}
     invalid = 0
-    for item in read_jobs(inputs, defaults, dataset=dataset, split=split, prompt_template=prompt_template,
-                          system=system):
+    for order, item in enumerate(read_jobs(inputs, defaults, dataset=dataset, split=split,
+                                           prompt_template=prompt_template, system=system)):
         if isinstance(item, InvalidRow):
             invalid += 1
         else:
-            jobs.append(item)
+            jobs[order] = item
     source = model if model is not None else str(default_model_path())
     tokenizer = Tokenizer.load(source, trust_remote_code=trust_remote_code)
     requests, bad = to_requests(jobs, tokenizer, None, defaults.seed)

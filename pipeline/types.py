@@ -61,6 +61,7 @@ class RunStats:
     decode_steps: int = 0
     batches: int = 0
     prefix_nodes: int = 0  # shared prefixes prefilled once
+    oom_splits: int = 0  # batches split (or prefill chunks halved) after running out of memory
 
     def add(self, other: "RunStats") -> None:
         for name in self.__dataclass_fields__:
