@@ -103,8 +103,17 @@ def main() -> None:
                    "join the outputs with `batchgen merge`.")
 @click.option("--commit-every", type=click.IntRange(min=1), default=256, show_default=True,
               envvar="BATCHGEN_COMMIT_EVERY", help="Commit finished jobs in parts of this many (or every 60 s).")
+@click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              envvar="BATCHGEN_ENGINE", help="ray: spread prefix groups over a Ray cluster; OUTPUT is a directory.")
+@click.option("--address", default=None, envvar="BATCHGEN_RAY_ADDRESS",
+              help="Ray cluster address (auto, ray://host:10001); default: start a local Ray for this run.")
+@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True, envvar="BATCHGEN_WORKERS",
+              help="Ray actors, one model each.")
+@click.option("--gpus-per-worker", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              envvar="BATCHGEN_GPUS_PER_WORKER")
 def process(inputs, output, model, trust_remote_code, device, dtype, max_batch_tokens, min_shared_tokens,
-            output_format, overwrite, on_error, shard, commit_every, dataset, split, prompt_template, system, **gen):
+            output_format, overwrite, on_error, shard, commit_every, engine, address, workers, gpus_per_worker,
+            dataset, split, prompt_template, system, **gen):
     """Generate completions for every job in INPUTS and write them to OUTPUT in input order.
 
     INPUTS are JSONL (optionally .gz/.zst), Parquet, directories of part files, `datasets`
@@ -124,6 +133,15 @@ def process(inputs, output, model, trust_remote_code, device, dtype, max_batch_t
                          output_format=output_format, overwrite=overwrite, prompt_template=prompt_template,
                          system=system, dataset=dataset, split=split, trust_remote_code=trust_remote_code,
                          on_error=on_error, shard=shard, commit_every=commit_every)
+    if engine == "ray":
+        from pipeline.ray_runner import process_ray
+
+        summary = _guard(process_ray, list(inputs), output, options, address=address, workers=workers,
+                         gpus_per_worker=gpus_per_worker)
+        click.echo(f"{summary['completed']}/{summary['jobs']} jobs done on Ray ({workers} workers), "
+                   f"{summary['failed']} failed; prefill {summary['prefill_tokens']} of {summary['prompt_tokens']} "
+                   f"prompt tokens in {summary['wall_seconds']:.1f}s -> {output}/", err=True)
+        return
     bar = _ProgressBar()
     try:
         summary = _guard(run_process, list(inputs), output, options, progress=bar.update)

@@ -76,21 +76,34 @@ def to_requests(jobs: Mapping[int, Job], tokenizer: Tokenizer, window: int | Non
         except TokenizerError as e:
             invalid[order] = InvalidRow(job.location, job.id, str(e))
             continue
-        if not ids:
-            invalid[order] = InvalidRow(job.location, job.id, "the prompt tokenizes to no tokens")
-            continue
-        if window is not None and len(ids) + job.max_new_tokens > window:
-            invalid[order] = InvalidRow(
-                job.location, job.id,
-                f"prompt of {len(ids)} tokens + max_new_tokens {job.max_new_tokens} exceeds the model's "
-                f"context window of {window}; shorten the prompt or lower max_new_tokens")
-            continue
-        params = SamplingParams(
-            max_new_tokens=job.max_new_tokens, temperature=job.temperature, top_p=job.top_p,
-            top_k=job.top_k, seed=job.seed if job.seed is not None else job_seed(run_seed, job.id), n=job.n,
-        )
-        requests.append(Request(order, ids, params, tokenizer.stop_check(job.stop)))
+        made = make_request(order, job, ids, tokenizer, window, run_seed)
+        if isinstance(made, InvalidRow):
+            invalid[order] = made
+        else:
+            requests.append(made)
     return requests, invalid
+
+
+def make_request(order: int, job: Job, ids: list[int], tokenizer: Tokenizer, window: int | None,
+                 run_seed: int | None) -> Request | InvalidRow:
+    if not ids:
+        return InvalidRow(job.location, job.id, "the prompt tokenizes to no tokens")
+    too_long = length_error(job, len(ids), window)
+    if too_long is not None:
+        return too_long
+    params = SamplingParams(
+        max_new_tokens=job.max_new_tokens, temperature=job.temperature, top_p=job.top_p,
+        top_k=job.top_k, seed=job.seed if job.seed is not None else job_seed(run_seed, job.id), n=job.n,
+    )
+    return Request(order, ids, params, tokenizer.stop_check(job.stop))
+
+
+def length_error(job: Job, n_prompt: int, window: int | None) -> InvalidRow | None:
+    if window is not None and n_prompt + job.max_new_tokens > window:
+        return InvalidRow(job.location, job.id,
+                          f"prompt of {n_prompt} tokens + max_new_tokens {job.max_new_tokens} exceeds the model's "
+                          f"context window of {window}; shorten the prompt or lower max_new_tokens")
+    return None
 
 
 def result_rows(job: Job, completions: list[Completion], tokenizer: Tokenizer) -> list[dict[str, Any]]:
