@@ -19,6 +19,7 @@ from typing import Any, BinaryIO, Iterator, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from . import remote
 from .schema import (GenerationDefaults, InvalidRow, Job, JobError, JobValidationError,
                      Location, template_fields)
 
@@ -91,6 +92,17 @@ def _generate(sources: list[_Source], defaults: GenerationDefaults,
 
 
 def _resolve(path: str, split: str) -> list[_Source]:
+    if remote.is_uri(path):
+        found = remote.kind(path)
+        if found == "missing":
+            raise JobError(f"{path}: no such file or directory")
+        if found == "file":
+            return [_file_source(path)]
+        parts = [p for p in remote.list_files(path)
+                 if not os.path.basename(p).startswith((".", "_")) and _kind_of(p) is not None]
+        if not parts:
+            raise JobError(f"{path}: directory has no .jsonl/.parquet part files")
+        return [_file_source(p) for p in parts]
     if not os.path.exists(path):
         raise JobError(f"{path}: no such file or directory")
     if os.path.isdir(path):
@@ -113,10 +125,10 @@ def _file_source(path: str) -> _Source:
                        f"{', '.join(JSONL_SUFFIXES + PARQUET_SUFFIXES)}")
     if kind == "parquet":
         try:  # reads only the footer; catches truncated copies before any work is done
-            pq.read_metadata(path)
+            pq.read_metadata(_seekable(path))
         except (OSError, pa.ArrowException) as e:
             raise JobError(f"{path}: not a readable Parquet file ({e})") from None
-    elif not os.access(path, os.R_OK):
+    elif not remote.is_uri(path) and not os.access(path, os.R_OK):
         raise JobError(f"{path}: permission denied")
     return _Source(kind, path)
 
@@ -145,8 +157,19 @@ def _records(source: _Source) -> Iterator[Record]:
 
 # --- JSON Lines -------------------------------------------------------------------------
 
+def _seekable(path: str) -> Any:
+    return remote.open_input_file(path) if remote.is_uri(path) else path
+
+
 def _open_binary(path: str) -> BinaryIO:
     lower = path.lower()
+    if remote.is_uri(path):
+        raw = remote.open_input_stream(path)
+        if lower.endswith(".gz"):
+            return gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[return-value]
+        codec = "zstd" if lower.endswith((".zst", ".zstd")) else None
+        stream = pa.CompressedInputStream(raw, codec) if codec else raw
+        return io.BufferedReader(stream, buffer_size=1 << 20)  # type: ignore[arg-type]
     if lower.endswith(".gz"):
         return gzip.open(path, "rb")  # type: ignore[return-value]
     if lower.endswith((".zst", ".zstd")):
@@ -214,7 +237,7 @@ def _json_type(value: Any) -> str:
 def _parquet_records(path: str) -> Iterator[Record]:
     row = 0
     try:
-        pf = pq.ParquetFile(path)
+        pf = pq.ParquetFile(_seekable(path))
         for batch in pf.iter_batches(batch_size=_BATCH_ROWS):
             for record in batch.to_pylist():
                 yield Location(path, row=row), record
@@ -265,7 +288,7 @@ def input_schema(paths: Sequence[str], *, dataset: str | None = None,
     schemas = []
     for source in sources:
         if source.kind == "parquet":
-            schemas.append(pq.read_schema(source.path))
+            schemas.append(pq.read_schema(_seekable(source.path)))
         elif source.kind in ("saved", "hub"):
             schemas.append(_load_dataset(source).data.schema)
     if not schemas:

@@ -288,3 +288,30 @@ def test_sample_augment_parquet() -> None:
 def test_sample_files_are_small() -> None:
     for name in os.listdir(DATA):
         assert (DATA / name).stat().st_size < 20_000, name
+
+
+def test_uri_inputs_through_pyarrow_filesystems(tmp_path):
+    """s3://, gs:// and hf:// take the same path as file:// URIs (no network here)."""
+    import gzip as _gzip
+    import json as _json
+
+    import pyarrow as _pa
+    import pyarrow.parquet as _pq
+
+    from jobs import GenerationDefaults, Job, read_jobs
+
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    _pq.write_table(_pa.table({"prompt": ["a", "b"], "k": [1, 2]}), parts / "p0.parquet")
+    with _gzip.open(parts / "p1.jsonl.gz", "wt") as f:
+        f.write(_json.dumps({"prompt": "c", "k": 3}) + "\n" + "{bad\n")
+    items = list(read_jobs([f"file://{parts}"], GenerationDefaults()))
+    jobs = [i for i in items if isinstance(i, Job)]
+    assert [(j.prompt, j.extra["k"]) for j in jobs] == [("a", 1), ("b", 2), ("c", 3)]
+    bad = [i for i in items if not isinstance(i, Job)]
+    assert len(bad) == 1 and str(bad[0].location) == f"file://{parts}/p1.jsonl.gz:2"
+    import pytest as _pytest
+
+    from jobs import JobError
+    with _pytest.raises(JobError, match="no such file"):
+        list(read_jobs([f"file://{tmp_path}/missing.jsonl"], GenerationDefaults()))
