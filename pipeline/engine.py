@@ -12,6 +12,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
+from pipeline import cascade as cascade_mod
 from pipeline import kvcache, masks
 from pipeline.prefix_tree import PrefixTree
 from pipeline.sampling import make_generator, sample
@@ -40,6 +41,7 @@ class Engine:
         max_batch_tokens: int = 65536,
         default_seed: int = 0,
         prefill_chunk: int = 4096,
+        cascade: bool = True,
     ) -> None:
         self.model = model
         self.device = next(model.parameters()).device
@@ -51,6 +53,11 @@ class Engine:
         self.prefill_chunk = prefill_chunk  # tokens per prefill forward; halves on out-of-memory
         self.kinds = masks.layer_kinds(model.config)
         self.stats = RunStats()
+        # shared-prefix attention reads a group's prefix once; models it cannot serve copy it per row
+        self.cascade_off = "disabled" if not cascade else cascade_mod.supports(model)
+        self.attention_path = "cascade" if self.cascade_off is None else f"copy ({self.cascade_off})"
+        self._parent: dict[int, int | None] = {}
+        self._depth: dict[int, int] = {}
 
     def generate(self, requests: Sequence[Request]) -> list[Completion]:
         return list(self.run(requests))
@@ -82,6 +89,7 @@ class Engine:
                 ids = requests[op.key].prompt_ids[op.start : op.end]
                 parent = prefixes.get(op.parent) if op.parent is not None else None
                 prefixes[op.node] = self.prefill(parent, ids, op.start)
+                self._parent[op.node], self._depth[op.node] = op.parent, op.end
                 self.stats.prefix_nodes += 1
             elif isinstance(op, Release):
                 del prefixes[op.node]
@@ -141,9 +149,16 @@ class Engine:
         self.stats.prefill_tokens += len(ids)
         return kvcache.snapshot(cache)
 
-    def forward(self, input_ids, q_pos, kv_pos, cache) -> torch.Tensor:
-        """One forward over padded rows; returns the last position's logits (B, V)."""
+    def forward(self, input_ids, q_pos, kv_pos, cache, shared=None) -> torch.Tensor:
+        """One forward over padded rows; returns the last position's logits (B, V). `shared`: the
+        prefix K/V every row continues (cascade attention); kv_pos then covers each row's own keys."""
         mask = masks.build(q_pos, kv_pos, self.kinds, self.dtype)
+        if shared is not None:
+            with cascade_mod.active(self.model, shared.layers):
+                return self._logits(input_ids, q_pos, mask, cache)
+        return self._logits(input_ids, q_pos, mask, cache)
+
+    def _logits(self, input_ids, q_pos, mask, cache) -> torch.Tensor:
         out = self.model(
             input_ids=input_ids,
             position_ids=q_pos.clamp(min=0),
@@ -171,15 +186,20 @@ class Engine:
                 groups.append((prefix, 1))
         samples = [len(r.samples) for r in rows]
         capacity = width + s_max + max(q.params.max_new_tokens for q in reqs)
-        cache = kvcache.fan_out(groups, width, capacity, rows=sum(samples))
+        shared_node = self._cascade_node(rows, capacity)
+        shared = prefixes[shared_node] if shared_node is not None else None
+        skip = self._depth[shared_node] if shared_node is not None else 0
+        cache = kvcache.fan_out(groups, width, capacity, rows=sum(samples), skip=skip)
+        self.stats.cascade_batches += shared is not None
 
-        # layout per row: prefix | pad | pad | suffix, so every row's last prompt token is last
+        # layout per row: prefix | pad | pad | suffix, so every row's last prompt token is last;
+        # with cascade attention the shared first `skip` prefix tokens are not in the rows at all
         b = len(rows)
-        kv_pos = torch.full((b, width), masks.PAD, dtype=torch.long)  # (B, P)
+        kv_pos = torch.full((b, width - skip), masks.PAD, dtype=torch.long)  # (B, P - skip)
         q_pos = torch.full((b, s_max), masks.PAD, dtype=torch.long)  # (B, S)
         input_ids = torch.zeros((b, s_max), dtype=torch.long)  # (B, S)
         for i, (r, s) in enumerate(zip(rows, suffixes)):
-            kv_pos[i, : r.cached] = torch.arange(r.cached)
+            kv_pos[i, : r.cached - skip] = torch.arange(skip, r.cached)
             q_pos[i, s_max - len(s) :] = torch.arange(r.cached, r.cached + len(s))
             input_ids[i, s_max - len(s) :] = torch.tensor(s)
             self.stats.prefill_tokens += len(s)
@@ -187,7 +207,7 @@ class Engine:
                 self.stats.cached_tokens += r.cached
         input_ids, q_pos, kv_pos = (t.to(self.device) for t in (input_ids, q_pos, kv_pos))
         kv_pos = torch.cat([kv_pos, q_pos], dim=1)  # (B, P + S)
-        logits = self.forward(input_ids, q_pos, kv_pos, cache)  # (B, V)
+        logits = self.forward(input_ids, q_pos, kv_pos, cache, shared)  # (B, V)
 
         # fork each request into its samples: they share the prompt and its last logits
         live: list[_Row] = []
@@ -229,15 +249,34 @@ class Engine:
                 index = torch.tensor(keep, device=self.device)
                 kv_pos, next_pos, tokens = kv_pos[index], next_pos[index], tokens[index]
                 live = [live[i] for i in keep]
-            logits, kv_pos, next_pos = self.decode_step(tokens, next_pos, kv_pos, cache)
+            logits, kv_pos, next_pos = self.decode_step(tokens, next_pos, kv_pos, cache, shared)
 
-    def decode_step(self, tokens, next_pos, kv_pos, cache):
+    def decode_step(self, tokens, next_pos, kv_pos, cache, shared=None):
         """Feed one token per row at its own next position."""
         q_pos = next_pos[:, None]  # (B, 1)
         kv_pos = torch.cat([kv_pos, q_pos], dim=1)  # (B, L + 1)
-        logits = self.forward(tokens[:, None].to(self.device), q_pos, kv_pos, cache)  # (B, V)
+        logits = self.forward(tokens[:, None].to(self.device), q_pos, kv_pos, cache, shared)  # (B, V)
         self.stats.decode_steps += 1
         return logits, kv_pos, next_pos + 1
+
+    def _cascade_node(self, rows, capacity: int) -> int | None:
+        """The deepest prefix every row of the batch continues, if cascade attention may use it."""
+        if self.cascade_off is not None or any(r.node is None for r in rows):
+            return None
+        if not cascade_mod.window_allows(self.model.config, capacity):
+            return None
+        common = self._ancestors(rows[0].node)
+        for r in rows[1:]:
+            mine = set(self._ancestors(r.node))
+            common = [n for n in common if n in mine]
+        return common[0] if common else None  # ancestors run deepest first
+
+    def _ancestors(self, node: int | None) -> list[int]:
+        chain = []
+        while node is not None:
+            chain.append(node)
+            node = self._parent[node]
+        return chain
 
     def _finish_reason(self, row: _Row, token: int) -> str | None:
         if token in self.eos:

@@ -127,16 +127,22 @@ class _Packer:
 
 
 def _insert_releases(ops: list[Op]) -> list[Op]:
+    """Free each prefix after its last use; a batch also uses its rows' ancestors (cascade
+    attention reads their deepest common one)."""
     last_use: dict[int, int] = {}
+    parent: dict[int, int | None] = {}
     for i, op in enumerate(ops):
         if isinstance(op, Prefill):
+            parent[op.node] = op.parent
             last_use[op.node] = i
             if op.parent is not None:
                 last_use[op.parent] = i
         elif isinstance(op, Batch):
             for row in op.rows:
-                if row.node is not None:
-                    last_use[row.node] = i
+                node = row.node
+                while node is not None:
+                    last_use[node] = i
+                    node = parent[node]
     releases: dict[int, list[int]] = {}
     for node, i in last_use.items():
         releases.setdefault(i, []).append(node)

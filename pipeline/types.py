@@ -61,6 +61,7 @@ class RunStats:
     decode_steps: int = 0
     batches: int = 0
     prefix_nodes: int = 0  # shared prefixes prefilled once
+    cascade_batches: int = 0  # batches whose shared prefix was read once (cascade attention)
     oom_splits: int = 0  # batches split (or prefill chunks halved) after running out of memory
 
     def add(self, other: "RunStats") -> None:

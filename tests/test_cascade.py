@@ -1,0 +1,79 @@
+"""Shared-prefix (cascade) attention: the same logits as the copy path, one prefix copy."""
+import pytest
+import torch
+
+from jobsets import SYSTEM, tokenizer
+from pipeline import cascade
+from pipeline.engine import Engine
+from pipeline.types import Request, SamplingParams
+from tiny_models import ARCHS, make_model
+
+
+def group(tok, n=5):
+    head = tok.encode_prompt(SYSTEM * 2)
+    return [Request(i, head + tok.encode_prompt(f"Question {i}: " + "why " * i)[1:], SamplingParams(max_new_tokens=6))
+            for i in range(n)]
+
+
+def logits_of(engine, reqs):
+    """Every logits row the engine computes, in order."""
+    seen = []
+    real = engine._logits
+
+    def spy(*a, **kw):
+        out = real(*a, **kw)
+        seen.append(out.clone())
+        return out
+
+    engine._logits = spy
+    completions = engine.generate(reqs)
+    return seen, sorted((c.key, c.token_ids) for c in completions)
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a not in ("gemma2",)])
+def test_cascade_logits_match_the_copy_path(arch):
+    tok = tokenizer()
+    model = make_model(arch, seed=1)
+    if arch == "mistral":
+        model.config.sliding_window = 4096  # a window wider than the prompts: the fast path may serve it
+    reqs = group(tok)
+    fast = Engine(model, eos_token_ids=[], min_shared_tokens=8)
+    copy = Engine(model, eos_token_ids=[], min_shared_tokens=8, cascade=False)
+    a, out_a = logits_of(fast, reqs)
+    b, out_b = logits_of(copy, reqs)
+    assert fast.stats.cascade_batches == 1 and copy.stats.cascade_batches == 0
+    assert out_a == out_b
+    assert len(a) == len(b)
+    assert max((x - y).abs().max().item() for x, y in zip(a, b)) <= 1e-4
+
+
+def test_models_the_fast_path_cannot_serve_fall_back():
+    gemma = make_model("gemma2")
+    assert cascade.supports(gemma) == "attention logit soft-capping"
+    assert Engine(gemma).attention_path.startswith("copy")
+    assert Engine(make_model("llama")).attention_path == "cascade"
+    # a window the prompts outgrow: that batch copies the prefix instead
+    mistral = make_model("mistral")
+    tok = tokenizer()
+    engine = Engine(mistral, eos_token_ids=[], min_shared_tokens=8)
+    engine.generate(group(tok))
+    assert engine.stats.cascade_batches == 0
+
+
+def test_the_batch_cache_holds_no_copy_of_the_shared_prefix():
+    tok = tokenizer()
+    model = make_model("llama")
+    reqs = group(tok, n=4)
+    sizes = {}
+    for flag in (True, False):
+        engine = Engine(model, eos_token_ids=[], min_shared_tokens=8, cascade=flag)
+        real = engine._logits
+
+        def spy(input_ids, q_pos, mask, cache, real=real, flag=flag):
+            sizes[flag] = max(sizes.get(flag, 0), cache.layers[0].kbuf.shape[2] if cache.layers else 0)
+            return real(input_ids, q_pos, mask, cache)
+
+        engine._logits = spy
+        engine.generate(reqs)
+    head = len(tok.encode_prompt(SYSTEM * 2)) - 1
+    assert sizes[False] - sizes[True] >= head - 1  # rows keep only their own tokens
