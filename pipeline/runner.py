@@ -211,7 +211,8 @@ def process(inputs: Sequence[str], output: str, options: RunOptions,
     stats = committer.total()
     summary = _summary(stats, len(requests) + len(invalid), len(set(table.column("id").to_pylist())), len(errors),
                        len(rows), model_name, options, started)
-    summary.update(output=output, errors_file=errors_path(output) if errors else None, resumed_jobs=len(done),
+    summary.update(attention_path=engine.attention_path, output=output,
+                   errors_file=errors_path(output) if errors else None, resumed_jobs=len(done),
                    jobs_total=total, job_set=job_set, shard=list(shard) if shard else None)
     write_summary(summary_path(output), summary)
     store.remove()
@@ -335,6 +336,7 @@ def _summary(stats: RunStats, n_jobs: int, completed: int, failed: int, rows: in
         "batches": stats.batches,
         "shared_prefixes": stats.prefix_nodes,
         "oom_splits": stats.oom_splits,
+        "cascade_batches": stats.cascade_batches,
         "prefill_saving": round(1 - stats.prefill_tokens / stats.prompt_tokens, 4) if stats.prompt_tokens else 0.0,
         "wall_seconds": round(wall, 3),
         "completion_tokens_per_second": round(stats.completion_tokens / wall, 2) if wall > 0 else None,

@@ -1,0 +1,140 @@
+"""Decode at the memory limit: one group of B rows over a P-token shared prefix.
+
+Decode tokens/s (decode phase only) and peak RSS for batchgen's cascade path (prefix K/V stored
+and read once), its copy path (prefix copied into every row), and batched `model.generate`
+(left-padded full prompts), each configuration in a fresh forked process.
+
+    PYTHONPATH=. python -m bench.bench_decode --rows 8,32,128 --prefix 512,2048
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import random
+import resource
+import time
+
+import torch
+
+SUFFIX, NEW = 16, 16
+
+
+def prompts(b: int, p: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    head = [rng.randrange(100, 49000) for _ in range(p)]
+    return [head + [rng.randrange(100, 49000) for _ in range(SUFFIX)] for _ in range(b)]
+
+
+def run_engine(model, ps, cascade: bool) -> dict:
+    from pipeline.engine import Engine
+    from pipeline.types import Request, SamplingParams
+
+    engine = Engine(model, eos_token_ids=[], min_shared_tokens=16, max_batch_tokens=10**9, cascade=cascade)
+    spent = [0.0]
+    real = engine.decode_step
+
+    def timed(*a, **kw):
+        t = time.perf_counter()
+        out = real(*a, **kw)
+        spent[0] += time.perf_counter() - t
+        return out
+
+    engine.decode_step = timed
+    t = time.perf_counter()
+    engine.generate([Request(i, x, SamplingParams(max_new_tokens=NEW)) for i, x in enumerate(ps)])
+    return {"wall": time.perf_counter() - t, "decode_s": spent[0], "decode_tokens": engine.stats.decode_steps * len(ps),
+            "path": engine.attention_path if cascade else "copy"}
+
+
+def run_generate(model, ps) -> dict:
+    from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+    stamps = []
+
+    class Stamp(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            stamps.append(time.perf_counter())
+            return scores
+
+    ids = torch.tensor(ps)  # equal lengths: no padding needed
+    model.generation_config.eos_token_id = None
+    config = GenerationConfig(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+    t = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config,
+                       logits_processor=LogitsProcessorList([Stamp()]))
+    end = time.perf_counter()
+    return {"wall": end - t, "decode_s": end - stamps[0], "decode_tokens": (NEW - 1) * len(ps), "path": "generate"}
+
+
+def child(system: str, b: int, p: int, threads: int, queue) -> None:
+    torch.set_num_threads(threads)
+    from pipeline.model import load_model
+
+    model, _ = load_model(None, "cpu", "float32")
+    ps = prompts(b, p)
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out = run_generate(model, ps) if system == "generate" else run_engine(model, ps, system == "cascade")
+    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out["rss_after_load_mb"] = rss0
+    queue.put(out)
+
+
+def kv_bytes_per_token(model) -> int:
+    c = model.config
+    heads = getattr(c, "num_key_value_heads", c.num_attention_heads)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return 2 * c.num_hidden_layers * heads * head_dim * 4
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="8,32,128")
+    ap.add_argument("--prefix", default="512,2048")
+    ap.add_argument("--systems", default="cascade,copy,generate")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-generate-tokens", type=int, default=20000,
+                    help="skip batched generate when B*P exceeds this (its prefill alone takes minutes here)")
+    ap.add_argument("--max-copy-gb", type=float, default=8.0, help="skip the copy path above this much K/V")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    from pipeline.model import load_model
+
+    model, _ = load_model(None, "cpu", "float32")
+    per_token = kv_bytes_per_token(model)
+    weights_mb = sum(t.numel() * t.element_size() for t in model.parameters()) / 2**20
+    del model
+    ctx = mp.get_context("fork")
+    results = []
+    print("| B | P | system | decode tok/s | vs copy | peak RSS MB | bound MB | RSS / bound |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|")
+    for p in map(int, args.prefix.split(",")):
+        for b in map(int, args.rows.split(",")):
+            bound = (p + b * (SUFFIX + NEW)) * per_token / 2**20 + weights_mb
+            row = {}
+            for system in args.systems.split(","):
+                if system == "generate" and b * p > args.max_generate_tokens:
+                    continue
+                if system == "copy" and b * p * per_token / 2**30 > args.max_copy_gb:
+                    continue
+                q = ctx.Queue()
+                proc = ctx.Process(target=child, args=(system, b, p, args.threads, q))
+                proc.start()
+                out = q.get()
+                proc.join()
+                out.update(system=system, rows=b, prefix=p, bound_mb=bound,
+                           decode_tok_s=out["decode_tokens"] / out["decode_s"])
+                row[system] = out
+                results.append(out)
+            for system, out in row.items():
+                ratio = out["decode_tok_s"] / row["copy"]["decode_tok_s"] if "copy" in row else float("nan")
+                print(f"| {b} | {p} | {system} | {out['decode_tok_s']:.1f} | {ratio:.2f}x | {out['peak_rss_mb']:.0f} "
+                      f"| {bound:.0f} | {out['peak_rss_mb'] / bound:.2f} |", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"kv_bytes_per_token": per_token, "weights_mb": weights_mb, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
