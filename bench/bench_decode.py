@@ -72,17 +72,20 @@ def child(system: str, b: int, p: int, threads: int, queue) -> None:
     torch.set_num_threads(threads)
     from pipeline.model import load_model
 
+    base = _rss_mb()  # the interpreter and libraries: not the group's memory
     model, _ = load_model(None, "cpu", "float32")
     ps = prompts(b, p)
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     out = run_generate(model, ps) if system == "generate" else run_engine(model, ps, system == "cascade")
-    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    out["rss_after_load_mb"] = rss0
+    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
     queue.put(out)
 
 
-def kv_bytes_per_token(model) -> int:
-    c = model.config
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def kv_bytes_per_token(c) -> int:
     heads = getattr(c, "num_key_value_heads", c.num_attention_heads)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     return 2 * c.num_hidden_layers * heads * head_dim * 4
@@ -99,14 +102,20 @@ def main() -> None:
     ap.add_argument("--max-copy-gb", type=float, default=8.0, help="skip the copy path above this much K/V")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    from pipeline.model import load_model
+    import os
 
-    model, _ = load_model(None, "cpu", "float32")
-    per_token = kv_bytes_per_token(model)
-    weights_mb = sum(t.numel() * t.element_size() for t in model.parameters()) / 2**20
-    del model
+    from transformers import AutoConfig
+
+    from pipeline.model import default_model_path
+
+    path = default_model_path()  # the parent loads no weights: children start small
+    per_token = kv_bytes_per_token(AutoConfig.from_pretrained(path))
+    weights_mb = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
+                     if f.endswith(".safetensors")) / 2**20
     ctx = mp.get_context("fork")
     results = []
+    print(f"K/V {per_token / 1024:.0f} KiB/token, weights {weights_mb:.0f} MB; peak RSS is above the "
+          "interpreter's own; bound = (P + B*(suffix+new)) x K/V + weights\n")
     print("| B | P | system | decode tok/s | vs copy | peak RSS MB | bound MB | RSS / bound |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|")
     for p in map(int, args.prefix.split(",")):
