@@ -17,7 +17,7 @@ import torch
 from transformers import AttentionInterface
 
 NAME = "batchgen_cascade"
-_state = threading.local()  # the prefix K/V of the forward in flight, one (k, v) per layer
+_state = threading.local()  # the forward in flight: runs of rows and the prefix K/V each continues
 
 
 def supports(model: torch.nn.Module) -> str | None:
@@ -40,19 +40,33 @@ def window_allows(config, max_position: int) -> bool:
     return window is None or max_position < window
 
 
+Segment = tuple[int, int, "list[tuple[torch.Tensor, torch.Tensor]] | None"]
+
+
+def segments(row_nodes: list[int | None], prefixes) -> list[Segment]:
+    """Runs of consecutive rows that continue one prefix: (first row, end row, its K/V layers)."""
+    out: list[Segment] = []
+    start = 0
+    for i in range(1, len(row_nodes) + 1):
+        if i == len(row_nodes) or row_nodes[i] != row_nodes[start]:
+            node = row_nodes[start]
+            out.append((start, i, prefixes[node].layers if node is not None else None))
+            start = i
+    return out
+
+
 @contextmanager
-def active(model: torch.nn.Module, prefix_layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
+def active(model: torch.nn.Module, segs: list[Segment]) -> Iterator[None]:
     """Route the model's attention through the cascade for one forward."""
     config = model.config
     previous = config._attn_implementation
-    _state.prefix = prefix_layers
-    _state.fallback = previous
+    _state.segments = segs
     config._attn_implementation = NAME
     try:
         yield
     finally:
         config._attn_implementation = previous
-        _state.prefix = None
+        _state.segments = None
 
 
 def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scaling: float):
@@ -66,32 +80,46 @@ def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     return torch.matmul(p, v), m, p.sum(dim=-1, keepdim=True)
 
 
-def cascade_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
-    """query (B, Hq, Q, D); key/value: each row's own part (B, Hkv, L, D); returns (B, Q, Hq, D)."""
-    pk, pv = _state.prefix[module.layer_idx]  # (1, Hkv, P, D): the shared prefix, once
-    b, hq, q_len, d = query.shape
+def _prefix_part(q: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, scale: float):
+    """q (b, Hq, Q, D) of rows that share one prefix (1, Hkv, P, D): one matmul for all of them."""
+    b, hq, q_len, d = q.shape
     hkv = pk.shape[1]
-    groups = hq // hkv
+    g = hq // hkv
+    qp = q.view(b, hkv, g, q_len, d).permute(1, 0, 2, 3, 4).reshape(1, hkv, b * g * q_len, d)
+    o, m, l = _partial(qp, pk.float(), pv.float(), None, scale)  # (1, Hkv, b*G*Q, .)
+
+    def back(t):
+        return t.reshape(hkv, b, g, q_len, -1).permute(1, 0, 2, 3, 4).reshape(b, hq, q_len, -1)
+
+    return back(o), back(m), back(l)
+
+
+def cascade_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """query (B, Hq, Q, D); key/value: each row's own tokens (B, Hkv, L, D); returns (B, Q, Hq, D)."""
+    b, hq, q_len, d = query.shape
+    hkv = key.shape[1]
     scale = scaling if scaling is not None else d ** -0.5
     q = query.float()
 
-    # prefix part: every query of every row against one copy of the prefix keys
-    qp = q.view(b, hkv, groups, q_len, d).permute(1, 0, 2, 3, 4).reshape(1, hkv, b * groups * q_len, d)
-    o1, m1, l1 = _partial(qp, pk.float(), pv.float(), None, scale)  # (1, Hkv, B*G*Q, D)
-    o1 = o1.reshape(hkv, b, groups, q_len, -1).permute(1, 0, 2, 3, 4).reshape(b, hq, q_len, -1)
-    m1 = m1.reshape(hkv, b, groups, q_len, 1).permute(1, 0, 2, 3, 4).reshape(b, hq, q_len, 1)
-    l1 = l1.reshape(hkv, b, groups, q_len, 1).permute(1, 0, 2, 3, 4).reshape(b, hq, q_len, 1)
+    # prefix part: each run of rows against one copy of its prefix (rows without one: nothing)
+    o1 = q.new_zeros(b, hq, q_len, value.shape[-1])
+    m1 = q.new_full((b, hq, q_len, 1), float("-inf"))
+    l1 = q.new_zeros(b, hq, q_len, 1)
+    for start, end, layers in _state.segments:
+        if layers is not None:
+            pk, pv = layers[module.layer_idx]
+            o1[start:end], m1[start:end], l1[start:end] = _prefix_part(q[start:end], pk, pv, scale)
 
     # own part: each row against its own keys, under the engine's position-space mask
-    qo = q.view(b, hkv, groups, q_len, d)
+    qo = q.view(b, hkv, hq // hkv, q_len, d)
     mask = attention_mask[:, :, None] if attention_mask is not None else None  # (B, 1, 1, Q, L)
     o2, m2, l2 = _partial(qo, key.float()[:, :, None], value.float()[:, :, None], mask, scale)
     o2, m2, l2 = (t.reshape(b, hq, q_len, -1) for t in (o2, m2, l2))
 
-    # merge the two softmaxes exactly
+    # merge the two softmaxes exactly (a row without a prefix part gets weight 0 there)
     m = torch.maximum(m1, m2)
-    w1, w2 = l1 * torch.exp(m1 - m), l2 * torch.exp(m2 - m)
-    out = (o1 * torch.exp(m1 - m) + o2 * torch.exp(m2 - m)) / (w1 + w2)  # (B, Hq, Q, D)
+    a1, a2 = torch.exp(m1 - m), torch.exp(m2 - m)
+    out = (o1 * a1 + o2 * a2) / (l1 * a1 + l2 * a2)  # (B, Hq, Q, D)
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 

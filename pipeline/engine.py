@@ -56,8 +56,6 @@ class Engine:
         # shared-prefix attention reads a group's prefix once; models it cannot serve copy it per row
         self.cascade_off = "disabled" if not cascade else cascade_mod.supports(model)
         self.attention_path = "cascade" if self.cascade_off is None else f"copy ({self.cascade_off})"
-        self._parent: dict[int, int | None] = {}
-        self._depth: dict[int, int] = {}
 
     def generate(self, requests: Sequence[Request]) -> list[Completion]:
         return list(self.run(requests))
@@ -81,7 +79,8 @@ class Engine:
             self.stats.rows += req.params.n
             self.stats.prompt_tokens += len(req.prompt_ids)
         prefixes: dict[int, kvcache.PrefixKV] = {}
-        ops = plan(tree, shapes, min_shared_tokens=self.min_shared_tokens, max_batch_tokens=self.max_batch_tokens)
+        ops = plan(tree, shapes, min_shared_tokens=self.min_shared_tokens, max_batch_tokens=self.max_batch_tokens,
+                   prefix_in_rows=self.cascade_off is not None)
         for op in ops:
             if should_stop():
                 return
@@ -89,7 +88,6 @@ class Engine:
                 ids = requests[op.key].prompt_ids[op.start : op.end]
                 parent = prefixes.get(op.parent) if op.parent is not None else None
                 prefixes[op.node] = self.prefill(parent, ids, op.start)
-                self._parent[op.node], self._depth[op.node] = op.parent, op.end
                 self.stats.prefix_nodes += 1
             elif isinstance(op, Release):
                 del prefixes[op.node]
@@ -150,11 +148,12 @@ class Engine:
         return kvcache.snapshot(cache)
 
     def forward(self, input_ids, q_pos, kv_pos, cache, shared=None) -> torch.Tensor:
-        """One forward over padded rows; returns the last position's logits (B, V). `shared`: the
-        prefix K/V every row continues (cascade attention); kv_pos then covers each row's own keys."""
+        """One forward over padded rows; returns the last position's logits (B, V). `shared`: runs
+        of rows and the prefix each continues (cascade attention); kv_pos then covers each row's
+        own keys only."""
         mask = masks.build(q_pos, kv_pos, self.kinds, self.dtype)
         if shared is not None:
-            with cascade_mod.active(self.model, shared.layers):
+            with cascade_mod.active(self.model, shared):
                 return self._logits(input_ids, q_pos, mask, cache)
         return self._logits(input_ids, q_pos, mask, cache)
 
@@ -186,20 +185,22 @@ class Engine:
                 groups.append((prefix, 1))
         samples = [len(r.samples) for r in rows]
         capacity = width + s_max + max(q.params.max_new_tokens for q in reqs)
-        shared_node = self._cascade_node(rows, capacity)
-        shared = prefixes[shared_node] if shared_node is not None else None
-        skip = self._depth[shared_node] if shared_node is not None else 0
-        cache = kvcache.fan_out(groups, width, capacity, rows=sum(samples), skip=skip)
-        self.stats.cascade_batches += shared is not None
+        # cascade: each row's prefix stays in its one shared copy, rows hold only their own tokens
+        cascade = self._cascade_ok(rows, capacity)
+        row_nodes = [r.node for r in rows]
+        if cascade:
+            groups, width = [(None, len(rows))], 0
+            capacity -= max(r.cached for r in rows)
+            self.stats.cascade_batches += 1
+        cache = kvcache.fan_out(groups, width, capacity, rows=sum(samples))
 
-        # layout per row: prefix | pad | pad | suffix, so every row's last prompt token is last;
-        # with cascade attention the shared first `skip` prefix tokens are not in the rows at all
+        # layout per row: prefix | pad | pad | suffix, so every row's last prompt token is last
         b = len(rows)
-        kv_pos = torch.full((b, width - skip), masks.PAD, dtype=torch.long)  # (B, P - skip)
+        kv_pos = torch.full((b, width), masks.PAD, dtype=torch.long)  # (B, P), (B, 0) with cascade
         q_pos = torch.full((b, s_max), masks.PAD, dtype=torch.long)  # (B, S)
         input_ids = torch.zeros((b, s_max), dtype=torch.long)  # (B, S)
         for i, (r, s) in enumerate(zip(rows, suffixes)):
-            kv_pos[i, : r.cached - skip] = torch.arange(skip, r.cached)
+            kv_pos[i, : min(r.cached, width)] = torch.arange(min(r.cached, width))
             q_pos[i, s_max - len(s) :] = torch.arange(r.cached, r.cached + len(s))
             input_ids[i, s_max - len(s) :] = torch.tensor(s)
             self.stats.prefill_tokens += len(s)
@@ -207,7 +208,8 @@ class Engine:
                 self.stats.cached_tokens += r.cached
         input_ids, q_pos, kv_pos = (t.to(self.device) for t in (input_ids, q_pos, kv_pos))
         kv_pos = torch.cat([kv_pos, q_pos], dim=1)  # (B, P + S)
-        logits = self.forward(input_ids, q_pos, kv_pos, cache, shared)  # (B, V)
+        shared = (lambda nodes: cascade_mod.segments(nodes, prefixes)) if cascade else None
+        logits = self.forward(input_ids, q_pos, kv_pos, cache, shared and shared(row_nodes))  # (B, V)
 
         # fork each request into its samples: they share the prompt and its last logits
         live: list[_Row] = []
@@ -222,6 +224,7 @@ class Engine:
             kvcache.fork_rows(cache, samples)
             index = torch.tensor(fork, device=self.device)
             kv_pos, logits = kv_pos[index], logits[index]
+            row_nodes = [row_nodes[i] for i in fork]
         next_pos = torch.tensor([len(row.request.prompt_ids) for row in live], device=self.device)  # (B,)
 
         finished: list[Completion] = []
@@ -249,7 +252,9 @@ class Engine:
                 index = torch.tensor(keep, device=self.device)
                 kv_pos, next_pos, tokens = kv_pos[index], next_pos[index], tokens[index]
                 live = [live[i] for i in keep]
-            logits, kv_pos, next_pos = self.decode_step(tokens, next_pos, kv_pos, cache, shared)
+                row_nodes = [row_nodes[i] for i in keep]
+            logits, kv_pos, next_pos = self.decode_step(tokens, next_pos, kv_pos, cache,
+                                                        shared and shared(row_nodes))
 
     def decode_step(self, tokens, next_pos, kv_pos, cache, shared=None):
         """Feed one token per row at its own next position."""
@@ -259,24 +264,11 @@ class Engine:
         self.stats.decode_steps += 1
         return logits, kv_pos, next_pos + 1
 
-    def _cascade_node(self, rows, capacity: int) -> int | None:
-        """The deepest prefix every row of the batch continues, if cascade attention may use it."""
-        if self.cascade_off is not None or any(r.node is None for r in rows):
-            return None
-        if not cascade_mod.window_allows(self.model.config, capacity):
-            return None
-        common = self._ancestors(rows[0].node)
-        for r in rows[1:]:
-            mine = set(self._ancestors(r.node))
-            common = [n for n in common if n in mine]
-        return common[0] if common else None  # ancestors run deepest first
-
-    def _ancestors(self, node: int | None) -> list[int]:
-        chain = []
-        while node is not None:
-            chain.append(node)
-            node = self._parent[node]
-        return chain
+    def _cascade_ok(self, rows, capacity: int) -> bool:
+        """Cascade attention for this batch: the model allows it, some row has a cached prefix,
+        and no sliding window is shorter than the rows will grow."""
+        return (self.cascade_off is None and any(r.node is not None for r in rows)
+                and cascade_mod.window_allows(self.model.config, capacity))
 
     def _finish_reason(self, row: _Row, token: int) -> str | None:
         if token in self.eos:

@@ -110,13 +110,10 @@ class BufferLayer(DynamicLayer):
         self._views()
 
 
-def fan_out(groups: list[tuple[PrefixKV | None, int]], width: int, capacity: int, rows: int,
-            skip: int = 0) -> DynamicCache:
+def fan_out(groups: list[tuple[PrefixKV | None, int]], width: int, capacity: int, rows: int) -> DynamicCache:
     """A batch cache of `rows` slots: the first ones hold `count` copies of each group's prefix,
     right-padded with zeros to `width` (zeros, not garbage: masked keys still meet the values in a
-    matmul, and NaN * 0 is NaN); room is left for `capacity` tokens per row. With `skip`, the first
-    `skip` prefix tokens, shared by every row and read once by cascade attention, are left out."""
-    width, capacity = width - skip, capacity - skip
+    matmul, and NaN * 0 is NaN); room is left for `capacity` tokens per row."""
     template = next((p for p, _ in groups if p is not None and p.layers), None)
     used = sum(count for _, count in groups)
     cache = DynamicCache()
@@ -133,8 +130,8 @@ def fan_out(groups: list[tuple[PrefixKV | None, int]], width: int, capacity: int
         for prefix, count in groups:
             if prefix is not None and prefix.layers:
                 k, v = prefix.layers[i]
-                kbuf[r : r + count, :, : k.shape[2] - skip] = k[:, :, skip:]  # broadcast over the group's rows
-                vbuf[r : r + count, :, : v.shape[2] - skip] = v[:, :, skip:]
+                kbuf[r : r + count, :, : k.shape[2]] = k  # broadcast over the group's rows
+                vbuf[r : r + count, :, : v.shape[2]] = v
             r += count
         cache.layers.append(BufferLayer(rows, capacity, used, width, kbuf, vbuf))
     return cache

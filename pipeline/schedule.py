@@ -67,11 +67,15 @@ def plan(
     *,
     min_shared_tokens: int = 16,
     max_batch_tokens: int = 65536,
+    prefix_in_rows: bool = True,
 ) -> list[Op]:
-    """Order the work for `jobs`, whose sequences (prompt minus its last token) are in `tree`."""
+    """Order the work for `jobs`, whose sequences (prompt minus its last token) are in `tree`.
+
+    `prefix_in_rows`: whether each batch row holds a copy of its cached prefix (the copy path)
+    or only its own tokens (cascade attention reads the prefix once), for the token budget."""
     cached = shared_nodes(tree, min_shared_tokens)
     ops: list[Op] = []
-    packer = _Packer(jobs, max_batch_tokens, ops)
+    packer = _Packer(jobs, max_batch_tokens, ops, prefix_in_rows)
     ids: dict[Node, int] = {}
     # Iterative DFS: (node, id of the deepest cached ancestor, its depth)
     stack: list[tuple[Node, int | None, int]] = [(tree.root, None, 0)]
@@ -100,15 +104,15 @@ def _representative(node: Node) -> Hashable:
 class _Packer:
     """Packs rows into batches under a token budget counted with padding (rows x longest row)."""
 
-    def __init__(self, jobs: Mapping[Hashable, JobShape], budget: int, ops: list[Op]) -> None:
-        self.jobs, self.budget, self.ops = jobs, budget, ops
+    def __init__(self, jobs: Mapping[Hashable, JobShape], budget: int, ops: list[Op], prefix_in_rows: bool) -> None:
+        self.jobs, self.budget, self.ops, self.prefix_in_rows = jobs, budget, ops, prefix_in_rows
         self.rows: list[Row] = []
         self.width = 0  # longest cached + suffix + new of the pending rows
         self.count = 0  # pending rows, samples counted
 
     def add(self, key: Hashable, node: int | None, cached: int) -> None:
         shape = self.jobs[key]
-        width = shape.prompt_len + shape.max_new_tokens
+        width = shape.prompt_len + shape.max_new_tokens - (0 if self.prefix_in_rows else cached)
         # an n too large for one batch is split: each part re-runs only the job's suffix
         per_batch = max(1, self.budget // max(1, width))
         for first in range(0, shape.n, per_batch):
@@ -127,22 +131,17 @@ class _Packer:
 
 
 def _insert_releases(ops: list[Op]) -> list[Op]:
-    """Free each prefix after its last use; a batch also uses its rows' ancestors (cascade
-    attention reads their deepest common one)."""
+    """Free each prefix right after its last use: a child's prefill or a batch of its rows."""
     last_use: dict[int, int] = {}
-    parent: dict[int, int | None] = {}
     for i, op in enumerate(ops):
         if isinstance(op, Prefill):
-            parent[op.node] = op.parent
             last_use[op.node] = i
             if op.parent is not None:
                 last_use[op.parent] = i
         elif isinstance(op, Batch):
             for row in op.rows:
-                node = row.node
-                while node is not None:
-                    last_use[node] = i
-                    node = parent[node]
+                if row.node is not None:
+                    last_use[row.node] = i
     releases: dict[int, list[int]] = {}
     for node, i in last_use.items():
         releases.setdefault(i, []).append(node)
