@@ -21,6 +21,20 @@ from pipeline.types import Completion, Request, RunStats, SamplingParams
 
 
 @dataclass
+class _BatchState:
+    """One batch in flight: its rows, their cache and key positions, the samples being decoded."""
+
+    rows: tuple
+    reqs: list[Request]
+    row_nodes: list[int | None]  # each live row's cached prefix (runs of equal nodes are adjacent)
+    cascade: bool = False
+    cache: object = None
+    kv_pos: torch.Tensor | None = None  # (B, L) position of every key slot a row holds, PAD for padding
+    next_pos: torch.Tensor | None = None  # (B,)
+    live: list["_Row"] = field(default_factory=list)
+
+
+@dataclass
 class _Row:
     """One sample being decoded."""
 
@@ -171,34 +185,57 @@ class Engine:
     def _run_batch(self, rows, requests: Sequence[Request], prefixes, should_stop) -> list[Completion] | None:
         """Prefill the rows' suffixes over their shared prefixes, then decode them to the end."""
         self.stats.batches += 1
-        reqs = [requests[r.key] for r in rows]
-        width = max(r.cached for r in rows)
-        suffixes = [q.prompt_ids[r.cached :] for q, r in zip(reqs, rows)]
+        b = _BatchState(rows, [requests[r.key] for r in rows], [r.node for r in rows])
+        logits = self._prefill_suffixes(b, prefixes)  # (B, V)
+        logits = self._fork(b, logits)
+        finished: list[Completion] = []
+        while True:
+            if should_stop():
+                return None
+            finite = torch.isfinite(logits).all(dim=-1).tolist()
+            tokens = sample(logits, [row.request.params for row in b.live], [row.generator for row in b.live])
+            keep = []
+            for i, (row, tok) in enumerate(zip(b.live, tokens.tolist())):
+                if not finite[i]:
+                    finished.append(self._finish(row, "error", "non-finite logits"))
+                    continue
+                row.tokens.append(tok)
+                reason = self._finish_reason(row, tok)
+                if reason:
+                    finished.append(self._finish(row, reason))
+                else:
+                    keep.append(i)
+            if not keep:
+                return finished
+            if len(keep) < len(b.live):
+                tokens = self._keep(b, keep, tokens)
+            logits = self.decode_step(tokens, b, prefixes)
+
+    def _prefill_suffixes(self, b: "_BatchState", prefixes) -> torch.Tensor:
+        """Lay the rows out as prefix | pad | pad | suffix (every row's last prompt token last),
+        over a cache of their prefixes, and run the suffixes: the last position's logits (B, V)."""
+        rows, width = b.rows, max(r.cached for r in b.rows)
+        suffixes = [q.prompt_ids[r.cached :] for q, r in zip(b.reqs, rows)]
         s_max = max(len(s) for s in suffixes)
-
-        groups: list[tuple[kvcache.PrefixKV | None, int]] = []
-        for r in rows:
-            prefix = prefixes[r.node] if r.node is not None else None
-            if groups and groups[-1][0] is prefix:
-                groups[-1] = (prefix, groups[-1][1] + 1)
-            else:
-                groups.append((prefix, 1))
-        samples = [len(r.samples) for r in rows]
-        capacity = width + s_max + max(q.params.max_new_tokens for q in reqs)
-        # cascade: each row's prefix stays in its one shared copy, rows hold only their own tokens
-        cascade = self._cascade_ok(rows, capacity)
-        row_nodes = [r.node for r in rows]
-        if cascade:
-            groups, width = [(None, len(rows))], 0
-            capacity -= max(r.cached for r in rows)
+        capacity = width + s_max + max(q.params.max_new_tokens for q in b.reqs)
+        b.cascade = self._cascade_ok(rows, capacity)
+        if b.cascade:  # each row's prefix stays in its one shared copy: rows hold only their own tokens
+            groups, capacity, width = [(None, len(rows))], capacity - width, 0
             self.stats.cascade_batches += 1
-        cache = kvcache.fan_out(groups, width, capacity, rows=sum(samples))
+        else:
+            groups = []
+            for r in rows:
+                prefix = prefixes[r.node] if r.node is not None else None
+                if groups and groups[-1][0] is prefix:
+                    groups[-1] = (prefix, groups[-1][1] + 1)
+                else:
+                    groups.append((prefix, 1))
+        b.cache = kvcache.fan_out(groups, width, capacity, rows=sum(len(r.samples) for r in rows))
 
-        # layout per row: prefix | pad | pad | suffix, so every row's last prompt token is last
-        b = len(rows)
-        kv_pos = torch.full((b, width), masks.PAD, dtype=torch.long)  # (B, P), (B, 0) with cascade
-        q_pos = torch.full((b, s_max), masks.PAD, dtype=torch.long)  # (B, S)
-        input_ids = torch.zeros((b, s_max), dtype=torch.long)  # (B, S)
+        n = len(rows)
+        kv_pos = torch.full((n, width), masks.PAD, dtype=torch.long)  # (B, P); (B, 0) with cascade
+        q_pos = torch.full((n, s_max), masks.PAD, dtype=torch.long)  # (B, S)
+        input_ids = torch.zeros((n, s_max), dtype=torch.long)  # (B, S)
         for i, (r, s) in enumerate(zip(rows, suffixes)):
             kv_pos[i, : min(r.cached, width)] = torch.arange(min(r.cached, width))
             q_pos[i, s_max - len(s) :] = torch.arange(r.cached, r.cached + len(s))
@@ -207,62 +244,46 @@ class Engine:
             if r.samples.start == 0:
                 self.stats.cached_tokens += r.cached
         input_ids, q_pos, kv_pos = (t.to(self.device) for t in (input_ids, q_pos, kv_pos))
-        kv_pos = torch.cat([kv_pos, q_pos], dim=1)  # (B, P + S)
-        shared = (lambda nodes: cascade_mod.segments(nodes, prefixes)) if cascade else None
-        logits = self.forward(input_ids, q_pos, kv_pos, cache, shared and shared(row_nodes))  # (B, V)
+        b.kv_pos = torch.cat([kv_pos, q_pos], dim=1)  # (B, P + S)
+        return self.forward(input_ids, q_pos, b.kv_pos, b.cache, self._shared(b, prefixes))
 
-        # fork each request into its samples: they share the prompt and its last logits
-        live: list[_Row] = []
+    def _fork(self, b: "_BatchState", logits: torch.Tensor) -> torch.Tensor:
+        """Each request becomes its samples: they share the prompt, its cache and its last logits."""
         fork = []
-        for i, (q, r) in enumerate(zip(reqs, rows)):
+        for i, (q, r) in enumerate(zip(b.reqs, b.rows)):
             seed = q.params.seed if q.params.seed is not None else self.default_seed
             for s in r.samples:
                 gen = None if q.params.greedy else make_generator(seed, s, self.device)
-                live.append(_Row(q, s, r.cached, gen))
+                b.live.append(_Row(q, s, r.cached, gen))
                 fork.append(i)
-        if fork != list(range(b)):
-            kvcache.fork_rows(cache, samples)
+        if fork != list(range(len(b.rows))):
+            kvcache.fork_rows(b.cache, [len(r.samples) for r in b.rows])
             index = torch.tensor(fork, device=self.device)
-            kv_pos, logits = kv_pos[index], logits[index]
-            row_nodes = [row_nodes[i] for i in fork]
-        next_pos = torch.tensor([len(row.request.prompt_ids) for row in live], device=self.device)  # (B,)
+            b.kv_pos, logits = b.kv_pos[index], logits[index]
+            b.row_nodes = [b.row_nodes[i] for i in fork]
+        b.next_pos = torch.tensor([len(row.request.prompt_ids) for row in b.live], device=self.device)  # (B,)
+        return logits
 
-        finished: list[Completion] = []
-        while True:
-            if should_stop():
-                return None
-            finite = torch.isfinite(logits).all(dim=-1).tolist()
-            tokens = sample(logits, [row.request.params for row in live], [row.generator for row in live])
-            keep, done = [], []
-            for i, (row, tok) in enumerate(zip(live, tokens.tolist())):
-                if not finite[i]:
-                    done.append(self._finish(row, "error", "non-finite logits"))
-                    continue
-                row.tokens.append(tok)
-                reason = self._finish_reason(row, tok)
-                if reason:
-                    done.append(self._finish(row, reason))
-                else:
-                    keep.append(i)
-            finished += done
-            if not keep:
-                return finished
-            if len(keep) < len(live):
-                kvcache.keep_rows(cache, keep)
-                index = torch.tensor(keep, device=self.device)
-                kv_pos, next_pos, tokens = kv_pos[index], next_pos[index], tokens[index]
-                live = [live[i] for i in keep]
-                row_nodes = [row_nodes[i] for i in keep]
-            logits, kv_pos, next_pos = self.decode_step(tokens, next_pos, kv_pos, cache,
-                                                        shared and shared(row_nodes))
+    def _keep(self, b: "_BatchState", keep: list[int], tokens: torch.Tensor) -> torch.Tensor:
+        """Finished rows leave the batch (in place): they stop costing work."""
+        kvcache.keep_rows(b.cache, keep)
+        index = torch.tensor(keep, device=self.device)
+        b.kv_pos, b.next_pos = b.kv_pos[index], b.next_pos[index]
+        b.live = [b.live[i] for i in keep]
+        b.row_nodes = [b.row_nodes[i] for i in keep]
+        return tokens[index]
 
-    def decode_step(self, tokens, next_pos, kv_pos, cache, shared=None):
-        """Feed one token per row at its own next position."""
-        q_pos = next_pos[:, None]  # (B, 1)
-        kv_pos = torch.cat([kv_pos, q_pos], dim=1)  # (B, L + 1)
-        logits = self.forward(tokens[:, None].to(self.device), q_pos, kv_pos, cache, shared)  # (B, V)
+    def _shared(self, b: "_BatchState", prefixes):
+        return cascade_mod.segments(b.row_nodes, prefixes) if b.cascade else None
+
+    def decode_step(self, tokens: torch.Tensor, b: "_BatchState", prefixes) -> torch.Tensor:
+        """Feed one token per row at its own next position; the next logits (B, V)."""
+        q_pos = b.next_pos[:, None]  # (B, 1)
+        b.kv_pos = torch.cat([b.kv_pos, q_pos], dim=1)  # (B, L + 1)
+        logits = self.forward(tokens[:, None].to(self.device), q_pos, b.kv_pos, b.cache, self._shared(b, prefixes))
+        b.next_pos = b.next_pos + 1
         self.stats.decode_steps += 1
-        return logits, kv_pos, next_pos + 1
+        return logits
 
     def _cascade_ok(self, rows, capacity: int) -> bool:
         """Cascade attention for this batch: the model allows it, some row has a cached prefix,
