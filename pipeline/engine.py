@@ -17,7 +17,7 @@ from pipeline import kvcache, masks
 from pipeline.prefix_tree import PrefixTree
 from pipeline.sampling import make_generator, sample
 from pipeline.schedule import JobShape, Prefill, Release, Row, plan
-from pipeline.types import Completion, Request, RunStats, SamplingParams
+from pipeline.types import Completion, Request, RunStats
 
 
 @dataclass

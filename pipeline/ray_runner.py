@@ -30,23 +30,14 @@ UNSHARED_BUCKETS = 64  # jobs that share no prefix are spread over this many gro
 
 def group_keys(prompts: dict[int, list[int]], min_shared_tokens: int, workers: int) -> dict[int, str]:
     """Each job's group: a hash of its top shared prefix's tokens, or a bucket of unshared jobs."""
-    from pipeline.prefix_tree import PrefixTree
-    from pipeline.schedule import shared_nodes
+    from pipeline.schedule import top_groups
 
-    tree = PrefixTree()
-    for order, ids in prompts.items():
-        tree.insert(order, ids[:-1])
-    shared = shared_nodes(tree, min_shared_tokens)
     keys = {}
-    for order, ids in prompts.items():
-        node, top = tree.node_of(order), None
-        while node is not None:
-            top = node if node in shared else top
-            node = node.parent
+    for order, top in top_groups(prompts, min_shared_tokens).items():
         if top is None:
             keys[order] = f"unshared-{order % max(UNSHARED_BUCKETS, workers)}"
         else:
-            keys[order] = hashlib.blake2b(repr(ids[: top.depth]).encode(), digest_size=8).hexdigest()
+            keys[order] = hashlib.blake2b(repr(prompts[order][: top.depth]).encode(), digest_size=8).hexdigest()
     return keys
 
 

@@ -15,8 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from jobs import ErrorWriter, JobError, ParquetWriter, errors_path, summary_path, write_summary
-from pipeline.prefix_tree import PrefixTree
-from pipeline.schedule import shared_nodes
+from pipeline.schedule import top_groups
 
 
 def parse_shard(spec: str | None) -> tuple[int, int] | None:
@@ -33,17 +32,8 @@ def parse_shard(spec: str | None) -> tuple[int, int] | None:
 
 def assign(prompts: Mapping[Hashable, Sequence[int]], shards: int, min_shared_tokens: int) -> dict[Hashable, int]:
     """Shard of each job; jobs under one top shared prefix always share a shard."""
-    tree = PrefixTree()
-    for key, ids in prompts.items():
-        tree.insert(key, list(ids[:-1]))  # the tree the engine builds
-    shared = shared_nodes(tree, min_shared_tokens)
     groups: dict[Any, list[Hashable]] = {}
-    for key in prompts:
-        node, top = tree.node_of(key), None
-        while node is not None:
-            if node in shared:
-                top = node
-            node = node.parent
+    for key, top in top_groups(prompts, min_shared_tokens).items():
         groups.setdefault(top if top is not None else ("job", key), []).append(key)
 
     def cost(group_keys: list[Hashable], top) -> int:

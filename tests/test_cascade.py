@@ -1,6 +1,5 @@
 """Shared-prefix (cascade) attention: the same logits as the copy path, one prefix copy."""
 import pytest
-import torch
 
 from jobsets import SYSTEM, tokenizer
 from pipeline import cascade

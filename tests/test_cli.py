@@ -18,14 +18,6 @@ from tiny_tokenizer import make_tokenizer
 SYSTEM = "You answer briefly and kindly, in plain words, and you never make things up. "
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny-llama")
-    make_model("llama").save_pretrained(d)
-    make_tokenizer().save_pretrained(d)
-    return d
-
-
 def write_jsonl(path, rows):
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     return path

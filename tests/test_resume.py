@@ -16,17 +16,8 @@ from jobsets import edge_case_requests, tokenizer
 from pipeline.cli import main
 from pipeline.engine import Engine
 from tiny_models import make_model
-from tiny_tokenizer import make_tokenizer
 
 HEAD = "Shared instructions for every job: reply with a short and friendly sentence. "
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny-llama")
-    make_model("llama").save_pretrained(d)
-    make_tokenizer().save_pretrained(d)
-    return d
 
 
 @pytest.fixture(scope="module")
