@@ -17,6 +17,7 @@ import torch
 from transformers import AttentionInterface
 
 NAME = "batchgen_cascade"
+_QUERY_ROWS = 512  # query rows per prefix matmul: bounds the score matrix to 512 x P floats
 _state = threading.local()  # the forward in flight: runs of rows and the prefix K/V each continues
 
 
@@ -105,10 +106,14 @@ def cascade_attention(module, query, key, value, attention_mask, dropout: float 
     o1 = q.new_zeros(b, hq, q_len, value.shape[-1])
     m1 = q.new_full((b, hq, q_len, 1), float("-inf"))
     l1 = q.new_zeros(b, hq, q_len, 1)
+    # in row chunks: a long suffix prefill over a long prefix would otherwise hold (rows x Q x P) scores
+    step = max(1, _QUERY_ROWS // (hq // hkv * q_len))
     for start, end, layers in _state.segments:
         if layers is not None:
             pk, pv = layers[module.layer_idx]
-            o1[start:end], m1[start:end], l1[start:end] = _prefix_part(q[start:end], pk, pv, scale)
+            for s in range(start, end, step):
+                e = min(end, s + step)
+                o1[s:e], m1[s:e], l1[s:e] = _prefix_part(q[s:e], pk, pv, scale)
 
     # own part: each row against its own keys, under the engine's position-space mask
     qo = q.view(b, hkv, hq // hkv, q_len, d)

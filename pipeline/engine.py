@@ -54,7 +54,7 @@ class Engine:
         min_shared_tokens: int = 16,
         max_batch_tokens: int = 65536,
         default_seed: int = 0,
-        prefill_chunk: int = 4096,
+        prefill_chunk: int = 512,
         cascade: bool = True,
     ) -> None:
         self.model = model
@@ -140,7 +140,7 @@ class Engine:
     def prefill(self, parent: kvcache.PrefixKV | None, ids: list[int], start: int) -> kvcache.PrefixKV:
         """Extend a batch-1 prefix by `ids` at positions start.. (no padding: the model's own causal
         mask), in chunks that halve when memory runs out."""
-        cache = kvcache.extend_from(parent)
+        cache = kvcache.extend_from(parent, len(ids))
         done = 0
         while done < len(ids):
             chunk = ids[done : done + self.prefill_chunk]

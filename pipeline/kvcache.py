@@ -1,12 +1,11 @@
 """The one module that touches the transformers Cache API (it churns between releases).
 
 Pinned to transformers >=5.24,<6: a `DynamicCache`'s `layers[i]` hold keys/values [B, H_kv, S, D]
-and the model calls `layer.update(k, v)` once per forward. Two layer kinds live here:
-- prefix caches (batch 1) are plain `DynamicLayer`s: extending one builds new tensors by `cat`,
-  so the parent prefix is never written and its children can all start from it;
-- batch caches are preallocated buffers sized for the whole generation: an append writes in place
-  and reads are views, so a decode step copies nothing (a growing `cat` would re-copy, and on CPU
-  re-fault, the whole cache every step).
+and the model calls `layer.update(k, v)` once per forward. Every layer here is a preallocated
+buffer sized for what it will hold: an append writes in place and reads are views, so nothing is
+re-copied per step or per prefill chunk (a growing `cat` would re-copy, and on CPU re-fault, the
+whole cache each time). A prefix (batch 1) copies its parent once and is never written after its
+prefill, so all its children can start from it.
 Every layer is full-length, also for sliding-window models: windows are applied by the engine's
 masks in position space, which stays exact when rows carry padding.
 """
@@ -30,23 +29,28 @@ class PrefixKV:
         return self.layers[0][0].shape[-2] if self.layers else 0
 
 
-def extend_from(prefix: PrefixKV | None) -> DynamicCache:
-    """A batch-1 cache that starts as `prefix`; appending to it leaves `prefix` untouched."""
+def extend_from(prefix: PrefixKV | None, extra: int) -> DynamicCache:
+    """A batch-1 cache that starts as `prefix` and has room for `extra` more tokens; the prefix is
+    copied once, so appending (in chunks) never rewrites it nor re-copies what was appended."""
     cache = DynamicCache()  # no config on purpose: sliding layers would crop by index
-    for k, v in prefix.layers if prefix is not None else ():
-        layer = DynamicLayer()
-        layer.lazy_initialization(k, v)
-        layer.keys, layer.values = k, v
-        cache.layers.append(layer)
+    if prefix is None or not prefix.layers:
+        cache.layer_class_to_replicate = lambda: BufferLayer(1, extra, 1)
+        return cache
+    for k, v in prefix.layers:
+        n = k.shape[2]
+        kbuf = k.new_empty(1, k.shape[1], n + extra, k.shape[3])
+        vbuf = v.new_empty(1, v.shape[1], n + extra, v.shape[3])
+        kbuf[:, :, :n], vbuf[:, :, :n] = k, v
+        cache.layers.append(BufferLayer(1, n + extra, 1, n, kbuf, vbuf))
     return cache
 
 
 def truncate(cache: DynamicCache, length: int) -> None:
     """Drop whatever a failed forward appended past `length` (some layers may have run)."""
     for layer in cache.layers:
-        if layer.is_initialized and layer.keys is not None and layer.keys.shape[-2] > length:
-            layer.keys = layer.keys[..., :length, :]
-            layer.values = layer.values[..., :length, :]
+        if isinstance(layer, BufferLayer) and layer.is_initialized and layer.length > length:
+            layer.length = length
+            layer._views()
 
 
 def snapshot(cache: DynamicCache) -> PrefixKV:
