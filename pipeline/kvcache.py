@@ -24,10 +24,6 @@ class PrefixKV:
 
     layers: list[tuple[torch.Tensor, torch.Tensor]]
 
-    @property
-    def length(self) -> int:
-        return self.layers[0][0].shape[-2] if self.layers else 0
-
 
 def extend_from(prefix: PrefixKV | None, extra: int) -> DynamicCache:
     """A batch-1 cache that starts as `prefix` and has room for `extra` more tokens; the prefix is

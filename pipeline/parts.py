@@ -22,6 +22,7 @@ from jobs.writers import ERROR_SCHEMA
 
 ORDER = "_batchgen_order"  # a row's position in the input, so the final output keeps input order
 MANIFEST = "manifest.json"
+ERROR_PART_SCHEMA = ERROR_SCHEMA.append(pa.field(ORDER, pa.int64()))
 
 
 def fingerprint(items: Iterable[Any], settings: dict[str, Any]) -> str:
@@ -52,7 +53,6 @@ class PartStore:
 
     def _open(self, key: str, settings: dict[str, Any], result_schema: pa.Schema, discard_mismatch: bool) -> None:
         self.schema = result_schema.append(pa.field(ORDER, pa.int64()))
-        self.error_schema = ERROR_SCHEMA.append(pa.field(ORDER, pa.int64()))
         self.manifest = self._load()
         if self.manifest and self.manifest["key"] != key:
             if not discard_mismatch:
@@ -105,10 +105,10 @@ class PartStore:
             return
         index = len(self.manifest["parts"])
         files = []
-        for rows, schema, stem in ((results, self.schema, "part"), (errors, self.error_schema, "errors")):
+        for rows, schema, stem in ((results, self.schema, "part"), (errors, ERROR_PART_SCHEMA, "errors")):
             if rows:
                 name = f"{stem}-{index:06d}.parquet"
-                _write_atomic(os.path.join(self.dir, name), rows, schema)
+                write_part(os.path.join(self.dir, name), rows, schema)
                 files.append(name)
         manifest = {**self.manifest, "parts": [*self.manifest["parts"], {"files": files}], "stats": stats}
         write_summary(os.path.join(self.dir, MANIFEST), manifest)  # atomic: the commit point
@@ -131,7 +131,9 @@ class PartStore:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _write_atomic(path: str, rows: list[dict[str, Any]], schema: pa.Schema) -> None:
+def write_part(path: str, rows: list[dict[str, Any]], schema: pa.Schema) -> None:
+    """Parquet written beside its name, then renamed: a part exists whole or not at all (and a
+    rewrite of the same part replaces it)."""
     tmp = f"{path}.tmp-{os.getpid()}"
     table = pa.Table.from_pylist(rows, schema=schema)
     with open(tmp, "wb") as f:

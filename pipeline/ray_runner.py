@@ -20,11 +20,11 @@ import pyarrow.parquet as pq
 
 from jobs import ErrorWriter, JobError, id_type_for, infer_extra_schema, input_schema, result_schema, write_summary
 from jobs import InvalidRow
-from pipeline.runner import (RunOptions, _eos_ids, _settings, _summary, context_window, length_error, read_all,
-                             result_rows)
+from pipeline.parts import ERROR_PART_SCHEMA, ORDER, write_part
+from pipeline.runner import (RunOptions, _eos_ids, _settings, _summary, context_window, job_rows, length_error,
+                             read_all)
 from pipeline.types import RunStats
 
-ORDER = "_batchgen_order"
 UNSHARED_BUCKETS = 64  # jobs that share no prefix are spread over this many groups
 
 
@@ -99,28 +99,14 @@ class _Generate:
             samples.setdefault(c.key, []).append(c)
         rows, errors = [], []
         for o in orders:
-            done = samples.get(o, [])
-            failed = next((c for c in done if c.error), None)
-            if failed or not done:
-                errors.append({"id": str(mine[o].id), "location": str(mine[o].location),
-                               "reason": f"generation failed: {failed.error if failed else 'no output'}", ORDER: o})
-            else:
-                rows += [{**r, ORDER: o} for r in result_rows(mine[o], done, self.tok)]
+            results, failed = job_rows(o, mine[o], samples.get(o, []), self.tok)
+            rows += results
+            errors += failed
         name = hashlib.blake2b(repr(orders).encode(), digest_size=10).hexdigest()
-        _write_part(os.path.join(self.out_dir, f"part-{name}.parquet"), rows, self.schema)
+        write_part(os.path.join(self.out_dir, f"part-{name}.parquet"), rows, self.schema)
         if errors:
-            _write_part(os.path.join(self.out_dir, f"errors-{name}.parquet"), errors, _ERROR_SCHEMA)
+            write_part(os.path.join(self.out_dir, f"errors-{name}.parquet"), errors, ERROR_PART_SCHEMA)
         return pa.table({k: [v] for k, v in asdict(engine.stats).items()})
-
-
-_ERROR_SCHEMA = pa.schema([("id", pa.string()), ("location", pa.string()), ("reason", pa.string()),
-                           (ORDER, pa.int64())])
-
-
-def _write_part(path: str, rows: list[dict[str, Any]], schema: pa.Schema) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp)
-    os.replace(tmp, path)  # a retried task replaces the same part: never a duplicate
 
 
 def done_orders(out_dir: str) -> set[int]:

@@ -123,6 +123,19 @@ def result_rows(job: Job, completions: list[Completion], tokenizer: Tokenizer) -
     return rows
 
 
+def job_rows(order: int, job: Job, completions: list[Completion],
+             tokenizer: Tokenizer) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A finished job's result rows, or its one error row: a job fails alone and whole, never
+    with partial samples in the output. Rows carry the job's input position."""
+    from pipeline.parts import ORDER
+
+    failed = next((c for c in completions if c.error), None)
+    if failed is not None or not completions:
+        reason = f"generation failed: {failed.error if failed else 'no output'}"
+        return [], [{**InvalidRow(job.location, job.id, reason).to_row(), ORDER: order}]
+    return [{**r, ORDER: order} for r in result_rows(job, completions, tokenizer)], []
+
+
 def read_all(inputs: Sequence[str], options: RunOptions) -> tuple[dict[int, Job], dict[int, InvalidRow]]:
     """Every input row by its position: a valid job or the reason it is not one."""
     jobs: dict[int, Job] = {}
@@ -232,14 +245,9 @@ class _Committer:
         self.last = time.monotonic()
 
     def add(self, order: int, job: Job, completions: list[Completion]) -> None:
-        from pipeline.parts import ORDER
-
-        failed = next((c for c in completions if c.error), None)
-        if failed is not None:  # the job fails alone, whole: no partial samples in the output
-            self.errors.append({**InvalidRow(job.location, job.id, f"generation failed: {failed.error}").to_row(),
-                                ORDER: order})
-        else:
-            self.results += [{**r, ORDER: order} for r in result_rows(job, completions, self.tokenizer)]
+        results, errors = job_rows(order, job, completions, self.tokenizer)
+        self.results += results
+        self.errors += errors
         self.jobs += 1
         if self.jobs >= self.options.commit_every or time.monotonic() - self.last >= self.options.commit_seconds:
             self.flush()
