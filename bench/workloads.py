@@ -91,16 +91,23 @@ def _finish(name, prompts, rng, description, **kw) -> Workload:
     return Workload(name, prompts, lower_bound(prompts), description, **kw)
 
 
+def _under_heads(rng: random.Random, draw: Draw, heads: int, head_len: int, per_head: int,
+                 leaf_len: int) -> list[list[int]]:
+    """`heads` shared heads of `head_len` tokens, each followed by `per_head` leaves of ~`leaf_len`."""
+    prompts = []
+    for _ in range(heads):
+        head = draw(head_len)
+        prompts += [head + draw(_vary(rng, leaf_len)) for _ in range(per_head)]
+    return prompts
+
+
 def system_prompt(jobs: int = 256, groups: int = 8, prefix: int = 512, suffix: int = 30, *,
                   scale: float = 1.0, seed: int = 0, vocab: int = DEFAULT_VOCAB, pool=None) -> Workload:
     """`groups` shared system prompts of `prefix` tokens, each followed by ~`suffix`-token jobs."""
     rng = random.Random(seed)
     draw = make_draw(rng, vocab, pool)
     per_group = _leaves(jobs // groups, scale)
-    prompts = []
-    for _ in range(groups):
-        head = draw(prefix)
-        prompts += [head + draw(_vary(rng, suffix)) for _ in range(per_group)]
+    prompts = _under_heads(rng, draw, groups, prefix, per_group, suffix)
     return _finish("system_prompt", prompts, rng,
                    f"{groups} groups x {per_group} jobs, prefix {prefix}, suffix {suffix}+-{suffix // 3}")
 
@@ -111,10 +118,7 @@ def fewshot(headers: int = 4, questions: int = 16, header_len: int = 400, q_len:
     rng = random.Random(seed + 1)
     draw = make_draw(rng, vocab, pool)
     per_header = _leaves(questions, scale)
-    prompts = []
-    for _ in range(headers):
-        head = draw(header_len)
-        prompts += [head + draw(_vary(rng, q_len)) for _ in range(per_header)]
+    prompts = _under_heads(rng, draw, headers, header_len, per_header, q_len)
     return _finish("fewshot", prompts, rng,
                    f"{headers} headers x {per_header} questions, header {header_len}, question {q_len}+-{q_len // 3}")
 
