@@ -71,28 +71,70 @@ def active(model: torch.nn.Module, segs: list[Segment]) -> Iterator[None]:
 
 
 def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scaling: float):
-    """Unnormalized attention of q over (k, v): (output, running max, sum of exp), all float32."""
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scaling  # (..., Q, K)
+    """Reference attention of q over (k, v) in float32: (normalized output, log-sum-exp)."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scaling  # (..., Q, K)
     if mask is not None:
         scores = scores + mask
     m = scores.amax(dim=-1, keepdim=True)  # (..., Q, 1)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     p = torch.exp(scores - m)
-    return torch.matmul(p, v), m, p.sum(dim=-1, keepdim=True)
+    l = p.sum(dim=-1, keepdim=True)
+    return torch.matmul(p, v.float()) / l, m + l.log()
 
 
-def _prefix_part(q: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, scale: float):
-    """q (b, Hq, Q, D) of rows that share one prefix (1, Hkv, P, D): one matmul for all of them."""
+def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """PyTorch's fused attention kernels, which also return the log-sum-exp: q (1, H, Q, D), k/v (1, H, P, D).
+
+    Fused, they never hold the (Q x P) scores and read the prefix K/V once per block of queries:
+    on this 2-core CPU the prefix part takes a third of the matmul version's time.
+    """
+    if q.device.type == "cpu":
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
+    elif q.dtype in (torch.float16, torch.bfloat16):
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)[:2]
+    else:
+        o, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, False, scale=scale)[:2]
+    return o, lse[..., : q.shape[2], None].float()  # the CUDA kernel pads the LSE's query dim to 32
+
+
+_FUSED_OK: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _fused_ok(device: torch.device, dtype: torch.dtype) -> bool:
+    """Check the fused kernel once per device type and dtype against the reference; else use matmuls.
+
+    The fused ops are private ATen ops whose signatures may move between torch releases; a kernel
+    that is missing or disagrees costs speed, never correctness.
+    """
+    key = (device.type, dtype)
+    if key not in _FUSED_OK:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, 2, n, 64, generator=g).to(device, dtype) for n in (37, 301, 301))
+        try:
+            o, lse = _fused(q, k, v, 0.125)
+            ro, rlse = _partial(q, k, v, None, 0.125)
+            tol = 1e-4 if dtype == torch.float32 else 2e-2
+            _FUSED_OK[key] = bool(torch.allclose(o.float(), ro, atol=tol) and torch.allclose(lse, rlse, atol=tol))
+        except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+            _FUSED_OK[key] = False
+    return _FUSED_OK[key]
+
+
+def _prefix_part(q: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, scale: float, fused: bool):
+    """q (b, Hq, Q, D) of rows that share one prefix (1, Hkv, P, D): one kernel call for all of them."""
     b, hq, q_len, d = q.shape
     hkv = pk.shape[1]
     g = hq // hkv
     qp = q.view(b, hkv, g, q_len, d).permute(1, 0, 2, 3, 4).reshape(1, hkv, b * g * q_len, d)
-    o, m, l = _partial(qp, pk.float(), pv.float(), None, scale)  # (1, Hkv, b*G*Q, .)
+    if fused:
+        o, lse = _fused(qp, pk, pv, scale)
+    else:
+        o, lse = _partial(qp, pk, pv, None, scale)  # (1, Hkv, b*G*Q, .)
 
     def back(t):
         return t.reshape(hkv, b, g, q_len, -1).permute(1, 0, 2, 3, 4).reshape(b, hq, q_len, -1)
 
-    return back(o), back(m), back(l)
+    return back(o.float()), back(lse)
 
 
 def cascade_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
@@ -100,31 +142,29 @@ def cascade_attention(module, query, key, value, attention_mask, dropout: float 
     b, hq, q_len, d = query.shape
     hkv = key.shape[1]
     scale = scaling if scaling is not None else d ** -0.5
-    q = query.float()
+    fused = _fused_ok(query.device, query.dtype)
 
-    # prefix part: each run of rows against one copy of its prefix (rows without one: nothing)
-    o1 = q.new_zeros(b, hq, q_len, value.shape[-1])
-    m1 = q.new_full((b, hq, q_len, 1), float("-inf"))
-    l1 = q.new_zeros(b, hq, q_len, 1)
-    # in row chunks: a long suffix prefill over a long prefix would otherwise hold (rows x Q x P) scores
-    step = max(1, _QUERY_ROWS // (hq // hkv * q_len))
+    # prefix part: each run of rows against one copy of its prefix (rows without one: weight 0)
+    o1 = query.new_zeros(b, hq, q_len, value.shape[-1], dtype=torch.float32)
+    lse1 = query.new_full((b, hq, q_len, 1), float("-inf"), dtype=torch.float32)
+    # the matmul version goes in row chunks: a long suffix over a long prefix would hold rows x Q x P scores
+    step = b if fused else max(1, _QUERY_ROWS // (hq // hkv * q_len))
     for start, end, layers in _state.segments:
         if layers is not None:
             pk, pv = layers[module.layer_idx]
             for s in range(start, end, step):
                 e = min(end, s + step)
-                o1[s:e], m1[s:e], l1[s:e] = _prefix_part(q[s:e], pk, pv, scale)
+                o1[s:e], lse1[s:e] = _prefix_part(query[s:e], pk, pv, scale, fused)
 
     # own part: each row against its own keys, under the engine's position-space mask
-    qo = q.view(b, hkv, hq // hkv, q_len, d)
+    qo = query.view(b, hkv, hq // hkv, q_len, d)
     mask = attention_mask[:, :, None] if attention_mask is not None else None  # (B, 1, 1, Q, L)
-    o2, m2, l2 = _partial(qo, key.float()[:, :, None], value.float()[:, :, None], mask, scale)
-    o2, m2, l2 = (t.reshape(b, hq, q_len, -1) for t in (o2, m2, l2))
+    o2, lse2 = _partial(qo, key[:, :, None], value[:, :, None], mask, scale)
+    o2, lse2 = o2.reshape(b, hq, q_len, -1), lse2.reshape(b, hq, q_len, 1)
 
-    # merge the two softmaxes exactly (a row without a prefix part gets weight 0 there)
-    m = torch.maximum(m1, m2)
-    a1, a2 = torch.exp(m1 - m), torch.exp(m2 - m)
-    out = (o1 * a1 + o2 * a2) / (l1 * a1 + l2 * a2)  # (B, Hq, Q, D)
+    # merge the two normalized softmaxes exactly by their log-sum-exps
+    w1 = torch.sigmoid(lse1 - lse2)  # = e^lse1 / (e^lse1 + e^lse2), 0 for rows without a prefix
+    out = o2 + (o1 - o2) * w1  # (B, Hq, Q, D)
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
