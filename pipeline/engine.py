@@ -17,6 +17,7 @@ from pipeline import kvcache, masks
 from pipeline.prefix_tree import PrefixTree
 from pipeline.sampling import make_generator, sample
 from pipeline.schedule import JobShape, Prefill, Release, Row, plan
+from pipeline.worklist import WorkList
 from pipeline.types import Completion, Request, RunStats
 
 
@@ -32,6 +33,7 @@ class _BatchState:
     kv_pos: torch.Tensor | None = None  # (B, L) position of every key slot a row holds, PAD for padding
     next_pos: torch.Tensor | None = None  # (B,)
     live: list["_Row"] = field(default_factory=list)
+    heads: list[int] | None = None  # each row's next free slot, once rows that joined made them differ
 
 
 @dataclass
@@ -67,6 +69,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk  # tokens per prefill forward; halves on out-of-memory
         self.kinds = masks.layer_kinds(model.config)
         self.stats = RunStats()
+        self._in_use: set[int | None] = set()  # prefixes read by the batch in flight, its joined rows and halves
         # shared-prefix attention reads a group's prefix once; models it cannot serve copy it per row
         self.cascade_off = "disabled" if not cascade else cascade_mod.supports(model)
         self.attention_path = "cascade" if self.cascade_off is None else f"copy ({self.cascade_off})"
@@ -95,32 +98,39 @@ class Engine:
         prefixes: dict[int, kvcache.PrefixKV] = {}
         ops = plan(tree, shapes, min_shared_tokens=self.min_shared_tokens, max_batch_tokens=self.max_batch_tokens,
                    prefix_in_rows=self.cascade_off is not None)
-        for op in ops:
+        work = WorkList(ops)
+        while (op := work.pop()) is not None:
             if should_stop():
                 return
             if isinstance(op, Prefill):
-                ids = requests[op.key].prompt_ids[op.start : op.end]
-                parent = prefixes.get(op.parent) if op.parent is not None else None
-                prefixes[op.node] = self.prefill(parent, ids, op.start)
-                self.stats.prefix_nodes += 1
+                self._prefill_op(op, requests, prefixes)
             elif isinstance(op, Release):
                 del prefixes[op.node]
             else:
-                done = self._run_split(op.rows, requests, prefixes, should_stop)
+                self._in_use = {r.node for r in op.rows}  # prefixes this batch (and any halves) reads
+                done = self._run_split(op.rows, requests, prefixes, should_stop, work)
                 if done is None:
                     return
+                work.end_batch()
                 yield from done
 
-    def _run_split(self, rows, requests, prefixes, should_stop) -> list[Completion] | None:
+    def _prefill_op(self, op: Prefill, requests, prefixes) -> None:
+        parent = prefixes.get(op.parent) if op.parent is not None else None
+        prefixes[op.node] = self.prefill(parent, requests[op.key].prompt_ids[op.start : op.end], op.start)
+        self.stats.prefix_nodes += 1
+
+    def _run_split(self, rows, requests, prefixes, should_stop, work: WorkList) -> list[Completion] | None:
         """Run one batch; out of memory, run its halves instead, down to one sample of one job,
         which then fails alone. None: stopped."""
         before = dataclasses.replace(self.stats)
+        joined: list[Row] = []
         try:
-            return self._run_batch(rows, requests, prefixes, should_stop)
+            return self._run_batch(rows, requests, prefixes, should_stop, work, joined)
         except torch.OutOfMemoryError:
             self.stats = before  # the halves count their own work
             self.stats.oom_splits += 1
             _release_memory(self.device)
+        rows = tuple(rows) + tuple(joined)  # rows that had joined are split with the others
         halves = _split(rows)
         if halves is None:
             row = rows[0]
@@ -129,7 +139,7 @@ class Engine:
                     for s in row.samples]
         out: list[Completion] = []
         for half in halves:
-            done = self._run_split(half, requests, prefixes, should_stop)
+            done = self._run_split(half, requests, prefixes, should_stop, work)
             if done is None:
                 return None
             out += done
@@ -182,11 +192,13 @@ class Engine:
         )
         return out.logits[:, -1, :].float()  # (B, V)
 
-    def _run_batch(self, rows, requests: Sequence[Request], prefixes, should_stop) -> list[Completion] | None:
-        """Prefill the rows' suffixes over their shared prefixes, then decode them to the end."""
+    def _run_batch(self, rows, requests: Sequence[Request], prefixes, should_stop, work: WorkList,
+                   joined: list[Row]) -> list[Completion] | None:
+        """Prefill the rows' suffixes over their shared prefixes, then decode them to the end;
+        the rows planned next join as finished rows free slots (appended to `joined`)."""
         self.stats.batches += 1
         b = _BatchState(rows, [requests[r.key] for r in rows], [r.node for r in rows])
-        logits = self._prefill_suffixes(b, prefixes)  # (B, V)
+        logits = self._prefill_suffixes(b, prefixes, waiting=[(r, requests[r.key]) for r in work.peek_rows(4 * len(rows))])
         logits = self._fork(b, logits)
         finished: list[Completion] = []
         while True:
@@ -210,18 +222,24 @@ class Engine:
             if len(keep) < len(b.live):
                 tokens = self._keep(b, keep, tokens)
             logits = self.decode_step(tokens, b, prefixes)
+            more = self._admit(b, requests, prefixes, work, joined)
+            if more is not None:
+                logits = torch.cat([logits, more])  # (B + new, V)
 
-    def _prefill_suffixes(self, b: "_BatchState", prefixes) -> torch.Tensor:
+    def _prefill_suffixes(self, b: "_BatchState", prefixes, into: "_BatchState | None" = None,
+                          waiting: Sequence[tuple[Row, Request]] = ()) -> torch.Tensor:
         """Lay the rows out as prefix | pad | pad | suffix (every row's last prompt token last),
-        over a cache of their prefixes, and run the suffixes: the last position's logits (B, V)."""
-        rows, width = b.rows, max(r.cached for r in b.rows)
-        suffixes = [q.prompt_ids[r.cached :] for q, r in zip(b.reqs, rows)]
-        s_max = max(len(s) for s in suffixes)
-        capacity = width + s_max + max(q.params.max_new_tokens for q in b.reqs)
-        b.cascade = self._cascade_ok(rows, capacity)
+        over a cache of their prefixes, and run the suffixes: the last position's logits (B, V).
+        `into`: a batch in flight whose free slots the rows take (in its layout). `waiting`: rows
+        that may join later; the buffers get room for them within the batch's token budget."""
+        rows = b.rows
+        width, s_max, new_max = _extent(rows, b.reqs, cascade=False)
+        capacity = width + s_max + new_max
+        if into is None:
+            b.cascade = self._cascade_ok(rows, capacity)
+            self.stats.cascade_batches += b.cascade
         if b.cascade:  # each row's prefix stays in its one shared copy: rows hold only their own tokens
             groups, capacity, width = [(None, len(rows))], capacity - width, 0
-            self.stats.cascade_batches += 1
         else:
             groups = []
             for r in rows:
@@ -230,9 +248,17 @@ class Engine:
                     groups[-1] = (prefix, groups[-1][1] + 1)
                 else:
                     groups.append((prefix, 1))
-        b.cache = kvcache.fan_out(groups, width, capacity, rows=sum(len(r.samples) for r in rows))
+        slots = sum(len(r.samples) for r in rows)
+        if waiting:
+            reach = sum(_extent(*zip(*waiting), b.cascade))
+            capacity = max(capacity, min(reach, self.max_batch_tokens // slots))
+        if into is None:
+            b.cache = kvcache.fan_out(groups, width, capacity, rows=slots)
+        else:
+            b.cache = kvcache.fan_out(groups, width, capacity, rows=slots, into=into.cache, start=len(into.live))
 
         n = len(rows)
+        suffixes = [q.prompt_ids[r.cached :] for q, r in zip(b.reqs, rows)]
         kv_pos = torch.full((n, width), masks.PAD, dtype=torch.long)  # (B, P); (B, 0) with cascade
         q_pos = torch.full((n, s_max), masks.PAD, dtype=torch.long)  # (B, S)
         input_ids = torch.zeros((n, s_max), dtype=torch.long)  # (B, S)
@@ -246,6 +272,40 @@ class Engine:
         input_ids, q_pos, kv_pos = (t.to(self.device) for t in (input_ids, q_pos, kv_pos))
         b.kv_pos = torch.cat([kv_pos, q_pos], dim=1)  # (B, P + S)
         return self.forward(input_ids, q_pos, b.kv_pos, b.cache, self._shared(b, prefixes))
+
+    def _admit(self, b: "_BatchState", requests, prefixes, work: WorkList, joined) -> torch.Tensor | None:
+        """Rows planned next take the slots finished rows freed, once a quarter of the batch is free
+        (each joining costs a suffix prefill): their suffixes run into those slots. Their logits (N, V)."""
+        slots, capacity = kvcache.capacity(b.cache)
+        free = slots - len(b.live)
+        if free < max(1, slots // 4):
+            return None
+
+        def fits(rows: list[Row]) -> bool:
+            reqs = [requests[r.key] for r in rows]
+            width, s_max, new_max = _extent(rows, reqs, b.cascade)
+            return (width + s_max + new_max <= capacity
+                    and (not b.cascade or cascade_mod.window_allows(self.model.config, _extent(rows, reqs, False)[0]
+                                                                    + s_max + new_max)))
+
+        rows = work.take(free, fits, self._in_use, lambda op: self._prefill_op(op, requests, prefixes), prefixes.pop)
+        if not rows:
+            return None
+        joined.extend(rows)
+        self._in_use.update(r.node for r in rows)
+        new = _BatchState(tuple(rows), [requests[r.key] for r in rows], [r.node for r in rows], cascade=b.cascade)
+        logits = self._fork(new, self._prefill_suffixes(new, prefixes, into=b))
+        self.stats.admitted_rows += len(new.live)
+        # the batch's rows now differ in length: each appends at its own next slot
+        width = max(b.kv_pos.shape[1], new.kv_pos.shape[1])
+        heads = (b.heads or [b.kv_pos.shape[1]] * len(b.live)) + [new.kv_pos.shape[1]] * len(new.live)
+        b.kv_pos = torch.cat([_pad_to(b.kv_pos, width), _pad_to(new.kv_pos, width)])
+        b.next_pos = torch.cat([b.next_pos, new.next_pos])
+        b.live += new.live
+        b.row_nodes = b.row_nodes + new.row_nodes
+        b.heads = heads
+        kvcache.resize_rows(b.cache, len(b.live), width)
+        return logits
 
     def _fork(self, b: "_BatchState", logits: torch.Tensor) -> torch.Tensor:
         """Each request becomes its samples: they share the prompt, its cache and its last logits."""
@@ -271,6 +331,8 @@ class Engine:
         b.kv_pos, b.next_pos = b.kv_pos[index], b.next_pos[index]
         b.live = [b.live[i] for i in keep]
         b.row_nodes = [b.row_nodes[i] for i in keep]
+        if b.heads is not None:
+            b.heads = [b.heads[i] for i in keep]
         return tokens[index]
 
     def _shared(self, b: "_BatchState", prefixes):
@@ -279,7 +341,15 @@ class Engine:
     def decode_step(self, tokens: torch.Tensor, b: "_BatchState", prefixes) -> torch.Tensor:
         """Feed one token per row at its own next position; the next logits (B, V)."""
         q_pos = b.next_pos[:, None]  # (B, 1)
-        b.kv_pos = torch.cat([b.kv_pos, q_pos], dim=1)  # (B, L + 1)
+        if b.heads is None:  # every row appends at the common end
+            b.kv_pos = torch.cat([b.kv_pos, q_pos], dim=1)  # (B, L + 1)
+        else:
+            width = max(b.heads) + 1
+            slots = torch.tensor(b.heads, device=self.device)  # (B,)
+            b.kv_pos = _pad_to(b.kv_pos, width)  # (B, W)
+            b.kv_pos[torch.arange(len(b.heads), device=self.device), slots] = b.next_pos
+            kvcache.append_at(b.cache, slots, width)
+            b.heads = [h + 1 for h in b.heads]
         logits = self.forward(tokens[:, None].to(self.device), q_pos, b.kv_pos, b.cache, self._shared(b, prefixes))
         b.next_pos = b.next_pos + 1
         self.stats.decode_steps += 1
@@ -312,6 +382,18 @@ class Engine:
             cached_tokens=row.cached,
             error=error,
         )
+
+
+def _extent(rows: Sequence[Row], reqs: Sequence[Request], cascade: bool) -> tuple[int, int, int]:
+    """A batch layout's (prefix width, longest suffix, most new tokens); no prefix in rows with cascade."""
+    width = 0 if cascade else max(r.cached for r in rows)
+    s_max = max(len(q.prompt_ids) - r.cached for q, r in zip(reqs, rows))
+    return width, s_max, max(q.params.max_new_tokens for q in reqs)
+
+
+def _pad_to(kv_pos: torch.Tensor, width: int) -> torch.Tensor:
+    """(B, L) key positions widened to (B, width) with padding slots."""
+    return torch.nn.functional.pad(kv_pos, (0, width - kv_pos.shape[1]), value=masks.PAD)
 
 
 def _split(rows: tuple[Row, ...]) -> tuple[tuple[Row, ...], tuple[Row, ...]] | None:

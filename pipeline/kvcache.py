@@ -62,6 +62,7 @@ class BufferLayer(DynamicLayer):
         self.slots, self.capacity = slots, capacity
         self.rows, self.length = rows, length
         self.kbuf, self.vbuf = kbuf, vbuf
+        self.ragged: torch.Tensor | None = None  # (rows,) slot each row appends at, when rows differ
         if kbuf is not None:
             self.lazy_initialization(kbuf, vbuf)
             self._views()
@@ -70,8 +71,8 @@ class BufferLayer(DynamicLayer):
         self.device, self.dtype = key_states.device, key_states.dtype
         if self.kbuf is None:  # no prefix to copy in: the buffer takes the first update's shape
             _, heads, _, dim = key_states.shape
-            self.kbuf = key_states.new_empty(self.slots, heads, self.capacity, dim)
-            self.vbuf = value_states.new_empty(self.slots, heads, self.capacity, value_states.shape[3])
+            self.kbuf = key_states.new_zeros(self.slots, heads, self.capacity, dim)
+            self.vbuf = value_states.new_zeros(self.slots, heads, self.capacity, value_states.shape[3])
         self.is_initialized = True
 
     def _views(self) -> None:
@@ -81,6 +82,11 @@ class BufferLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.ragged is not None:  # one token per row, each at its own next slot
+            rows = torch.arange(self.rows, device=self.kbuf.device)
+            self.kbuf[rows, :, self.ragged] = key_states[:, :, 0]  # (B, H, D)
+            self.vbuf[rows, :, self.ragged] = value_states[:, :, 0]
+            return self.keys, self.values
         q = key_states.shape[-2]
         end = self.length + q
         if end > self.kbuf.shape[2] or key_states.shape[0] != self.rows:
@@ -110,22 +116,36 @@ class BufferLayer(DynamicLayer):
         self._views()
 
 
-def fan_out(groups: list[tuple[PrefixKV | None, int]], width: int, capacity: int, rows: int) -> DynamicCache:
+def fan_out(groups: list[tuple[PrefixKV | None, int]], width: int, capacity: int, rows: int,
+            into: DynamicCache | None = None, start: int = 0) -> DynamicCache:
     """A batch cache of `rows` slots: the first ones hold `count` copies of each group's prefix,
-    right-padded with zeros to `width` (zeros, not garbage: masked keys still meet the values in a
-    matmul, and NaN * 0 is NaN); room is left for `capacity` tokens per row."""
+    right-padded to `width`; room is left for `capacity` tokens per row. Buffers start zeroed, not
+    as garbage: masked keys still meet the values in a matmul (NaN * 0 is NaN), and once rows of
+    unequal length share a batch, a row's view reaches slots it has not written.
+
+    With `into`, the slots are rows start.. of that batch's buffers (new rows joining a batch in
+    flight): zeroed whole, since the batch's other rows may already be longer than these."""
     template = next((p for p, _ in groups if p is not None and p.layers), None)
     used = sum(count for _, count in groups)
     cache = DynamicCache()
-    if template is None:  # nothing cached yet: the model's first update sizes the buffers
+    if into is not None:
+        for layer in into.layers:
+            kbuf, vbuf = layer.kbuf[start : start + rows], layer.vbuf[start : start + rows]  # views: writes land there
+            kbuf.zero_()
+            vbuf.zero_()
+            cache.layers.append(BufferLayer(rows, capacity, used, 0, kbuf, vbuf))
+        if template is None:
+            return cache
+    elif template is None:  # nothing cached yet: the model's first update sizes the buffers
         cache.layer_class_to_replicate = lambda: BufferLayer(rows, capacity, used)
         return cache
     for i, (k0, v0) in enumerate(template.layers):
         _, heads, _, dim = k0.shape
-        kbuf = k0.new_empty(rows, heads, capacity, dim)  # (rows, H, capacity, D)
-        vbuf = v0.new_empty(rows, heads, capacity, v0.shape[3])
-        kbuf[:, :, :width].zero_()
-        vbuf[:, :, :width].zero_()
+        if into is not None:
+            kbuf, vbuf = cache.layers[i].kbuf, cache.layers[i].vbuf
+        else:
+            kbuf = k0.new_zeros(rows, heads, capacity, dim)  # (rows, H, capacity, D)
+            vbuf = v0.new_zeros(rows, heads, capacity, v0.shape[3])
         r = 0
         for prefix, count in groups:
             if prefix is not None and prefix.layers:
@@ -133,8 +153,36 @@ def fan_out(groups: list[tuple[PrefixKV | None, int]], width: int, capacity: int
                 kbuf[r : r + count, :, : k.shape[2]] = k  # broadcast over the group's rows
                 vbuf[r : r + count, :, : v.shape[2]] = v
             r += count
-        cache.layers.append(BufferLayer(rows, capacity, used, width, kbuf, vbuf))
+        if into is not None:
+            cache.layers[i] = BufferLayer(rows, capacity, used, width, kbuf, vbuf)
+        else:
+            cache.layers.append(BufferLayer(rows, capacity, used, width, kbuf, vbuf))
     return cache
+
+
+def capacity(cache: DynamicCache) -> tuple[int, int]:
+    """(row slots, tokens per row) of a batch cache's buffers; (0, 0) before its first forward."""
+    layer = next((l for l in cache.layers if isinstance(l, BufferLayer) and l.kbuf is not None), None)
+    return (layer.kbuf.shape[0], layer.kbuf.shape[2]) if layer is not None else (0, 0)
+
+
+def resize_rows(cache: DynamicCache, rows: int, width: int) -> None:
+    """The batch now has `rows` live rows, each viewed through `width` slots (new rows joined)."""
+    for layer in cache.layers:
+        if isinstance(layer, BufferLayer):
+            layer.rows, layer.length = rows, width
+            layer._views()
+
+
+def append_at(cache: DynamicCache, slots: torch.Tensor | None, width: int) -> None:
+    """The next forward appends row i's token at slots[i] and views `width` slots (rows of
+    unequal length); None: every row appends at the common end again."""
+    for layer in cache.layers:
+        if isinstance(layer, BufferLayer):
+            layer.ragged = slots
+            if slots is not None:
+                layer.length = width
+                layer._views()
 
 
 def keep_rows(cache: DynamicCache, keep: list[int]) -> None:

@@ -345,6 +345,7 @@ def _summary(stats: RunStats, n_jobs: int, completed: int, failed: int, rows: in
         "shared_prefixes": stats.prefix_nodes,
         "oom_splits": stats.oom_splits,
         "cascade_batches": stats.cascade_batches,
+        "admitted_rows": stats.admitted_rows,
         "prefill_saving": round(1 - stats.prefill_tokens / stats.prompt_tokens, 4) if stats.prompt_tokens else 0.0,
         "wall_seconds": round(wall, 3),
         "completion_tokens_per_second": round(stats.completion_tokens / wall, 2) if wall > 0 else None,

@@ -62,6 +62,7 @@ class RunStats:
     batches: int = 0
     prefix_nodes: int = 0  # shared prefixes prefilled once
     cascade_batches: int = 0  # batches whose shared prefix was read once (cascade attention)
+    admitted_rows: int = 0  # rows that took slots finished rows freed in a batch in flight
     oom_splits: int = 0  # batches split (or prefill chunks halved) after running out of memory
 
     def add(self, other: "RunStats") -> None:

@@ -28,7 +28,7 @@ def test_greedy_equals_uncached_generate(arch, tok):
     got = {}
     for c in engine.run(reqs):
         got[(c.key, c.sample_index)] = c
-    assert engine.stats.batches > 3
+    assert engine.stats.batches > 1 and engine.stats.batches + engine.stats.admitted_rows > 3
     # the fast path (cascade attention) ran wherever the model allows it
     assert (engine.stats.cascade_batches > 0) == (arch not in ("gemma2", "mistral"))
     for r in reqs:

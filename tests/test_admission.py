@@ -1,0 +1,151 @@
+"""Rows that finish early free their slots, and waiting rows of the next planned batch take them."""
+import pytest
+
+from jobsets import DOCS, SHOTS, SYSTEM, edge_case_requests, tokenizer
+from pipeline import kvcache
+from pipeline.engine import Engine
+from pipeline.reference import reference_generate
+from pipeline.schedule import Batch, Prefill, Release, Row
+from pipeline.worklist import WorkList
+from pipeline.types import Request, SamplingParams
+from tiny_models import make_model
+
+EOS = [2]
+
+
+def uneven_requests(tok):
+    """Groups whose jobs want 1 to 13 new tokens, so rows of one batch finish at different steps,
+    plus n samples, nested prefixes, a lone prompt and the edge cases."""
+    reqs = []
+    for g, head in enumerate([SYSTEM, SYSTEM + SHOTS[0], SYSTEM + SHOTS[1] + DOCS[0]]):
+        for i in range(9):
+            n = 3 if i == 4 else 1
+            reqs.append(Request(len(reqs), tok.encode_prompt(head + f"Q{i}: " + "tell me " * (i % 4)),
+                                SamplingParams(max_new_tokens=1 + (5 * i + 3 * g) % 13, n=n)))
+    reqs.append(Request(len(reqs), tok.encode_prompt("A lone prompt."), SamplingParams(max_new_tokens=4)))
+    for r in edge_case_requests(tok, max_new_tokens=7):
+        reqs.append(Request(len(reqs), r.prompt_ids, r.params))
+    return reqs
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "mistral", "gpt2", "qwen2"])
+def test_rows_that_join_a_batch_in_flight_equal_uncached_generate(arch):
+    tok = tokenizer()
+    model = make_model(arch, seed=5)
+    reqs = uneven_requests(tok)
+    # a few rows per batch; on the copy path (gemma2, mistral) rows also hold their prefix
+    budget = 300 if arch not in ("gemma2", "mistral") else 1500
+    engine = Engine(model, eos_token_ids=EOS, min_shared_tokens=4, max_batch_tokens=budget)
+    got = {(c.key, c.sample_index): c for c in engine.run(reqs)}
+    assert engine.stats.admitted_rows > 5, "finished rows' slots were taken by waiting rows"
+    assert len(got) == sum(r.params.n for r in reqs)
+    for r in reqs:
+        want = reference_generate(model, r, EOS)
+        for s in range(r.params.n):
+            assert got[(r.key, s)].token_ids == want, f"{arch}: job {r.key} sample {s}"
+    assert engine.stats.completion_tokens == sum(len(c.token_ids) for c in got.values())
+
+
+def test_joining_rows_reuse_the_batch_buffers(monkeypatch):
+    """No new batch buffers while rows join: the slots finished rows left are reused in place."""
+    tok = tokenizer()
+    reqs = uneven_requests(tok)[:27]
+    allocated = []
+    real = kvcache.fan_out
+
+    def spy(*a, into=None, **kw):
+        out = real(*a, into=into, **kw)
+        if into is None:
+            allocated.append(out)
+        return out
+
+    monkeypatch.setattr(kvcache, "fan_out", spy)
+    engine = Engine(make_model("llama"), eos_token_ids=[], min_shared_tokens=4, max_batch_tokens=300)
+    engine.generate(reqs)
+    assert engine.stats.admitted_rows > 0
+    assert len(allocated) == engine.stats.batches
+    # without joining, every planned batch would allocate its own buffers
+    monkeypatch.setattr(Engine, "_admit", lambda self, *a: None)
+    again = Engine(make_model("llama"), eos_token_ids=[], min_shared_tokens=4, max_batch_tokens=300)
+    again.generate(reqs)
+    assert again.stats.admitted_rows == 0 and again.stats.batches > engine.stats.batches
+
+
+def test_seeded_samples_do_not_depend_on_joining():
+    tok = tokenizer()
+    model = make_model("qwen2", seed=2)
+    reqs = [Request(i, tok.encode_prompt(SYSTEM + f"Story {i}."),
+                    SamplingParams(max_new_tokens=2 + i % 9, temperature=0.8, top_p=0.9, seed=i, n=1 + i % 3))
+            for i in range(30)]
+    joined = Engine(model, eos_token_ids=EOS, min_shared_tokens=4, max_batch_tokens=200)
+    one_batch = Engine(model, eos_token_ids=EOS, min_shared_tokens=4, max_batch_tokens=10**6)
+    a = sorted((c.key, c.sample_index, c.token_ids) for c in joined.run(reqs))
+    b = sorted((c.key, c.sample_index, c.token_ids) for c in one_batch.run(reqs))
+    assert joined.stats.admitted_rows > 0 and one_batch.stats.admitted_rows == 0
+    assert a == b
+
+
+def take(work, free, fits=lambda rows: True, in_use=()):
+    log = []
+    rows = work.take(free, fits, set(in_use), lambda op: log.append(("prefill", op.node)),
+                     lambda node: log.append(("release", node)))
+    return rows, log
+
+
+def test_the_worklist_fills_free_slots_in_plan_order():
+    work = WorkList([Batch((Row("a", 1, 5, range(1)), Row("b", 1, 5, range(4)))), Batch((Row("c", 1, 9, range(2)),))])
+    rows, _ = take(work, 3)
+    assert rows == [Row("a", 1, 5, range(1))]  # b's 4 samples share one suffix prefill: they wait
+    rows, _ = take(work, 8)
+    assert rows == [Row("b", 1, 5, range(4)), Row("c", 1, 9, range(2))]
+    assert work.pop() is None
+
+
+def test_the_worklist_stops_at_the_first_row_that_does_not_fit():
+    work = WorkList([Batch((Row("a", 1, 5, range(1)), Row("big", 1, 5, range(1)), Row("c", 1, 5, range(1))))])
+    rows, _ = take(work, 5, fits=lambda rows: all(r.key != "big" for r in rows))
+    assert rows == [Row("a", 1, 5, range(1))]
+    assert [r.key for r in work.pop().rows] == ["big", "c"]  # order kept: no job overtakes another
+
+
+def test_the_worklist_prefills_on_the_way_and_holds_releases_of_prefixes_in_use():
+    ops = [Release(1), Release(2), Prefill(3, None, "x", 0, 20), Batch((Row("d", 3, 20, range(2)),)), Release(3),
+           Batch((Row("e", None, 0, range(1)),))]
+    work = WorkList(ops)
+    rows, log = take(work, 4, in_use={1})
+    assert rows == [Row("d", 3, 20, range(2)), Row("e", None, 0, range(1))]
+    # prefix 1 is read by rows in flight, 3 by a row that just joined: both wait for the batch's end
+    assert log == [("release", 2), ("prefill", 3)]
+    work.end_batch()
+    assert work.pop() == Release(1) and work.pop() == Release(3) and work.pop() is None
+
+
+def test_the_worklist_peeks_at_the_rows_planned_next():
+    work = WorkList([Prefill(1, None, "x", 0, 4), Batch((Row("a", 1, 4, range(1)),)), Release(1),
+                     Batch((Row("b", None, 0, range(2)), Row("c", None, 0, range(1))))])
+    assert [r.key for r in work.peek_rows(2)] == ["a", "b"]
+    assert isinstance(work.pop(), Prefill)
+
+
+def test_out_of_memory_while_rows_join_reruns_them_with_the_halves(monkeypatch):
+    import torch
+
+    tok = tokenizer()
+    model = make_model("llama", seed=5)
+    reqs = uneven_requests(tok)
+    want = sorted((c.key, c.sample_index, c.token_ids)
+                  for c in Engine(model, eos_token_ids=EOS, min_shared_tokens=4, max_batch_tokens=300).run(reqs))
+    engine = Engine(model, eos_token_ids=EOS, min_shared_tokens=4, max_batch_tokens=300)
+    real = engine._prefill_suffixes
+    fired = []
+
+    def failing(b, prefixes, into=None, **kw):
+        if into is not None and len(fired) < 2:  # the joining rows' prefill runs out of memory, twice
+            fired.append(len(b.rows))
+            raise torch.OutOfMemoryError("injected")
+        return real(b, prefixes, into=into, **kw)
+
+    engine._prefill_suffixes = failing
+    got = sorted((c.key, c.sample_index, c.token_ids) for c in engine.run(reqs))
+    assert len(fired) == 2 and engine.stats.oom_splits == 2
+    assert got == want  # every job exactly once, and the same text
