@@ -58,6 +58,7 @@ class Engine:
         default_seed: int = 0,
         prefill_chunk: int = 512,
         cascade: bool = True,
+        join: bool = True,
     ) -> None:
         self.model = model
         self.device = next(model.parameters()).device
@@ -67,6 +68,7 @@ class Engine:
         self.max_batch_tokens = max_batch_tokens
         self.default_seed = default_seed
         self.prefill_chunk = prefill_chunk  # tokens per prefill forward; halves on out-of-memory
+        self.join = join  # rows planned next take the slots of finished rows (continuous batching)
         self.kinds = masks.layer_kinds(model.config)
         self.stats = RunStats()
         self._in_use: set[int | None] = set()  # prefixes read by the batch in flight, its joined rows and halves
@@ -278,7 +280,7 @@ class Engine:
         (each joining costs a suffix prefill): their suffixes run into those slots. Their logits (N, V)."""
         slots, capacity = kvcache.capacity(b.cache)
         free = slots - len(b.live)
-        if free < max(1, slots // 4):
+        if not self.join or free < max(1, slots // 4):
             return None
 
         def fits(rows: list[Row]) -> bool:

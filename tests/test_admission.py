@@ -65,8 +65,7 @@ def test_joining_rows_reuse_the_batch_buffers(monkeypatch):
     assert engine.stats.admitted_rows > 0
     assert len(allocated) == engine.stats.batches
     # without joining, every planned batch would allocate its own buffers
-    monkeypatch.setattr(Engine, "_admit", lambda self, *a: None)
-    again = Engine(make_model("llama"), eos_token_ids=[], min_shared_tokens=4, max_batch_tokens=300)
+    again = Engine(make_model("llama"), eos_token_ids=[], min_shared_tokens=4, max_batch_tokens=300, join=False)
     again.generate(reqs)
     assert again.stats.admitted_rows == 0 and again.stats.batches > engine.stats.batches
 
