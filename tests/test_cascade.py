@@ -86,7 +86,7 @@ def test_the_fused_kernel_agrees_with_the_matmul_reference():
     o, lse = cascade._fused(q, k, v, 0.125)
     ro, rlse = cascade._partial(q, k, v, None, 0.125)
     assert (o - ro).abs().max() < 1e-5 and (lse - rlse).abs().max() < 1e-4
-    assert cascade._fused_ok(q.device, q.dtype)
+    assert cascade._fused_ok(q.device, q.dtype, 64)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
@@ -98,8 +98,28 @@ def test_the_matmul_fallback_gives_the_same_logits(arch, monkeypatch):
     model = make_model(arch, seed=1)
     reqs = group(tok, n=7)
     fused, out_fused = logits_of(Engine(model, eos_token_ids=[], min_shared_tokens=8), reqs)
-    monkeypatch.setitem(cascade._FUSED_OK, ("cpu", torch.float32), False)
+    d = model.config.hidden_size // model.config.num_attention_heads
+    monkeypatch.setitem(cascade._FUSED_OK, ("cpu", torch.float32, getattr(model.config, "head_dim", None) or d), False)
     monkeypatch.setattr(cascade, "_QUERY_ROWS", 9)  # several row chunks per segment
     slow, out_slow = logits_of(Engine(model, eos_token_ids=[], min_shared_tokens=8), reqs)
     assert out_fused == out_slow
     assert max((x - y).abs().max().item() for x, y in zip(fused, slow)) <= 1e-4
+
+
+def test_a_kernel_that_refuses_a_shape_hands_over_to_the_reference(monkeypatch):
+    real = cascade._fused
+
+    def refuse(q, *a, **kw):  # passes the probe (37 queries), refuses the real batch
+        if q.shape[2] != 37:
+            raise RuntimeError("shape not supported")
+        return real(q, *a, **kw)
+
+    tok = tokenizer()
+    model = make_model("llama", seed=1)
+    reqs = group(tok, n=4)
+    want = sorted((c.key, c.token_ids) for c in Engine(model, eos_token_ids=[], min_shared_tokens=8).generate(reqs))
+    monkeypatch.setattr(cascade, "_FUSED_OK", {})
+    monkeypatch.setattr(cascade, "_fused", refuse)
+    engine = Engine(model, eos_token_ids=[], min_shared_tokens=8)
+    assert sorted((c.key, c.token_ids) for c in engine.generate(reqs)) == want
+    assert engine.stats.cascade_batches == 1 and cascade._FUSED_OK and not any(cascade._FUSED_OK.values())
