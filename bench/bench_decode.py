@@ -2,9 +2,10 @@
 
 Decode tokens/s (rows / median decode step time) and peak RSS for batchgen's cascade path (prefix K/V stored
 and read once), its copy path (prefix copied into every row), and batched `model.generate`
-(left-padded full prompts), each configuration in a fresh forked process.
+(left-padded full prompts). Memory: each system alone in a fresh forked process. Speed: all systems
+in turns (`--repeat` each) in one process, so the host's drift hits them alike.
 
-    PYTHONPATH=. python -m bench.bench_decode --rows 8,32,128 --prefix 512,2048 --repeat 2
+    PYTHONPATH=. python -m bench.bench_decode --rows 8,32,128 --prefix 512,2048 --repeat 3
 """
 from __future__ import annotations
 
@@ -86,6 +87,22 @@ def child(system: str, b: int, p: int, threads: int, queue) -> None:
     queue.put(out)
 
 
+def speed_child(systems: list[str], b: int, p: int, threads: int, repeat: int, queue) -> None:
+    """Decode step times of every system, measured in turns in one process: the host's speed drifts
+    by tens of percent over minutes here, and turns make a slow spell hit every system alike."""
+    torch.set_num_threads(threads)
+    from pipeline.model import load_model
+
+    model, _ = load_model(None, "cpu", "float32")
+    ps = prompts(b, p)
+    steps: dict[str, list[float]] = {s: [] for s in systems}
+    for _ in range(repeat):
+        for system in systems:
+            out = run_generate(model, ps) if system == "generate" else run_engine(model, ps, system == "cascade")
+            steps[system] += out["steps"]
+    queue.put(steps)
+
+
 def _rss_mb() -> float:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
@@ -106,7 +123,7 @@ def main() -> None:
     ap.add_argument("--max-generate-tokens", type=int, default=20000,
                     help="skip batched generate when B*P exceeds this (its prefill alone takes minutes here)")
     ap.add_argument("--max-copy-gb", type=float, default=8.0, help="skip the copy path above this much K/V")
-    ap.add_argument("--repeat", type=int, default=1, help="runs per system, alternating; the best is reported")
+    ap.add_argument("--repeat", type=int, default=3, help="turns per system in the speed process")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     import os
@@ -134,19 +151,22 @@ def main() -> None:
             systems = [x for x in args.systems.split(",")
                        if not (x == "generate" and b * p > args.max_generate_tokens)
                        and not (x == "copy" and b * p * per_token / 2**30 > args.max_copy_gb)]
-            for _ in range(args.repeat):  # systems alternate, so a slow spell of the host hits them alike
-                for system in systems:
-                    q = ctx.Queue()
-                    proc = ctx.Process(target=child, args=(system, b, p, args.threads, q))
-                    proc.start()
-                    out = q.get()
-                    proc.join()
-                    # every row decodes every step (no EOS): rows / median step time
-                    out.update(system=system, rows=b, prefix=p, bound_mb=bound,
-                               decode_tok_s=b / statistics.median(out["steps"]))
-                    results.append(out)
-                    if system not in row or out["decode_tok_s"] > row[system]["decode_tok_s"]:
-                        row[system] = out  # best of the repeats
+            for system in systems:  # memory: each system alone in a fresh process
+                q = ctx.Queue()
+                proc = ctx.Process(target=child, args=(system, b, p, args.threads, q))
+                proc.start()
+                row[system] = q.get()
+                proc.join()
+            q = ctx.Queue()  # speed: all systems in turns in one process
+            proc = ctx.Process(target=speed_child, args=(systems, b, p, args.threads, args.repeat, q))
+            proc.start()
+            steps = q.get()
+            proc.join()
+            for system, out in row.items():
+                # every row decodes every step (no EOS): rows / median step time over all turns
+                out.update(system=system, rows=b, prefix=p, bound_mb=bound, steps=steps[system],
+                           decode_tok_s=b / statistics.median(steps[system]))
+                results.append(out)
             for system, out in row.items():
                 ratio = out["decode_tok_s"] / row["copy"]["decode_tok_s"] if "copy" in row else float("nan")
                 held = weights_mb + out["group_mb"]

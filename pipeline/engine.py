@@ -7,44 +7,18 @@ token from that position's logits; positions continue exactly from the reused pr
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
 from pipeline import cascade as cascade_mod
 from pipeline import kvcache, masks
+from pipeline.batch import BatchState, DecodeRow, extent, split
 from pipeline.prefix_tree import PrefixTree
 from pipeline.sampling import make_generator, sample
 from pipeline.schedule import JobShape, Prefill, Release, Row, plan
 from pipeline.worklist import WorkList
 from pipeline.types import Completion, Request, RunStats
-
-
-@dataclass
-class _BatchState:
-    """One batch in flight: its rows, their cache and key positions, the samples being decoded."""
-
-    rows: tuple
-    reqs: list[Request]
-    row_nodes: list[int | None]  # each live row's cached prefix (runs of equal nodes are adjacent)
-    cascade: bool = False
-    cache: object = None
-    kv_pos: torch.Tensor | None = None  # (B, L) position of every key slot a row holds, PAD for padding
-    next_pos: torch.Tensor | None = None  # (B,)
-    live: list["_Row"] = field(default_factory=list)
-    heads: list[int] | None = None  # each row's next free slot, once rows that joined made them differ
-
-
-@dataclass
-class _Row:
-    """One sample being decoded."""
-
-    request: Request
-    sample_index: int
-    cached: int
-    generator: torch.Generator | None
-    tokens: list[int] = field(default_factory=list)
 
 
 class Engine:
@@ -133,7 +107,7 @@ class Engine:
             self.stats.oom_splits += 1
             _release_memory(self.device)
         rows = tuple(rows) + tuple(joined)  # rows that had joined are split with the others
-        halves = _split(rows)
+        halves = split(rows)
         if halves is None:
             row = rows[0]
             req = requests[row.key]
@@ -199,7 +173,7 @@ class Engine:
         """Prefill the rows' suffixes over their shared prefixes, then decode them to the end;
         the rows planned next join as finished rows free slots (appended to `joined`)."""
         self.stats.batches += 1
-        b = _BatchState(rows, [requests[r.key] for r in rows], [r.node for r in rows])
+        b = BatchState(rows, [requests[r.key] for r in rows], [r.node for r in rows])
         logits = self._prefill_suffixes(b, prefixes, waiting=[(r, requests[r.key]) for r in work.peek_rows(4 * len(rows))])
         logits = self._fork(b, logits)
         finished: list[Completion] = []
@@ -222,20 +196,20 @@ class Engine:
             if not keep:
                 return finished
             if len(keep) < len(b.live):
-                tokens = self._keep(b, keep, tokens)
+                tokens = b.keep(keep, tokens)
             logits = self.decode_step(tokens, b, prefixes)
             more = self._admit(b, requests, prefixes, work, joined)
             if more is not None:
                 logits = torch.cat([logits, more])  # (B + new, V)
 
-    def _prefill_suffixes(self, b: "_BatchState", prefixes, into: "_BatchState | None" = None,
+    def _prefill_suffixes(self, b: "BatchState", prefixes, into: "BatchState | None" = None,
                           waiting: Sequence[tuple[Row, Request]] = ()) -> torch.Tensor:
         """Lay the rows out as prefix | pad | pad | suffix (every row's last prompt token last),
         over a cache of their prefixes, and run the suffixes: the last position's logits (B, V).
         `into`: a batch in flight whose free slots the rows take (in its layout). `waiting`: rows
         that may join later; the buffers get room for them within the batch's token budget."""
         rows = b.rows
-        width, s_max, new_max = _extent(rows, b.reqs, cascade=False)
+        width, s_max, new_max = extent(rows, b.reqs, cascade=False)
         capacity = width + s_max + new_max
         if into is None:
             b.cascade = self._cascade_ok(rows, capacity)
@@ -252,7 +226,7 @@ class Engine:
                     groups.append((prefix, 1))
         slots = sum(len(r.samples) for r in rows)
         if waiting:
-            reach = sum(_extent(*zip(*waiting), b.cascade))
+            reach = sum(extent(*zip(*waiting), b.cascade))
             capacity = max(capacity, min(reach, self.max_batch_tokens // slots))
         if into is None:
             b.cache = kvcache.fan_out(groups, width, capacity, rows=slots)
@@ -275,7 +249,7 @@ class Engine:
         b.kv_pos = torch.cat([kv_pos, q_pos], dim=1)  # (B, P + S)
         return self.forward(input_ids, q_pos, b.kv_pos, b.cache, self._shared(b, prefixes))
 
-    def _admit(self, b: "_BatchState", requests, prefixes, work: WorkList, joined) -> torch.Tensor | None:
+    def _admit(self, b: "BatchState", requests, prefixes, work: WorkList, joined) -> torch.Tensor | None:
         """Rows planned next take the slots finished rows freed, once a quarter of the batch is free
         (each joining costs a suffix prefill): their suffixes run into those slots. Their logits (N, V)."""
         slots, capacity = kvcache.capacity(b.cache)
@@ -285,9 +259,9 @@ class Engine:
 
         def fits(rows: list[Row]) -> bool:
             reqs = [requests[r.key] for r in rows]
-            width, s_max, new_max = _extent(rows, reqs, b.cascade)
+            width, s_max, new_max = extent(rows, reqs, b.cascade)
             return (width + s_max + new_max <= capacity
-                    and (not b.cascade or cascade_mod.window_allows(self.model.config, _extent(rows, reqs, False)[0]
+                    and (not b.cascade or cascade_mod.window_allows(self.model.config, extent(rows, reqs, False)[0]
                                                                     + s_max + new_max)))
 
         rows = work.take(free, fits, self._in_use, lambda op: self._prefill_op(op, requests, prefixes), prefixes.pop)
@@ -295,28 +269,20 @@ class Engine:
             return None
         joined.extend(rows)
         self._in_use.update(r.node for r in rows)
-        new = _BatchState(tuple(rows), [requests[r.key] for r in rows], [r.node for r in rows], cascade=b.cascade)
+        new = BatchState(tuple(rows), [requests[r.key] for r in rows], [r.node for r in rows], cascade=b.cascade)
         logits = self._fork(new, self._prefill_suffixes(new, prefixes, into=b))
         self.stats.admitted_rows += len(new.live)
-        # the batch's rows now differ in length: each appends at its own next slot
-        width = max(b.kv_pos.shape[1], new.kv_pos.shape[1])
-        heads = (b.heads or [b.kv_pos.shape[1]] * len(b.live)) + [new.kv_pos.shape[1]] * len(new.live)
-        b.kv_pos = torch.cat([_pad_to(b.kv_pos, width), _pad_to(new.kv_pos, width)])
-        b.next_pos = torch.cat([b.next_pos, new.next_pos])
-        b.live += new.live
-        b.row_nodes = b.row_nodes + new.row_nodes
-        b.heads = heads
-        kvcache.resize_rows(b.cache, len(b.live), width)
+        b.absorb(new)
         return logits
 
-    def _fork(self, b: "_BatchState", logits: torch.Tensor) -> torch.Tensor:
+    def _fork(self, b: "BatchState", logits: torch.Tensor) -> torch.Tensor:
         """Each request becomes its samples: they share the prompt, its cache and its last logits."""
         fork = []
         for i, (q, r) in enumerate(zip(b.reqs, b.rows)):
             seed = q.params.seed if q.params.seed is not None else self.default_seed
             for s in r.samples:
                 gen = None if q.params.greedy else make_generator(seed, s, self.device)
-                b.live.append(_Row(q, s, r.cached, gen))
+                b.live.append(DecodeRow(q, s, r.cached, gen))
                 fork.append(i)
         if fork != list(range(len(b.rows))):
             kvcache.fork_rows(b.cache, [len(r.samples) for r in b.rows])
@@ -326,34 +292,13 @@ class Engine:
         b.next_pos = torch.tensor([len(row.request.prompt_ids) for row in b.live], device=self.device)  # (B,)
         return logits
 
-    def _keep(self, b: "_BatchState", keep: list[int], tokens: torch.Tensor) -> torch.Tensor:
-        """Finished rows leave the batch (in place): they stop costing work."""
-        kvcache.keep_rows(b.cache, keep)
-        index = torch.tensor(keep, device=self.device)
-        b.kv_pos, b.next_pos = b.kv_pos[index], b.next_pos[index]
-        b.live = [b.live[i] for i in keep]
-        b.row_nodes = [b.row_nodes[i] for i in keep]
-        if b.heads is not None:
-            b.heads = [b.heads[i] for i in keep]
-        return tokens[index]
-
-    def _shared(self, b: "_BatchState", prefixes):
+    def _shared(self, b: "BatchState", prefixes):
         return cascade_mod.segments(b.row_nodes, prefixes) if b.cascade else None
 
-    def decode_step(self, tokens: torch.Tensor, b: "_BatchState", prefixes) -> torch.Tensor:
+    def decode_step(self, tokens: torch.Tensor, b: "BatchState", prefixes) -> torch.Tensor:
         """Feed one token per row at its own next position; the next logits (B, V)."""
-        q_pos = b.next_pos[:, None]  # (B, 1)
-        if b.heads is None:  # every row appends at the common end
-            b.kv_pos = torch.cat([b.kv_pos, q_pos], dim=1)  # (B, L + 1)
-        else:
-            width = max(b.heads) + 1
-            slots = torch.tensor(b.heads, device=self.device)  # (B,)
-            b.kv_pos = _pad_to(b.kv_pos, width)  # (B, W)
-            b.kv_pos[torch.arange(len(b.heads), device=self.device), slots] = b.next_pos
-            kvcache.append_at(b.cache, slots, width)
-            b.heads = [h + 1 for h in b.heads]
+        q_pos = b.advance()  # (B, 1)
         logits = self.forward(tokens[:, None].to(self.device), q_pos, b.kv_pos, b.cache, self._shared(b, prefixes))
-        b.next_pos = b.next_pos + 1
         self.stats.decode_steps += 1
         return logits
 
@@ -363,7 +308,7 @@ class Engine:
         return (self.cascade_off is None and any(r.node is not None for r in rows)
                 and cascade_mod.window_allows(self.model.config, capacity))
 
-    def _finish_reason(self, row: _Row, token: int) -> str | None:
+    def _finish_reason(self, row: DecodeRow, token: int) -> str | None:
         if token in self.eos:
             return "stop"
         if row.request.stop is not None and row.request.stop(row.tokens):
@@ -372,7 +317,7 @@ class Engine:
             return "length"
         return None
 
-    def _finish(self, row: _Row, reason: str, error: str | None = None) -> Completion:
+    def _finish(self, row: DecodeRow, reason: str, error: str | None = None) -> Completion:
         n_prompt = len(row.request.prompt_ids)
         self.stats.completion_tokens += len(row.tokens)
         return Completion(
@@ -384,30 +329,6 @@ class Engine:
             cached_tokens=row.cached,
             error=error,
         )
-
-
-def _extent(rows: Sequence[Row], reqs: Sequence[Request], cascade: bool) -> tuple[int, int, int]:
-    """A batch layout's (prefix width, longest suffix, most new tokens); no prefix in rows with cascade."""
-    width = 0 if cascade else max(r.cached for r in rows)
-    s_max = max(len(q.prompt_ids) - r.cached for q, r in zip(reqs, rows))
-    return width, s_max, max(q.params.max_new_tokens for q in reqs)
-
-
-def _pad_to(kv_pos: torch.Tensor, width: int) -> torch.Tensor:
-    """(B, L) key positions widened to (B, width) with padding slots."""
-    return torch.nn.functional.pad(kv_pos, (0, width - kv_pos.shape[1]), value=masks.PAD)
-
-
-def _split(rows: tuple[Row, ...]) -> tuple[tuple[Row, ...], tuple[Row, ...]] | None:
-    if len(rows) > 1:
-        mid = len(rows) // 2
-        return rows[:mid], rows[mid:]
-    row = rows[0]
-    if len(row.samples) > 1:
-        mid = row.samples.start + len(row.samples) // 2
-        return ((Row(row.key, row.node, row.cached, range(row.samples.start, mid)),),
-                (Row(row.key, row.node, row.cached, range(mid, row.samples.stop)),))
-    return None
 
 
 def _release_memory(device: torch.device) -> None:
