@@ -48,8 +48,8 @@ class WorkList:
         while self._ops and free > 0:
             op = self._ops[0]
             if isinstance(op, Prefill):
+                prefill(op)  # first: if it fails, the op is still there to run
                 self._ops.popleft()
-                prefill(op)
                 continue
             if isinstance(op, Release):
                 self._ops.popleft()

@@ -148,3 +148,14 @@ def test_out_of_memory_while_rows_join_reruns_them_with_the_halves(monkeypatch):
     got = sorted((c.key, c.sample_index, c.token_ids) for c in engine.run(reqs))
     assert len(fired) == 2 and engine.stats.oom_splits == 2
     assert got == want  # every job exactly once, and the same text
+
+
+def test_a_prefill_that_fails_on_the_way_stays_planned():
+    work = WorkList([Prefill(3, None, "x", 0, 20), Batch((Row("d", 3, 20, range(1)),))])
+
+    def oom(op):
+        raise MemoryError("injected")
+
+    with pytest.raises(MemoryError):
+        work.take(2, lambda rows: True, set(), oom, lambda node: None)
+    assert work.pop() == Prefill(3, None, "x", 0, 20)
