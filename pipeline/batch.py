@@ -102,3 +102,16 @@ def split(rows: tuple[Row, ...]) -> tuple[tuple[Row, ...], tuple[Row, ...]] | No
         return ((Row(row.key, row.node, row.cached, range(row.samples.start, mid)),),
                 (Row(row.key, row.node, row.cached, range(mid, row.samples.stop)),))
     return None
+
+
+def unfinished(rows: Sequence[Row], finished: set[tuple]) -> tuple[Row, ...]:
+    """The rows' samples whose (key, sample index) is not in `finished`, as rows of consecutive samples."""
+    out: list[Row] = []
+    for row in rows:
+        left = [s for s in row.samples if (row.key, s) not in finished]
+        start = 0
+        for i in range(1, len(left) + 1):
+            if i == len(left) or left[i] != left[i - 1] + 1:
+                out.append(Row(row.key, row.node, row.cached, range(left[start], left[i - 1] + 1)))
+                start = i
+    return tuple(out)

@@ -6,14 +6,13 @@ token from that position's logits; positions continue exactly from the reused pr
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
 from pipeline import cascade as cascade_mod
 from pipeline import kvcache, masks
-from pipeline.batch import BatchState, DecodeRow, extent, split
+from pipeline.batch import BatchState, DecodeRow, extent, split, unfinished
 from pipeline.prefix_tree import PrefixTree
 from pipeline.sampling import make_generator, sample
 from pipeline.schedule import JobShape, Prefill, Release, Row, plan
@@ -45,6 +44,7 @@ class Engine:
         self.join = join  # rows planned next take the slots of finished rows (continuous batching)
         self.kinds = masks.layer_kinds(model.config)
         self.stats = RunStats()
+        self._stopped = False  # a run returned early on should_stop()
         self._in_use: set[int | None] = set()  # prefixes read by the batch in flight, its joined rows and halves
         # shared-prefix attention reads a group's prefix once; models it cannot serve copy it per row
         self.cascade_off = "disabled" if not cascade else cascade_mod.supports(model)
@@ -75,6 +75,7 @@ class Engine:
         ops = plan(tree, shapes, min_shared_tokens=self.min_shared_tokens, max_batch_tokens=self.max_batch_tokens,
                    prefix_in_rows=self.cascade_off is not None)
         work = WorkList(ops)
+        self._stopped = False
         while (op := work.pop()) is not None:
             if should_stop():
                 return
@@ -84,42 +85,44 @@ class Engine:
                 del prefixes[op.node]
             else:
                 self._in_use = {r.node for r in op.rows}  # prefixes this batch (and any halves) reads
-                done = self._run_split(op.rows, requests, prefixes, should_stop, work)
-                if done is None:
+                yield from self._run_split(op.rows, requests, prefixes, should_stop, work)
+                if self._stopped:
                     return
                 work.end_batch()
-                yield from done
 
     def _prefill_op(self, op: Prefill, requests, prefixes) -> None:
         parent = prefixes.get(op.parent) if op.parent is not None else None
         prefixes[op.node] = self.prefill(parent, requests[op.key].prompt_ids[op.start : op.end], op.start)
         self.stats.prefix_nodes += 1
 
-    def _run_split(self, rows, requests, prefixes, should_stop, work: WorkList) -> list[Completion] | None:
-        """Run one batch; out of memory, run its halves instead, down to one sample of one job,
-        which then fails alone. None: stopped."""
-        before = dataclasses.replace(self.stats)
+    def _run_split(self, rows, requests, prefixes, should_stop, work: WorkList) -> Iterator[Completion]:
+        """Run one batch, yielding every sample as it finishes (a batch that rows keep joining may run
+        long: its finished rows must reach the output, and a resume, without waiting for it). Out of
+        memory: run the halves of what had not finished, down to one sample of one job, which then
+        fails alone. Stopped: sets `_stopped`."""
         joined: list[Row] = []
+        finished: set[tuple] = set()
         try:
-            return self._run_batch(rows, requests, prefixes, should_stop, work, joined)
+            for c in self._run_batch(rows, requests, prefixes, should_stop, work, joined):
+                finished.add((c.key, c.sample_index))
+                yield c
+            return
         except torch.OutOfMemoryError:
-            self.stats = before  # the halves count their own work
             self.stats.oom_splits += 1
-            _release_memory(self.device)
-        rows = tuple(rows) + tuple(joined)  # rows that had joined are split with the others
-        halves = split(rows)
+        _release_memory(self.device)  # here, not in the handler: its traceback still holds the batch
+        rows = unfinished(tuple(rows) + tuple(joined), finished)  # rows that had joined split with the others
+        halves = split(rows) if rows else ()
         if halves is None:
             row = rows[0]
             req = requests[row.key]
-            return [Completion(req.key, s, [], "error", len(req.prompt_ids), row.cached, "out of memory")
-                    for s in row.samples]
-        out: list[Completion] = []
+            for s in row.samples:
+                self.stats.cached_tokens += row.cached if s == 0 else 0
+                yield Completion(req.key, s, [], "error", len(req.prompt_ids), row.cached, "out of memory")
+            return
         for half in halves:
-            done = self._run_split(half, requests, prefixes, should_stop, work)
-            if done is None:
-                return None
-            out += done
-        return out
+            yield from self._run_split(half, requests, prefixes, should_stop, work)
+            if self._stopped:
+                return
 
     # -- phases ---------------------------------------------------------------------------
 
@@ -169,32 +172,32 @@ class Engine:
         return out.logits[:, -1, :].float()  # (B, V)
 
     def _run_batch(self, rows, requests: Sequence[Request], prefixes, should_stop, work: WorkList,
-                   joined: list[Row]) -> list[Completion] | None:
+                   joined: list[Row]) -> Iterator[Completion]:
         """Prefill the rows' suffixes over their shared prefixes, then decode them to the end;
         the rows planned next join as finished rows free slots (appended to `joined`)."""
         self.stats.batches += 1
         b = BatchState(rows, [requests[r.key] for r in rows], [r.node for r in rows])
         logits = self._prefill_suffixes(b, prefixes, waiting=[(r, requests[r.key]) for r in work.peek_rows(4 * len(rows))])
         logits = self._fork(b, logits)
-        finished: list[Completion] = []
         while True:
             if should_stop():
-                return None
+                self._stopped = True
+                return
             finite = torch.isfinite(logits).all(dim=-1).tolist()
             tokens = sample(logits, [row.request.params for row in b.live], [row.generator for row in b.live])
             keep = []
             for i, (row, tok) in enumerate(zip(b.live, tokens.tolist())):
                 if not finite[i]:
-                    finished.append(self._finish(row, "error", "non-finite logits"))
+                    yield self._finish(row, "error", "non-finite logits")
                     continue
                 row.tokens.append(tok)
                 reason = self._finish_reason(row, tok)
                 if reason:
-                    finished.append(self._finish(row, reason))
+                    yield self._finish(row, reason)
                 else:
                     keep.append(i)
             if not keep:
-                return finished
+                return
             if len(keep) < len(b.live):
                 tokens = b.keep(keep, tokens)
             logits = self.decode_step(tokens, b, prefixes)
@@ -243,8 +246,6 @@ class Engine:
             q_pos[i, s_max - len(s) :] = torch.arange(r.cached, r.cached + len(s))
             input_ids[i, s_max - len(s) :] = torch.tensor(s)
             self.stats.prefill_tokens += len(s)
-            if r.samples.start == 0:
-                self.stats.cached_tokens += r.cached
         input_ids, q_pos, kv_pos = (t.to(self.device) for t in (input_ids, q_pos, kv_pos))
         b.kv_pos = torch.cat([kv_pos, q_pos], dim=1)  # (B, P + S)
         return self.forward(input_ids, q_pos, b.kv_pos, b.cache, self._shared(b, prefixes))
@@ -320,6 +321,8 @@ class Engine:
     def _finish(self, row: DecodeRow, reason: str, error: str | None = None) -> Completion:
         n_prompt = len(row.request.prompt_ids)
         self.stats.completion_tokens += len(row.tokens)
+        if row.sample_index == 0:  # once per job, and not again if an out-of-memory split reruns it
+            self.stats.cached_tokens += row.cached
         return Completion(
             key=row.request.key,
             sample_index=row.sample_index,

@@ -159,3 +159,33 @@ def test_a_prefill_that_fails_on_the_way_stays_planned():
     with pytest.raises(MemoryError):
         work.take(2, lambda rows: True, set(), oom, lambda node: None)
     assert work.pop() == Prefill(3, None, "x", 0, 20)
+
+
+def test_finished_rows_are_yielded_while_their_batch_runs_on():
+    """A batch that rows keep joining may run for the whole job: its finished rows must reach the
+    output (and a resume) as they finish, and a stop keeps every one yielded so far."""
+    tok = tokenizer()
+    model = make_model("llama", seed=5)
+    reqs = uneven_requests(tok)[:27]
+    engine = Engine(model, eos_token_ids=EOS, min_shared_tokens=4, max_batch_tokens=300)
+    steps_at = [engine.stats.decode_steps for _ in engine.run(reqs)]
+    assert engine.stats.admitted_rows > 0
+    assert steps_at[0] < steps_at[-1] / 4  # the first rows came out long before the batch ended
+
+    seen = []
+    engine = Engine(model, eos_token_ids=EOS, min_shared_tokens=4, max_batch_tokens=300)
+    for c in engine.run(reqs, should_stop=lambda: len(seen) >= 10):
+        seen.append(c)
+    assert 10 <= len(seen) < sum(r.params.n for r in reqs)
+    by_key = {r.key: r for r in reqs}
+    for c in seen:  # complete and right, not cut short by the stop
+        assert c.token_ids == reference_generate(model, by_key[c.key], EOS)
+
+
+def test_unfinished_keeps_the_samples_still_to_run():
+    from pipeline.batch import unfinished
+
+    rows = (Row("a", 1, 5, range(4)), Row("b", None, 0, range(1)), Row("c", 2, 3, range(2, 5)))
+    done = {("a", 1), ("b", 0), ("c", 4)}
+    assert unfinished(rows, done) == (Row("a", 1, 5, range(0, 1)), Row("a", 1, 5, range(2, 4)), Row("c", 2, 3, range(2, 4)))
+    assert unfinished(rows, set()) == rows
