@@ -6,6 +6,7 @@ token from that position's logits; positions continue exactly from the reused pr
 """
 from __future__ import annotations
 
+import collections
 from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -45,7 +46,10 @@ class Engine:
         self.kinds = masks.layer_kinds(model.config)
         self.stats = RunStats()
         self._stopped = False  # a run returned early on should_stop()
-        self._in_use: set[int | None] = set()  # prefixes read by the batch in flight, its joined rows and halves
+        # unfinished samples per prefix in the batch in flight (joined rows and halves to rerun included):
+        # a prefix is released once none is left, also while the batch runs on
+        self._unfinished: collections.Counter = collections.Counter()
+        self._node_of: dict = {}
         # shared-prefix attention reads a group's prefix once; models it cannot serve copy it per row
         self.cascade_off = "disabled" if not cascade else cascade_mod.supports(model)
         self.attention_path = "cascade" if self.cascade_off is None else f"copy ({self.cascade_off})"
@@ -84,11 +88,17 @@ class Engine:
             elif isinstance(op, Release):
                 del prefixes[op.node]
             else:
-                self._in_use = {r.node for r in op.rows}  # prefixes this batch (and any halves) reads
+                self._unfinished.clear()
+                self._track(op.rows, requests)
                 yield from self._run_split(op.rows, requests, prefixes, should_stop, work)
                 if self._stopped:
                     return
                 work.end_batch()
+
+    def _track(self, rows: Sequence[Row], requests: Sequence[Request]) -> None:
+        for r in rows:
+            self._unfinished[r.node] += len(r.samples)
+            self._node_of[requests[r.key].key] = r.node  # rows hold request indices, completions keys
 
     def _prefill_op(self, op: Prefill, requests, prefixes) -> None:
         parent = prefixes.get(op.parent) if op.parent is not None else None
@@ -105,6 +115,7 @@ class Engine:
         try:
             for c in self._run_batch(rows, requests, prefixes, should_stop, work, joined):
                 finished.add((c.key, c.sample_index))
+                self._unfinished[self._node_of[c.key]] -= 1
                 yield c
             return
         except torch.OutOfMemoryError:
@@ -117,6 +128,7 @@ class Engine:
             req = requests[row.key]
             for s in row.samples:
                 self.stats.cached_tokens += row.cached if s == 0 else 0
+                self._unfinished[row.node] -= 1
                 yield Completion(req.key, s, [], "error", len(req.prompt_ids), row.cached, "out of memory")
             return
         for half in halves:
@@ -265,11 +277,12 @@ class Engine:
                     and (not b.cascade or cascade_mod.window_allows(self.model.config, extent(rows, reqs, False)[0]
                                                                     + s_max + new_max)))
 
-        rows = work.take(free, fits, self._in_use, lambda op: self._prefill_op(op, requests, prefixes), prefixes.pop)
+        in_use = {node for node, left in self._unfinished.items() if left > 0}
+        rows = work.take(free, fits, in_use, lambda op: self._prefill_op(op, requests, prefixes), prefixes.pop)
         if not rows:
             return None
         joined.extend(rows)
-        self._in_use.update(r.node for r in rows)
+        self._track(rows, requests)
         new = BatchState(tuple(rows), [requests[r.key] for r in rows], [r.node for r in rows], cascade=b.cascade)
         logits = self._fork(new, self._prefill_suffixes(new, prefixes, into=b))
         self.stats.admitted_rows += len(new.live)

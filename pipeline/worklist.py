@@ -42,8 +42,12 @@ class WorkList:
     ) -> list[Row]:
         """Rows for `free` slots of the batch in flight, in plan order, while `fits(chosen)` and
         their samples fit. Prefills met on the way run now; a release of a prefix in `in_use` (read
-        by the batch in flight, or by rows a failed batch will rerun) or of a chosen row waits for
-        the batch's end."""
+        by unfinished rows of the batch in flight, including rows a failed batch will rerun) or of a
+        chosen row is held, and runs at a later call once its prefix is out of use, or at the
+        batch's end."""
+        for op in [op for op in self._held if op.node not in in_use]:  # its last reader finished
+            self._held.remove(op)
+            release(op.node)
         chosen: list[Row] = []
         while self._ops and free > 0:
             op = self._ops[0]

@@ -189,3 +189,37 @@ def test_unfinished_keeps_the_samples_still_to_run():
     done = {("a", 1), ("b", 0), ("c", 4)}
     assert unfinished(rows, done) == (Row("a", 1, 5, range(0, 1)), Row("a", 1, 5, range(2, 4)), Row("c", 2, 3, range(2, 4)))
     assert unfinished(rows, set()) == rows
+
+
+def test_a_held_release_runs_once_its_prefix_is_out_of_use():
+    work = WorkList([Batch((Row("d", 3, 20, range(1)),)), Release(3), Batch((Row("e", None, 0, range(1)),)),
+                     Batch((Row("f", None, 0, range(1)),))])
+    _, log = take(work, 1)
+    assert log == []  # d joined: prefix 3 is read
+    _, log = take(work, 1, in_use={3})
+    assert log == []  # still read
+    _, log = take(work, 1, in_use=set())
+    assert log == [("release", 3)]  # d finished: freed while the batch runs on
+
+
+def test_prefixes_are_freed_while_one_batch_runs_on_through_many_groups(monkeypatch):
+    """Joining can keep one batch running through every group of a job: each group's prefix must
+    still be freed once its rows finish, or memory would grow with the number of groups."""
+    tok = tokenizer()
+    model = make_model("llama", seed=5)
+    reqs = [Request(f"g{g}-q{i}", tok.encode_prompt(f"Group {g} header: " + "context words here " * 3 + f"Q{i}?"),
+                    SamplingParams(max_new_tokens=1 + (7 * i + g) % 9)) for g in range(24) for i in range(4)]
+    engine = Engine(model, eos_token_ids=[], min_shared_tokens=4, max_batch_tokens=100)
+    alive = []
+    real = engine._prefill_op
+
+    def spy(op, requests, prefixes):
+        real(op, requests, prefixes)
+        alive.append(len(prefixes))
+
+    monkeypatch.setattr(engine, "_prefill_op", spy)
+    got = sorted((c.key, c.token_ids) for c in engine.run(reqs))
+    assert engine.stats.admitted_rows > 40 and engine.stats.batches <= 3 and engine.stats.prefix_nodes >= 24
+    assert max(alive) <= 12, alive  # a few groups in flight plus the plan's path, not one per group (25)
+    want = sorted((c.key, c.token_ids) for c in Engine(model, eos_token_ids=[], min_shared_tokens=4, join=False).run(reqs))
+    assert got == want
