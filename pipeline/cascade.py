@@ -119,22 +119,36 @@ def _fused_ok(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     return _FUSED_OK[key]
 
 
-def _prefix_part(q: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, scale: float, fused: bool):
-    """q (b, Hq, Q, D) of rows that share one prefix (1, Hkv, P, D): one kernel call for all of them."""
+def _prefix_part(q: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, scale: float):
+    """q (b, Hq, Q, D) of rows that share one prefix (1, Hkv, P, D): (output, log-sum-exp) in float32.
+
+    The fused kernel takes all rows in one call; the matmul reference goes in row chunks, since a
+    long suffix over a long prefix would otherwise hold rows x Q x P scores."""
+    b, hq, q_len, d = q.shape
+    key = (q.device.type, q.dtype, d)
+    if _fused_ok(q.device, q.dtype, d):
+        try:
+            return _grouped(q, pk, pv, scale, _fused)
+        except torch.OutOfMemoryError:
+            raise  # the engine splits the batch
+        except RuntimeError:  # a shape the kernel refuses: the reference from now on
+            _FUSED_OK[key] = False
+    step = max(1, _QUERY_ROWS // (hq // pk.shape[1] * q_len))
+    parts = [_grouped(q[s : s + step], pk, pv, scale, _reference) for s in range(0, b, step)]
+    return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
+
+
+def _reference(q, k, v, scale):
+    return _partial(q, k, v, None, scale)
+
+
+def _grouped(q: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, scale: float, attend):
+    """All rows' queries, grouped per KV head, against the one prefix copy: (1, Hkv, b*G*Q, D)."""
     b, hq, q_len, d = q.shape
     hkv = pk.shape[1]
     g = hq // hkv
     qp = q.view(b, hkv, g, q_len, d).permute(1, 0, 2, 3, 4).reshape(1, hkv, b * g * q_len, d)
-    o = None
-    if fused:
-        try:
-            o, lse = _fused(qp, pk, pv, scale)
-        except torch.OutOfMemoryError:
-            raise  # the engine splits the batch
-        except RuntimeError:  # a shape the kernel refuses: the reference from now on
-            _FUSED_OK[(qp.device.type, qp.dtype, d)] = False
-    if o is None:
-        o, lse = _partial(qp, pk, pv, None, scale)  # (1, Hkv, b*G*Q, .)
+    o, lse = attend(qp, pk, pv, scale)  # (1, Hkv, b*G*Q, .)
 
     def back(t):
         return t.reshape(hkv, b, g, q_len, -1).permute(1, 0, 2, 3, 4).reshape(b, hq, q_len, -1)
@@ -147,19 +161,14 @@ def cascade_attention(module, query, key, value, attention_mask, dropout: float 
     b, hq, q_len, d = query.shape
     hkv = key.shape[1]
     scale = scaling if scaling is not None else d ** -0.5
-    fused = _fused_ok(query.device, query.dtype, d)
 
     # prefix part: each run of rows against one copy of its prefix (rows without one: weight 0)
     o1 = query.new_zeros(b, hq, q_len, value.shape[-1], dtype=torch.float32)
     lse1 = query.new_full((b, hq, q_len, 1), float("-inf"), dtype=torch.float32)
-    # the matmul version goes in row chunks: a long suffix over a long prefix would hold rows x Q x P scores
-    step = b if fused else max(1, _QUERY_ROWS // (hq // hkv * q_len))
     for start, end, layers in _state.segments:
         if layers is not None:
             pk, pv = layers[module.layer_idx]
-            for s in range(start, end, step):
-                e = min(end, s + step)
-                o1[s:e], lse1[s:e] = _prefix_part(query[s:e], pk, pv, scale, fused)
+            o1[start:end], lse1[start:end] = _prefix_part(query[start:end], pk, pv, scale)
 
     # own part: each row against its own keys, under the engine's position-space mask
     qo = query.view(b, hkv, hq // hkv, q_len, d)
