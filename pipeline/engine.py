@@ -49,7 +49,6 @@ class Engine:
         # unfinished samples per prefix in the batch in flight (joined rows and halves to rerun included):
         # a prefix is released once none is left, also while the batch runs on
         self._unfinished: collections.Counter = collections.Counter()
-        self._node_of: dict = {}
         # shared-prefix attention reads a group's prefix once; models it cannot serve copy it per row
         self.cascade_off = "disabled" if not cascade else cascade_mod.supports(model)
         self.attention_path = "cascade" if self.cascade_off is None else f"copy ({self.cascade_off})"
@@ -89,16 +88,15 @@ class Engine:
                 del prefixes[op.node]
             else:
                 self._unfinished.clear()
-                self._track(op.rows, requests)
+                self._track(op.rows)
                 yield from self._run_split(op.rows, requests, prefixes, should_stop, work)
                 if self._stopped:
                     return
                 work.end_batch()
 
-    def _track(self, rows: Sequence[Row], requests: Sequence[Request]) -> None:
+    def _track(self, rows: Sequence[Row]) -> None:
         for r in rows:
             self._unfinished[r.node] += len(r.samples)
-            self._node_of[requests[r.key].key] = r.node  # rows hold request indices, completions keys
 
     def _prefill_op(self, op: Prefill, requests, prefixes) -> None:
         parent = prefixes.get(op.parent) if op.parent is not None else None
@@ -115,7 +113,6 @@ class Engine:
         try:
             for c in self._run_batch(rows, requests, prefixes, should_stop, work, joined):
                 finished.add((c.key, c.sample_index))
-                self._unfinished[self._node_of[c.key]] -= 1
                 yield c
             return
         except torch.OutOfMemoryError:
@@ -200,12 +197,12 @@ class Engine:
             keep = []
             for i, (row, tok) in enumerate(zip(b.live, tokens.tolist())):
                 if not finite[i]:
-                    yield self._finish(row, "error", "non-finite logits")
+                    yield self._finish(row, b.row_nodes[i], "error", "non-finite logits")
                     continue
                 row.tokens.append(tok)
                 reason = self._finish_reason(row, tok)
                 if reason:
-                    yield self._finish(row, reason)
+                    yield self._finish(row, b.row_nodes[i], reason)
                 else:
                     keep.append(i)
             if not keep:
@@ -271,18 +268,19 @@ class Engine:
             return None
 
         def fits(rows: list[Row]) -> bool:
-            reqs = [requests[r.key] for r in rows]
-            width, s_max, new_max = extent(rows, reqs, b.cascade)
-            return (width + s_max + new_max <= capacity
-                    and (not b.cascade or cascade_mod.window_allows(self.model.config, extent(rows, reqs, False)[0]
-                                                                    + s_max + new_max)))
+            width, s_max, new_max = extent(rows, [requests[r.key] for r in rows], cascade=False)
+            if not b.cascade:
+                return width + s_max + new_max <= capacity
+            # rows hold only their own tokens, and the window must still see the whole prefix
+            return s_max + new_max <= capacity and cascade_mod.window_allows(self.model.config,
+                                                                             width + s_max + new_max)
 
         in_use = {node for node, left in self._unfinished.items() if left > 0}
         rows = work.take(free, fits, in_use, lambda op: self._prefill_op(op, requests, prefixes), prefixes.pop)
         if not rows:
             return None
         joined.extend(rows)
-        self._track(rows, requests)
+        self._track(rows)
         new = BatchState(tuple(rows), [requests[r.key] for r in rows], [r.node for r in rows], cascade=b.cascade)
         logits = self._fork(new, self._prefill_suffixes(new, prefixes, into=b))
         self.stats.admitted_rows += len(new.live)
@@ -331,8 +329,9 @@ class Engine:
             return "length"
         return None
 
-    def _finish(self, row: DecodeRow, reason: str, error: str | None = None) -> Completion:
+    def _finish(self, row: DecodeRow, node: int | None, reason: str, error: str | None = None) -> Completion:
         n_prompt = len(row.request.prompt_ids)
+        self._unfinished[node] -= 1  # its prefix may be released once no unfinished row reads it
         self.stats.completion_tokens += len(row.tokens)
         if row.sample_index == 0:  # once per job, and not again if an out-of-memory split reruns it
             self.stats.cached_tokens += row.cached

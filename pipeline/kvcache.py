@@ -128,24 +128,19 @@ def fan_out(groups: list[tuple[PrefixKV | None, int]], width: int, capacity: int
     template = next((p for p, _ in groups if p is not None and p.layers), None)
     used = sum(count for _, count in groups)
     cache = DynamicCache()
-    if into is not None:
-        for layer in into.layers:
-            kbuf, vbuf = layer.kbuf[start : start + rows], layer.vbuf[start : start + rows]  # views: writes land there
-            kbuf.zero_()
-            vbuf.zero_()
-            cache.layers.append(BufferLayer(rows, capacity, used, 0, kbuf, vbuf))
-        if template is None:
-            return cache
-    elif template is None:  # nothing cached yet: the model's first update sizes the buffers
+    if into is None and template is None:  # nothing cached yet: the model's first update sizes the buffers
         cache.layer_class_to_replicate = lambda: BufferLayer(rows, capacity, used)
         return cache
-    for i, (k0, v0) in enumerate(template.layers):
-        _, heads, _, dim = k0.shape
+    for i in range(len(into.layers if into is not None else template.layers)):
         if into is not None:
-            kbuf, vbuf = cache.layers[i].kbuf, cache.layers[i].vbuf
+            kbuf = into.layers[i].kbuf[start : start + rows]  # views: writes land in the batch's buffers
+            vbuf = into.layers[i].vbuf[start : start + rows]
+            kbuf.zero_()
+            vbuf.zero_()
         else:
-            kbuf = k0.new_zeros(rows, heads, capacity, dim)  # (rows, H, capacity, D)
-            vbuf = v0.new_zeros(rows, heads, capacity, v0.shape[3])
+            k0, v0 = template.layers[i]
+            kbuf = k0.new_zeros(rows, k0.shape[1], capacity, k0.shape[3])  # (rows, H, capacity, D)
+            vbuf = v0.new_zeros(rows, v0.shape[1], capacity, v0.shape[3])
         r = 0
         for prefix, count in groups:
             if prefix is not None and prefix.layers:
@@ -153,10 +148,7 @@ def fan_out(groups: list[tuple[PrefixKV | None, int]], width: int, capacity: int
                 kbuf[r : r + count, :, : k.shape[2]] = k  # broadcast over the group's rows
                 vbuf[r : r + count, :, : v.shape[2]] = v
             r += count
-        if into is not None:
-            cache.layers[i] = BufferLayer(rows, capacity, used, width, kbuf, vbuf)
-        else:
-            cache.layers.append(BufferLayer(rows, capacity, used, width, kbuf, vbuf))
+        cache.layers.append(BufferLayer(rows, capacity, used, width, kbuf, vbuf))
     return cache
 
 
@@ -174,15 +166,14 @@ def resize_rows(cache: DynamicCache, rows: int, width: int) -> None:
             layer._views()
 
 
-def append_at(cache: DynamicCache, slots: torch.Tensor | None, width: int) -> None:
+def append_at(cache: DynamicCache, slots: torch.Tensor, width: int) -> None:
     """The next forward appends row i's token at slots[i] and views `width` slots (rows of
-    unequal length); None: every row appends at the common end again."""
+    unequal length, once rows joined a batch in flight)."""
     for layer in cache.layers:
         if isinstance(layer, BufferLayer):
             layer.ragged = slots
-            if slots is not None:
-                layer.length = width
-                layer._views()
+            layer.length = width
+            layer._views()
 
 
 def keep_rows(cache: DynamicCache, keep: list[int]) -> None:
