@@ -1,24 +1,64 @@
-"""Executes a schedule: prefill each shared prefix once, fan its cache out, decode in batches.
+"""Executes a plan: prefill each shared prefix once, then run rows through batches of slots.
 
-Correct by construction for prompts that are wholly shared: the tree holds each prompt minus
-its last token, so every request feeds at least that token itself and samples its first new
-token from that position's logits; positions continue exactly from the reused prefix.
+Correct by construction for prompts that are wholly shared: the tree holds each prompt minus its
+last token, so every row feeds at least that token itself and samples its first new token from
+that position's logits; positions continue exactly from the prefix it reads.
+
+The loop, top to bottom (gpt-fast's generate.py, with vLLM v1's flat token layout):
+    for each batch shape of the plan:
+        while rows are waiting or in flight:
+            admit    rows planned next take free slots (their prefixes are prefilled first)
+            forward  one token per decoding row + chunks of admitted rows' suffixes, no padding
+            sample   the next token of every row that has logits
+            finish   finished rows leave their slots and drop their prefixes' reference counts
+A cached prefix lives while its tree node's reference count (unfinished rows at or below it) is
+above zero: one mechanism for every prefix's lifetime.
 """
 from __future__ import annotations
 
-import collections
+from collections import deque
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from pipeline import cascade as cascade_mod
-from pipeline import kvcache, masks
-from pipeline.batch import BatchState, DecodeRow, extent, split, unfinished
+from pipeline import attention
+from pipeline.kv import LayerShape, PrefixKV, RowKV
 from pipeline.prefix_tree import PrefixTree
 from pipeline.sampling import make_generator, sample
-from pipeline.schedule import JobShape, Prefill, Release, Row, plan
-from pipeline.worklist import WorkList
+from pipeline.schedule import Plan, Row, plan, tree_of
+from pipeline.step import Decode, Segment, Step, build
 from pipeline.types import Completion, Request, RunStats
+
+
+class EngineError(Exception):
+    """The model cannot run on this engine; the message says why."""
+
+
+@dataclass
+class Fill:
+    """A row prefilling its suffix into its first slot; its other samples' slots wait for the fork."""
+
+    row: Row
+    request: Request
+    slots: list[int]
+    fed: int = 0  # suffix tokens already fed
+
+    @property
+    def suffix(self) -> list[int]:
+        return self.request.prompt_ids[self.row.cached :]
+
+
+@dataclass
+class Live:
+    """One sample decoding in its slot."""
+
+    row: Row
+    request: Request
+    sample: int
+    slot: int
+    generator: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)
 
 
 class Engine:
@@ -30,7 +70,7 @@ class Engine:
         min_shared_tokens: int = 16,
         max_batch_tokens: int = 65536,
         default_seed: int = 0,
-        prefill_chunk: int = 512,
+        step_tokens: int = 2048,
         cascade: bool = True,
         join: bool = True,
     ) -> None:
@@ -41,286 +81,171 @@ class Engine:
         self.min_shared_tokens = min_shared_tokens
         self.max_batch_tokens = max_batch_tokens
         self.default_seed = default_seed
-        self.prefill_chunk = prefill_chunk  # tokens per prefill forward; halves on out-of-memory
+        self.step_tokens = step_tokens  # tokens per forward; halves on out-of-memory
+        self.cascade = cascade  # rows read shared prefixes once per step; else each row copies its prefix
         self.join = join  # rows planned next take the slots of finished rows (continuous batching)
-        self.kinds = masks.layer_kinds(model.config)
+        self.attention_path = "cascade" if cascade else "copy"
+        self.layers = layer_shapes(model)
         self.stats = RunStats()
-        self._stopped = False  # a run returned early on should_stop()
-        # unfinished samples per prefix in the batch in flight (joined rows and halves to rerun included):
-        # a prefix is released once none is left, also while the batch runs on
-        self._unfinished: collections.Counter = collections.Counter()
-        # shared-prefix attention reads a group's prefix once; models it cannot serve copy it per row
-        self.cascade_off = "disabled" if not cascade else cascade_mod.supports(model)
-        self.attention_path = "cascade" if self.cascade_off is None else f"copy ({self.cascade_off})"
 
     def generate(self, requests: Sequence[Request]) -> list[Completion]:
         return list(self.run(requests))
 
+    def plan(self, requests: Sequence[Request]) -> Plan:
+        tree, shapes = tree_of((r.key, r.prompt_ids, r.params.max_new_tokens, r.params.n) for r in requests)
+        return plan(tree, shapes, min_shared_tokens=self.min_shared_tokens, max_batch_tokens=self.max_batch_tokens,
+                    cascade=self.cascade)
+
     @torch.inference_mode()
     def run(self, requests: Sequence[Request], should_stop: Callable[[], bool] = lambda: False) -> Iterator[Completion]:
-        """Yield every sample of every request, batch by batch (prefix order, not input order).
+        """Yield every sample of every request as it finishes (prefix order, not input order).
 
-        Returns early, between steps, once `should_stop()` is true (preemption): the batch in
-        flight is dropped, everything yielded so far is complete.
-        """
-        tree = PrefixTree()
-        shapes: dict[int, JobShape] = {}
-        for i, req in enumerate(requests):
-            if not req.prompt_ids:
-                raise ValueError(f"request {req.key!r} has an empty prompt")
-            # hold back the last prompt token: its logits start generation
-            tree.insert(i, req.prompt_ids[:-1])
-            shapes[i] = JobShape(len(req.prompt_ids), req.params.max_new_tokens, req.params.n)
+        Returns early, between steps, once `should_stop()` is true (preemption): rows in flight are
+        dropped, everything yielded so far is complete."""
+        self._requests = {r.key: r for r in requests}
+        self._plan = self.plan(requests)
+        self._prefixes: dict[int, PrefixKV] = {}
+        self._prefix_of = {id(node): pid for pid, node in self._plan.nodes.items()}
+        for r in requests:
             self.stats.jobs += 1
-            self.stats.rows += req.params.n
-            self.stats.prompt_tokens += len(req.prompt_ids)
-        prefixes: dict[int, kvcache.PrefixKV] = {}
-        ops = plan(tree, shapes, min_shared_tokens=self.min_shared_tokens, max_batch_tokens=self.max_batch_tokens,
-                   prefix_in_rows=self.cascade_off is not None)
-        work = WorkList(ops)
-        self._stopped = False
-        while (op := work.pop()) is not None:
-            if should_stop():
-                return
-            if isinstance(op, Prefill):
-                self._prefill_op(op, requests, prefixes)
-            elif isinstance(op, Release):
-                del prefixes[op.node]
-            else:
-                self._unfinished.clear()
-                self._track(op.rows)
-                yield from self._run_split(op.rows, requests, prefixes, should_stop, work)
-                if self._stopped:
-                    return
-                work.end_batch()
-
-    def _track(self, rows: Sequence[Row]) -> None:
-        for r in rows:
-            self._unfinished[r.node] += len(r.samples)
-
-    def _prefill_op(self, op: Prefill, requests, prefixes) -> None:
-        parent = prefixes.get(op.parent) if op.parent is not None else None
-        prefixes[op.node] = self.prefill(parent, requests[op.key].prompt_ids[op.start : op.end], op.start)
-        self.stats.prefix_nodes += 1
-
-    def _run_split(self, rows, requests, prefixes, should_stop, work: WorkList) -> Iterator[Completion]:
-        """Run one batch, yielding every sample as it finishes (a batch that rows keep joining may run
-        long: its finished rows must reach the output, and a resume, without waiting for it). Out of
-        memory: run the halves of what had not finished, down to one sample of one job, which then
-        fails alone. Stopped: sets `_stopped`."""
-        joined: list[Row] = []
-        finished: set[tuple] = set()
-        try:
-            for c in self._run_batch(rows, requests, prefixes, should_stop, work, joined):
-                finished.add((c.key, c.sample_index))
-                yield c
-            return
-        except torch.OutOfMemoryError:
-            self.stats.oom_splits += 1
-        _release_memory(self.device)  # here, not in the handler: its traceback still holds the batch
-        rows = unfinished(tuple(rows) + tuple(joined), finished)  # rows that had joined split with the others
-        halves = split(rows) if rows else ()
-        if halves is None:
-            row = rows[0]
-            req = requests[row.key]
-            for s in row.samples:
-                self.stats.cached_tokens += row.cached if s == 0 else 0
-                self._unfinished[row.node] -= 1
-                yield Completion(req.key, s, [], "error", len(req.prompt_ids), row.cached, "out of memory")
-            return
-        for half in halves:
-            yield from self._run_split(half, requests, prefixes, should_stop, work)
-            if self._stopped:
+            self.stats.rows += r.params.n
+            self.stats.prompt_tokens += len(r.prompt_ids)
+        for row in self._plan.rows:  # a row holds its prefix, and every one above it, until it finishes
+            if row.prefix is not None:
+                PrefixTree.lock(self._plan.nodes[row.prefix], len(row.samples))
+        for shape in self._plan.batches:
+            queue = deque(self._plan.rows[shape.start : shape.end])
+            stopped = yield from self._run_batch(queue, shape.slots, shape.capacity, should_stop)
+            if stopped:
                 return
 
-    # -- phases ---------------------------------------------------------------------------
+    # -- one batch of slots ---------------------------------------------------------------
 
-    def prefill(self, parent: kvcache.PrefixKV | None, ids: list[int], start: int) -> kvcache.PrefixKV:
-        """Extend a batch-1 prefix by `ids` at positions start.. (no padding: the model's own causal
-        mask), in chunks that halve when memory runs out."""
-        cache = kvcache.extend_from(parent, len(ids))
-        done = 0
-        while done < len(ids):
-            chunk = ids[done : done + self.prefill_chunk]
-            pos = start + done
-            input_ids = torch.tensor([chunk], device=self.device)  # (1, C)
-            positions = torch.arange(pos, pos + len(chunk), device=self.device)[None]  # (1, C)
-            try:
-                self.model(input_ids=input_ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
-            except torch.OutOfMemoryError:
-                if self.prefill_chunk <= 16:
-                    raise
-                self.stats.oom_splits += 1
-                kvcache.truncate(cache, pos)  # layers that ran before the failure appended this chunk
-                _release_memory(self.device)
-                self.prefill_chunk //= 2
-                continue
-            done += len(chunk)
-        self.stats.prefill_tokens += len(ids)
-        return kvcache.snapshot(cache)
-
-    def forward(self, input_ids, q_pos, kv_pos, cache, shared=None) -> torch.Tensor:
-        """One forward over padded rows; returns the last position's logits (B, V). `shared`: runs
-        of rows and the prefix each continues (cascade attention); kv_pos then covers each row's
-        own keys only."""
-        mask = masks.build(q_pos, kv_pos, self.kinds, self.dtype)
-        if shared is not None:
-            with cascade_mod.active(self.model, shared):
-                return self._logits(input_ids, q_pos, mask, cache)
-        return self._logits(input_ids, q_pos, mask, cache)
-
-    def _logits(self, input_ids, q_pos, mask, cache) -> torch.Tensor:
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=q_pos.clamp(min=0),
-            attention_mask=mask,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        return out.logits[:, -1, :].float()  # (B, V)
-
-    def _run_batch(self, rows, requests: Sequence[Request], prefixes, should_stop, work: WorkList,
-                   joined: list[Row]) -> Iterator[Completion]:
-        """Prefill the rows' suffixes over their shared prefixes, then decode them to the end;
-        the rows planned next join as finished rows free slots (appended to `joined`)."""
+    def _run_batch(self, queue: deque, slots: int, capacity: int, should_stop):
+        """Run rows through `slots` slots of `capacity` own tokens until the queue is empty. Yields
+        completions; returns True if stopped."""
+        kv = RowKV(self.layers, slots, capacity, self.dtype, self.device)
         self.stats.batches += 1
-        b = BatchState(rows, [requests[r.key] for r in rows], [r.node for r in rows])
-        logits = self._prefill_suffixes(b, prefixes, waiting=[(r, requests[r.key]) for r in work.peek_rows(4 * len(rows))])
-        logits = self._fork(b, logits)
-        while True:
+        self.stats.cascade_batches += any(r.anchor is not None for r in queue)
+        filling: list[Fill] = []
+        running: list[Live] = []
+        limit = slots  # slots in use at most: lowered on out-of-memory
+        while queue or filling or running:
             if should_stop():
-                self._stopped = True
-                return
-            finite = torch.isfinite(logits).all(dim=-1).tolist()
-            tokens = sample(logits, [row.request.params for row in b.live], [row.generator for row in b.live])
-            keep = []
-            for i, (row, tok) in enumerate(zip(b.live, tokens.tolist())):
-                if not finite[i]:
-                    yield self._finish(row, b.row_nodes[i], "error", "non-finite logits")
-                    continue
-                row.tokens.append(tok)
-                reason = self._finish_reason(row, tok)
-                if reason:
-                    yield self._finish(row, b.row_nodes[i], reason)
-                else:
-                    keep.append(i)
-            if not keep:
-                return
-            if len(keep) < len(b.live):
-                tokens = b.keep(keep, tokens)
-            logits = self.decode_step(tokens, b, prefixes)
-            more = self._admit(b, requests, prefixes, work, joined)
-            if more is not None:
-                logits = torch.cat([logits, more])  # (B + new, V)
+                return True
+            busy = bool(filling or running)
+            if self.join or not busy:
+                admitted = self._admit(queue, kv, filling, limit)
+                self.stats.admitted_rows += admitted if busy else 0  # joined rows in flight
+            step, keep, done = self._layout(running, filling, kv)
+            try:
+                logits = self.forward(step, keep)  # (decoding rows + fills done, V)
+            except torch.OutOfMemoryError:
+                self.stats.oom_splits += 1
+                limit = yield from self._shrink(queue, kv, filling, running, limit, step.tokens - step.n_dec)
+                continue
+            self._commit(step, kv, filling)
+            # a fill's samples share its last logits
+            index = list(range(len(running))) + [len(running) + i for i, f in enumerate(done) for _ in f.slots]
+            running += self._fork(done, kv)
+            yield from self._sample(logits[index], running, kv)
+        return False
 
-    def _prefill_suffixes(self, b: "BatchState", prefixes, into: "BatchState | None" = None,
-                          waiting: Sequence[tuple[Row, Request]] = ()) -> torch.Tensor:
-        """Lay the rows out as prefix | pad | pad | suffix (every row's last prompt token last),
-        over a cache of their prefixes, and run the suffixes: the last position's logits (B, V).
-        `into`: a batch in flight whose free slots the rows take (in its layout). `waiting`: rows
-        that may join later; the buffers get room for them within the batch's token budget."""
-        rows = b.rows
-        width, s_max, new_max = extent(rows, b.reqs, cascade=False)
-        capacity = width + s_max + new_max
-        if into is None:
-            b.cascade = self._cascade_ok(rows, capacity)
-            self.stats.cascade_batches += b.cascade
-        if b.cascade:  # each row's prefix stays in its one shared copy: rows hold only their own tokens
-            groups, capacity, width = [(None, len(rows))], capacity - width, 0
-        else:
-            groups = []
-            for r in rows:
-                prefix = prefixes[r.node] if r.node is not None else None
-                if groups and groups[-1][0] is prefix:
-                    groups[-1] = (prefix, groups[-1][1] + 1)
-                else:
-                    groups.append((prefix, 1))
-        slots = sum(len(r.samples) for r in rows)
-        if waiting:
-            reach = sum(extent(*zip(*waiting), b.cascade))
-            capacity = max(capacity, min(reach, self.max_batch_tokens // slots))
-        if into is None:
-            b.cache = kvcache.fan_out(groups, width, capacity, rows=slots)
-        else:
-            b.cache = kvcache.fan_out(groups, width, capacity, rows=slots, into=into.cache, start=len(into.live))
+    def _admit(self, queue: deque, kv: RowKV, filling: list[Fill], limit: int) -> int:
+        """Rows planned next take free slots, in plan order, whole requests only (a request's samples
+        share one suffix prefill); prefixes they need are prefilled first. Returns samples admitted."""
+        rows, free = [], limit - kv.in_use()
+        if queue and free == limit and len(queue[0].samples) > free:  # more samples than slots left: split
+            head = queue.popleft()
+            cut = head.samples.start + free
+            queue.extendleft([replace(head, samples=range(cut, head.samples.stop)),
+                              replace(head, samples=range(head.samples.start, cut))])
+        for row in queue:
+            if len(row.samples) > free:
+                break
+            rows.append(row)
+            free -= len(row.samples)
+        self._prefill_prefixes({r.prefix for r in rows if r.prefix is not None})
+        for row in rows:
+            queue.popleft()
+            slots = kv.take(len(row.samples))
+            if row.cached > row.anchored:  # a short nested prefix: its keys/values join the row's own
+                kv.copy_in(slots[0], self._prefixes[row.prefix], row.anchored, row.cached)
+            filling.append(Fill(row, self._requests[row.key], slots))
+        return sum(len(r.samples) for r in rows)
 
-        n = len(rows)
-        suffixes = [q.prompt_ids[r.cached :] for q, r in zip(b.reqs, rows)]
-        kv_pos = torch.full((n, width), masks.PAD, dtype=torch.long)  # (B, P); (B, 0) with cascade
-        q_pos = torch.full((n, s_max), masks.PAD, dtype=torch.long)  # (B, S)
-        input_ids = torch.zeros((n, s_max), dtype=torch.long)  # (B, S)
-        for i, (r, s) in enumerate(zip(rows, suffixes)):
-            kv_pos[i, : min(r.cached, width)] = torch.arange(min(r.cached, width))
-            q_pos[i, s_max - len(s) :] = torch.arange(r.cached, r.cached + len(s))
-            input_ids[i, s_max - len(s) :] = torch.tensor(s)
-            self.stats.prefill_tokens += len(s)
-        input_ids, q_pos, kv_pos = (t.to(self.device) for t in (input_ids, q_pos, kv_pos))
-        b.kv_pos = torch.cat([kv_pos, q_pos], dim=1)  # (B, P + S)
-        return self.forward(input_ids, q_pos, b.kv_pos, b.cache, self._shared(b, prefixes))
+    def _layout(self, running: list[Live], filling: list[Fill], kv: RowKV) -> tuple[Step, list[int], list[Fill]]:
+        """This step: a token per decoding row, then suffix chunks, oldest fill first, up to
+        step_tokens in all. Also the tokens whose logits are wanted, and the fills it completes."""
+        budget = max(1, self.step_tokens - len(running))
+        chunks, done = [], []
+        for f in filling:
+            if budget <= 0:
+                break
+            chunk = f.suffix[f.fed : f.fed + budget]
+            anchor = self._prefixes[f.row.anchor] if f.row.anchor is not None else None
+            chunks.append((Segment(0, 0, kv.k, kv.v, f.slots[0], kv.lens[f.slots[0]], f.row.anchored, anchor), chunk))
+            budget -= len(chunk)
+            if f.fed + len(chunk) == len(f.suffix):
+                done.append(f)
+        decode = [Decode(r.slot, r.row.anchored, self._prefixes[r.row.anchor] if r.row.anchor is not None else None)
+                  for r in running]
+        step = build(decode, [r.tokens[-1] for r in running], chunks, kv, self.device)
+        last = {seg.index: seg.t1 - 1 for seg, _ in chunks}
+        return step, list(range(len(running))) + [last[f.slots[0]] for f in done], done
 
-    def _admit(self, b: "BatchState", requests, prefixes, work: WorkList, joined) -> torch.Tensor | None:
-        """Rows planned next take the slots finished rows freed, once a quarter of the batch is free
-        (each joining costs a suffix prefill): their suffixes run into those slots. Their logits (N, V)."""
-        slots, capacity = kvcache.capacity(b.cache)
-        free = slots - len(b.live)
-        if not self.join or free < max(1, slots // 4):
-            return None
+    def forward(self, step: Step, keep: list[int]) -> torch.Tensor:
+        """One forward over the step's flat tokens: the logits (N, V) at the token indices `keep`."""
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        with attention.selected(self.model):
+            out = self.model(input_ids=step.input_ids, position_ids=step.positions, use_cache=False,
+                             logits_to_keep=index, **{attention.KWARG: step})
+        return out.logits[0].float()
 
-        def fits(rows: list[Row]) -> bool:
-            width, s_max, new_max = extent(rows, [requests[r.key] for r in rows], cascade=False)
-            if not b.cascade:
-                return width + s_max + new_max <= capacity
-            # rows hold only their own tokens, and the window must still see the whole prefix
-            return s_max + new_max <= capacity and cascade_mod.window_allows(self.model.config,
-                                                                             width + s_max + new_max)
+    def _commit(self, step: Step, kv: RowKV, filling: list[Fill]) -> None:
+        """The forward succeeded: what it wrote now counts; fills whose suffix is in leave `filling`."""
+        for slot in (step.dec_slots.tolist() if step.n_dec else ()):
+            kv.lens[slot] += 1
+        fed = {s.index: s.t1 - s.t0 for s in step.segments}
+        for f in filling:
+            n = fed.get(f.slots[0], 0)
+            kv.lens[f.slots[0]] += n
+            f.fed += n
+        filling[:] = [f for f in filling if f.fed < len(f.suffix)]
+        self.stats.prefill_tokens += step.tokens - step.n_dec
+        self.stats.decode_steps += step.n_dec > 0
 
-        in_use = {node for node, left in self._unfinished.items() if left > 0}
-        rows = work.take(free, fits, in_use, lambda op: self._prefill_op(op, requests, prefixes), prefixes.pop)
-        if not rows:
-            return None
-        joined.extend(rows)
-        self._track(rows)
-        new = BatchState(tuple(rows), [requests[r.key] for r in rows], [r.node for r in rows], cascade=b.cascade)
-        logits = self._fork(new, self._prefill_suffixes(new, prefixes, into=b))
-        self.stats.admitted_rows += len(new.live)
-        b.absorb(new)
-        return logits
-
-    def _fork(self, b: "BatchState", logits: torch.Tensor) -> torch.Tensor:
-        """Each request becomes its samples: they share the prompt, its cache and its last logits."""
-        fork = []
-        for i, (q, r) in enumerate(zip(b.reqs, b.rows)):
+    def _fork(self, done: list[Fill], kv: RowKV) -> list[Live]:
+        """Fills whose suffix is in: each sample gets a slot holding the same keys and values."""
+        out = []
+        for f in done:
+            if len(f.slots) > 1:
+                kv.fork(f.slots[0], f.slots[1:])
+            q = f.request
             seed = q.params.seed if q.params.seed is not None else self.default_seed
-            for s in r.samples:
+            for s, slot in zip(f.row.samples, f.slots):
                 gen = None if q.params.greedy else make_generator(seed, s, self.device)
-                b.live.append(DecodeRow(q, s, r.cached, gen))
-                fork.append(i)
-        if fork != list(range(len(b.rows))):
-            kvcache.fork_rows(b.cache, [len(r.samples) for r in b.rows])
-            index = torch.tensor(fork, device=self.device)
-            b.kv_pos, logits = b.kv_pos[index], logits[index]
-            b.row_nodes = [b.row_nodes[i] for i in fork]
-        b.next_pos = torch.tensor([len(row.request.prompt_ids) for row in b.live], device=self.device)  # (B,)
-        return logits
+                out.append(Live(f.row, q, s, slot, gen))
+        return out
 
-    def _shared(self, b: "BatchState", prefixes):
-        return cascade_mod.segments(b.row_nodes, prefixes) if b.cascade else None
+    def _sample(self, logits: torch.Tensor, running: list[Live], kv: RowKV) -> Iterator[Completion]:
+        """The next token of every running row (logits (len(running), V), in order); finished rows leave."""
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        tokens = sample(logits, [r.request.params for r in running], [r.generator for r in running]).tolist()
+        keep = []
+        for r, tok, ok in zip(running, tokens, finite):
+            if not ok:
+                yield self._finish(r, kv, "error", "non-finite logits")
+                continue
+            r.tokens.append(tok)
+            reason = self._finish_reason(r, tok)
+            if reason:
+                yield self._finish(r, kv, reason)
+            else:
+                keep.append(r)
+        running[:] = keep
 
-    def decode_step(self, tokens: torch.Tensor, b: "BatchState", prefixes) -> torch.Tensor:
-        """Feed one token per row at its own next position; the next logits (B, V)."""
-        q_pos = b.advance()  # (B, 1)
-        logits = self.forward(tokens[:, None].to(self.device), q_pos, b.kv_pos, b.cache, self._shared(b, prefixes))
-        self.stats.decode_steps += 1
-        return logits
-
-    def _cascade_ok(self, rows, capacity: int) -> bool:
-        """Cascade attention for this batch: the model allows it, some row has a cached prefix,
-        and no sliding window is shorter than the rows will grow."""
-        return (self.cascade_off is None and any(r.node is not None for r in rows)
-                and cascade_mod.window_allows(self.model.config, capacity))
-
-    def _finish_reason(self, row: DecodeRow, token: int) -> str | None:
+    def _finish_reason(self, row: Live, token: int) -> str | None:
         if token in self.eos:
             return "stop"
         if row.request.stop is not None and row.request.stop(row.tokens):
@@ -329,21 +254,129 @@ class Engine:
             return "length"
         return None
 
-    def _finish(self, row: DecodeRow, node: int | None, reason: str, error: str | None = None) -> Completion:
-        n_prompt = len(row.request.prompt_ids)
-        self._unfinished[node] -= 1  # its prefix may be released once no unfinished row reads it
-        self.stats.completion_tokens += len(row.tokens)
-        if row.sample_index == 0:  # once per job, and not again if an out-of-memory split reruns it
-            self.stats.cached_tokens += row.cached
-        return Completion(
-            key=row.request.key,
-            sample_index=row.sample_index,
-            token_ids=row.tokens,
-            finish_reason=reason,
-            prompt_tokens=n_prompt,
-            cached_tokens=row.cached,
-            error=error,
-        )
+    def _finish(self, r: Live, kv: RowKV | None, reason: str, error: str | None = None) -> Completion:
+        """A sample is done: its slot frees, and its prefixes drop a reference (freed at zero)."""
+        if kv is not None:
+            kv.free(r.slot)
+        self._release(r.row, 1)
+        self.stats.completion_tokens += len(r.tokens)
+        if r.sample == 0:  # once per job, and not again if an out-of-memory retry reruns it
+            self.stats.cached_tokens += r.row.cached
+        return Completion(r.request.key, r.sample, r.tokens, reason, len(r.request.prompt_ids), r.row.cached, error)
+
+    def _release(self, row: Row, count: int) -> None:
+        if row.prefix is None:
+            return
+        for node in PrefixTree.unlock(self._plan.nodes[row.prefix], count):
+            self._prefixes.pop(self._prefix_of.get(id(node)), None)
+
+    # -- prefixes -------------------------------------------------------------------------
+
+    def _prefill_prefixes(self, needed: set[int]) -> None:
+        """Compute the cached prefixes these rows read, and any above them not yet computed: one
+        tree level per round (a child copies its parent's keys), all of a level packed in one
+        forward per step_tokens tokens."""
+        todo = set()
+        for pid in needed:
+            while pid is not None and pid not in self._prefixes and pid not in todo:
+                todo.add(pid)
+                pid = self._plan.prefixes[pid].parent
+        while todo:
+            level = sorted(p for p in todo if self._plan.prefixes[p].parent not in todo)
+            for pid in level:
+                p = self._plan.prefixes[pid]
+                parent = self._prefixes[p.parent] if p.parent is not None else None
+                self._prefixes[pid] = PrefixKV(self.layers, p.end, self.dtype, self.device, parent, p.start)
+            self._prefill_level(level)
+            todo -= set(level)
+            self.stats.prefix_nodes += len(level)
+
+    def _prefill_level(self, level: list[int]) -> None:
+        at = {pid: self._plan.prefixes[pid].start for pid in level}  # next position of each prefix
+        while at:
+            chunks, budget = [], self.step_tokens
+            for pid in list(at)[: self.step_tokens]:
+                if budget <= 0:
+                    break
+                p, kv = self._plan.prefixes[pid], self._prefixes[pid]
+                ids = self._requests[p.key].prompt_ids[at[pid] : min(p.end, at[pid] + budget)]
+                chunks.append((pid, Segment(0, 0, kv.k, kv.v, 0, at[pid], 0), ids))
+                budget -= len(ids)
+            step = build([], [], [(seg, ids) for _, seg, ids in chunks], None, self.device)
+            try:
+                self.forward(step, [])
+            except torch.OutOfMemoryError:
+                if step.tokens <= 16:
+                    raise
+                self.stats.oom_splits += 1
+                _release_memory(self.device)
+                self.step_tokens = max(16, min(self.step_tokens, step.tokens) // 2)
+                continue
+            self.stats.prefill_tokens += step.tokens
+            for pid, seg, ids in chunks:
+                at[pid] += len(ids)
+                if at[pid] == self._plan.prefixes[pid].end:
+                    del at[pid]
+
+    # -- out of memory ----------------------------------------------------------------------
+
+    def _shrink(self, queue: deque, kv: RowKV, filling: list[Fill], running: list[Live], limit: int, fed: int):
+        """The step did not fit: smaller suffix chunks first; then the newest half of the samples in
+        flight go back to the front of the queue, each to rerun alone from its start (its generator
+        restarts with it), and fewer slots are used. A lone sample that still does not fit fails
+        alone. Returns the new limit on slots in use."""
+        _release_memory(self.device)
+        if fed > 16:  # prefill tokens beside the decoding rows
+            self.step_tokens = max(16, min(self.step_tokens, len(running) + fed) // 2)
+            return limit
+        # oldest first: rows decoding, then fills in admission order; a fill stands for its samples
+        flight = [(r.row, [r.sample], [r.slot]) for r in running] + [(f.row, list(f.row.samples), f.slots)
+                                                                     for f in filling]
+        in_use = kv.in_use()
+        if in_use <= 1:
+            row, samples, slots = flight[0]
+            filling.clear()
+            running.clear()
+            yield self._finish(Live(row, self._requests[row.key], samples[0], slots[0], None), kv, "error",
+                               "out of memory")
+            return 1
+        kept, used = 0, 0
+        while kept < len(flight) and used + len(flight[kept][2]) <= in_use // 2:
+            used += len(flight[kept][2])
+            kept += 1
+        evicted = flight[kept:]
+        for _, _, slots in evicted:
+            for slot in slots:
+                kv.free(slot)
+        queue.extendleft(reversed([Row(row.key, range(s, s + 1), row.prefix, row.cached, row.anchor, row.anchored)
+                                   for row, samples, _ in evicted for s in samples]))
+        gone = {slot for _, _, slots in evicted for slot in slots}
+        running[:] = [r for r in running if r.slot not in gone]
+        filling[:] = [f for f in filling if f.slots[0] not in gone]
+        return max(1, used)
+
+
+def layer_shapes(model: torch.nn.Module) -> list[LayerShape]:
+    """Per layer, the key/value heads and sizes, read off one probe forward of one token; it also
+    checks that every layer's attention reaches batchgen's attention function."""
+    seen: dict[int, LayerShape] = {}
+
+    def probe(module, query, key, value, *args, **kwargs):
+        seen[module.layer_idx] = LayerShape(key.shape[1], key.shape[-1], value.shape[-1])
+        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
+
+    layers = getattr(model.config, "num_hidden_layers", None)
+    device = next(model.parameters()).device
+    try:
+        with attention.probing(model, probe), torch.inference_mode():
+            model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
+                  position_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False, logits_to_keep=1)
+    except Exception as e:  # noqa: BLE001 - any failure means the same: this model is not supported
+        raise EngineError(f"{type(model).__name__}: its attention cannot run through batchgen's ({e})") from e
+    if not seen or (layers is not None and sorted(seen) != list(range(layers))):
+        raise EngineError(f"{type(model).__name__}: its attention layers do not all go through transformers' "
+                          "attention interface with a layer index, which batchgen needs")
+    return [seen[i] for i in sorted(seen)]
 
 
 def _release_memory(device: torch.device) -> None:

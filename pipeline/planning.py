@@ -6,7 +6,7 @@ from typing import Any, Sequence
 from jobs import GenerationDefaults, InvalidRow, Job, read_jobs
 from pipeline.prefix_tree import PrefixTree
 from pipeline.runner import to_requests
-from pipeline.schedule import JobShape, plan, prefill_cost, shared_nodes
+from pipeline.schedule import plan, shared_nodes, tree_of
 from pipeline.tokenize import Tokenizer
 
 
@@ -35,19 +35,19 @@ def describe(inputs: Sequence[str], defaults: GenerationDefaults, *, model: str 
 def summarize(prompts: Sequence[list[int]], max_new: Sequence[int], ns: Sequence[int], *, invalid: int = 0,
               min_shared_tokens: int = 16, max_batch_tokens: int = 65536, top: int = 10,
               decode=None) -> dict[str, Any]:
-    """Pure: the plan's numbers for tokenized prompts (the engine would do exactly this work)."""
-    tree, full, shapes = PrefixTree(), PrefixTree(), {}
+    """Pure: the plan's numbers for tokenized prompts: the engine runs exactly this plan (the same
+    prefixes, rows and batches), whatever lengths the outputs turn out to have."""
+    tree, shapes = tree_of((i, ids, max_new[i], ns[i]) for i, ids in enumerate(prompts))
+    full = PrefixTree()
     for i, ids in enumerate(prompts):
-        tree.insert(i, ids[:-1])
         full.insert(i, ids)
-        shapes[i] = JobShape(len(ids), max_new[i], ns[i])
-    ops = plan(tree, shapes, min_shared_tokens=min_shared_tokens, max_batch_tokens=max_batch_tokens)
+    work = plan(tree, shapes, min_shared_tokens=min_shared_tokens, max_batch_tokens=max_batch_tokens)
     shared = shared_nodes(tree, min_shared_tokens)
     # a group: a shared prefix with no shared ancestor; nested: shared prefixes inside it
     groups = [n for n in shared if not _has_shared_ancestor(n, shared)]
     groups.sort(key=lambda n: (-n.size, -n.depth))
     prompt_tokens = sum(len(p) for p in prompts)
-    prefill = prefill_cost(ops, {i: len(p) for i, p in enumerate(prompts)})
+    prefill = work.prefill_tokens()
 
     def example(node) -> str:
         key = node
@@ -61,13 +61,13 @@ def summarize(prompts: Sequence[list[int]], max_new: Sequence[int], ns: Sequence
         "invalid": invalid,
         "groups": len(groups),
         "shared_prefixes": len(shared),
-        "batches": sum(1 for op in ops if type(op).__name__ == "Batch"),
+        "batches": len(work.batches),
         "prompt_tokens": prompt_tokens,
         "prefill_tokens": prefill,
         "lower_bound": full.token_count(),
         "prefill_saving": 1 - prefill / prompt_tokens if prompt_tokens else 0.0,
         "top_groups": [
-            {"jobs": g.size, "prefix_tokens": g.depth, "nested": sum(1 for n in g.walk() if n in shared) - 1,
+            {"jobs": sum(len(n.keys) for n in g.walk()), "prefix_tokens": g.depth, "nested": sum(1 for n in g.walk() if n in shared) - 1,
              "example": example(g)}
             for g in groups[:top]
         ],

@@ -1,6 +1,8 @@
 """A radix tree over token ids: every shared prefix, at every level, is one node.
 
-Pure Python, no torch: the scheduling policy walks it and the engine never sees it.
+Pure Python, no torch. The scheduling policy walks it; the engine keeps one thing on it: each
+node's reference count, the rows at or below it that have not finished (SGLang's lock_ref). A
+cached prefix's KV is freed when its count drops to zero, and never before.
 """
 from __future__ import annotations
 
@@ -15,11 +17,19 @@ class Node:
     parent: "Node | None" = None
     children: dict[int, "Node"] = field(default_factory=dict)  # first token of the child's edge -> child
     keys: list[Hashable] = field(default_factory=list)  # sequences that end exactly here
-    size: int = 0  # sequences ending in this subtree
+    size: int = 0  # rows ending in this subtree (a sequence inserted with weight n counts n)
+    ref: int = 0  # unfinished rows at or below this node, while a run holds them (lock/unlock)
 
     @property
     def start(self) -> int:
         return self.depth - len(self.tokens)
+
+    def tokens_from_root(self) -> list[int]:
+        parts, node = [], self
+        while node is not None:
+            parts.append(node.tokens)
+            node = node.parent
+        return [t for part in reversed(parts) for t in part]
 
     def walk(self) -> Iterator["Node"]:
         """Pre-order, iteratively: prompts can nest thousands of nodes deep."""
@@ -40,22 +50,23 @@ class PrefixTree:
     def __len__(self) -> int:
         return self.root.size
 
-    def insert(self, key: Hashable, seq: Sequence[int]) -> Node:
+    def insert(self, key: Hashable, seq: Sequence[int], weight: int = 1) -> Node:
+        """Add a sequence; `weight`: the rows it stands for (n samples of one prompt share its tokens)."""
         if key in self._end:
             raise KeyError(f"sequence {key!r} is already in the tree")
         node, i = self.root, 0
-        node.size += 1
+        node.size += weight
         while i < len(seq):
             child = node.children.get(seq[i])
             if child is None:
-                leaf = Node(tokens=list(seq[i:]), depth=len(seq), parent=node, size=1)
+                leaf = Node(tokens=list(seq[i:]), depth=len(seq), parent=node, size=weight)
                 node.children[seq[i]] = leaf
                 node = leaf
                 break
             common = _common_length(child.tokens, seq, i)
             if common < len(child.tokens):
                 child = self._split(child, common)
-            child.size += 1
+            child.size += weight
             node, i = child, i + common
         node.keys.append(key)
         self._end[key] = node
@@ -65,7 +76,7 @@ class PrefixTree:
         """Cut child's edge after `at` tokens; the new middle node takes child's place."""
         parent = child.parent
         assert parent is not None
-        mid = Node(tokens=child.tokens[:at], depth=child.start + at, parent=parent, size=child.size)
+        mid = Node(tokens=child.tokens[:at], depth=child.start + at, parent=parent, size=child.size, ref=child.ref)
         parent.children[mid.tokens[0]] = mid
         child.tokens = child.tokens[at:]
         child.parent = mid
@@ -77,6 +88,26 @@ class PrefixTree:
 
     def nodes(self) -> Iterator[Node]:
         return self.root.walk()
+
+    @staticmethod
+    def lock(node: Node, count: int = 1) -> None:
+        """`count` more unfinished rows read `node` (and so every node above it)."""
+        while node is not None:
+            node.ref += count
+            node = node.parent
+
+    @staticmethod
+    def unlock(node: Node, count: int = 1) -> list[Node]:
+        """`count` rows below `node` finished; returns the nodes whose count fell to zero, deepest first."""
+        freed = []
+        while node is not None:
+            node.ref -= count
+            if node.ref < 0:
+                raise RuntimeError("prefix tree node unlocked more often than locked")
+            if node.ref == 0:
+                freed.append(node)
+            node = node.parent
+        return freed
 
     def token_count(self) -> int:
         """Distinct token prefixes: the least prefill work any prefix cache can do."""

@@ -1,15 +1,27 @@
-"""Scheduling policy: a pure function from the prefix tree to an ordered list of work.
+"""Scheduling policy: pure functions from the prefix tree to the work, in the order it runs.
 
-Depth-first, heaviest subtree first, so a prefix's cache lives only while its subtree runs
-(memory is bounded by the tree's depth plus one batch), and rows that share a prefix are
-adjacent and land in the same batches.
+- Which prefixes to cache: those read by two or more rows (a prompt with n samples counts n) and
+  at least `min_shared_tokens` long. Each is prefilled once, from its cached parent.
+- Rows in depth-first order, heaviest subtree first: rows that share a prefix run side by side,
+  and a prefix lives only while its subtree runs (memory grows with the tree's depth, not width).
+- Each row's attention anchor: the cached prefix it reads through shared-prefix attention, once
+  per step for all its rows. A short nested prefix below the anchor (a few template tokens shared
+  by some questions) is copied into the rows' own caches instead, so a batch reads a few prefixes
+  per layer, not one per leaf of the tree. Without shared-prefix attention every row copies its
+  whole cached prefix (the copy path).
+- Batch shapes: row slots x tokens per slot under the token budget. A batch takes rows in order,
+  as slots free (continuous batching), until a row outgrows its slots; that row starts the next.
+  The engine and `batchgen plan` both read these shapes, so plan predicts the batches that run.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Mapping, Sequence, Union
+from typing import Hashable, Iterable, Mapping, Sequence
 
 from pipeline.prefix_tree import Node, PrefixTree
+
+COPY_LIMIT = 16  # nested prefixes up to this many tokens below the anchor are copied into rows
+SLOT_ROUND = 16  # slot capacities are rounded up to this, so rows of similar length share a batch
 
 
 @dataclass(frozen=True)
@@ -20,10 +32,11 @@ class JobShape:
 
 
 @dataclass(frozen=True)
-class Prefill:
-    """Compute prefix `node` = parent's cache + prompt_ids[start:end] of request `key` (batch 1)."""
+class Prefix:
+    """Cached prefix `id`: the keys and values of tokens [0, end) of request `key`'s prompt,
+    computed as its parent's (tokens [0, start)) plus tokens [start, end)."""
 
-    node: int
+    id: int
     parent: int | None
     key: Hashable
     start: int
@@ -32,29 +45,59 @@ class Prefill:
 
 @dataclass(frozen=True)
 class Row:
-    """One request in a batch: it reuses `cached` tokens of prefix `node` and runs `samples`."""
+    """One request, or some of its samples, as the engine runs it."""
 
     key: Hashable
-    node: int | None
-    cached: int
     samples: range
+    prefix: int | None  # deepest cached prefix of the prompt minus its last token
+    cached: int  # its length: prompt tokens this row never computes
+    anchor: int | None = None  # the cached prefix it reads through shared-prefix attention
+    anchored: int = 0  # its length; tokens [anchored, cached) are copied into the row's own cache
 
 
 @dataclass(frozen=True)
-class Batch:
-    rows: tuple[Row, ...]
+class BatchShape:
+    """rows[start:end] run in one batch of `slots` rows of up to `capacity` own tokens each."""
+
+    start: int
+    end: int
+    slots: int
+    capacity: int
 
 
-@dataclass(frozen=True)
-class Release:
-    node: int
+@dataclass
+class Plan:
+    prefixes: dict[int, Prefix]  # parents before children
+    nodes: dict[int, Node]  # prefix id -> its tree node, where the run counts references
+    rows: list[Row]
+    batches: list[BatchShape]
+    shapes: Mapping[Hashable, JobShape]
+
+    def extent(self, row: Row) -> int:
+        """Own tokens a row holds at most: copied, suffix and generated."""
+        shape = self.shapes[row.key]
+        return shape.prompt_len - row.anchored + shape.max_new_tokens
+
+    def prefill_tokens(self) -> int:
+        """Tokens the engine runs through the model in prefill: each prefix once, each row's suffix."""
+        return (sum(p.end - p.start for p in self.prefixes.values())
+                + sum(self.shapes[r.key].prompt_len - r.cached for r in self.rows))
 
 
-Op = Union[Prefill, Batch, Release]
+def tree_of(jobs: Iterable[tuple[Hashable, Sequence[int], int, int]]) -> tuple[PrefixTree, dict[Hashable, JobShape]]:
+    """The tree the engine plans over, from (key, prompt ids, max new tokens, n) per job: each
+    prompt minus its last token (that token's logits start generation), weighted by its samples."""
+    tree, shapes = PrefixTree(), {}
+    for key, ids, max_new, n in jobs:
+        if not ids:
+            raise ValueError(f"request {key!r} has an empty prompt")
+        tree.insert(key, ids[:-1], weight=n)
+        shapes[key] = JobShape(len(ids), max_new, n)
+    return tree, shapes
 
 
 def shared_nodes(tree: PrefixTree, min_shared_tokens: int) -> set[Node]:
-    """Prefixes worth caching: shared by two or more sequences and at least min_shared_tokens long."""
+    """Prefixes worth caching: read by two or more rows and at least min_shared_tokens long."""
     return {
         n for n in tree.nodes()
         if n is not tree.root and n.size >= 2 and n.depth >= max(1, min_shared_tokens)
@@ -84,31 +127,58 @@ def plan(
     *,
     min_shared_tokens: int = 16,
     max_batch_tokens: int = 65536,
-    prefix_in_rows: bool = True,
-) -> list[Op]:
-    """Order the work for `jobs`, whose sequences (prompt minus its last token) are in `tree`.
-
-    `prefix_in_rows`: whether each batch row holds a copy of its cached prefix (the copy path)
-    or only its own tokens (cascade attention reads the prefix once), for the token budget."""
+    cascade: bool = True,
+    max_slots: int = 256,
+) -> Plan:
+    """The work for `jobs`, whose sequences (prompt minus its last token) are in `tree`, inserted
+    with weight n. `cascade`: rows read their anchor through shared-prefix attention; else each
+    row holds a copy of its whole cached prefix."""
     cached = shared_nodes(tree, min_shared_tokens)
-    ops: list[Op] = []
-    packer = _Packer(jobs, max_batch_tokens, ops, prefix_in_rows)
+    prefixes: dict[int, Prefix] = {}
+    nodes: dict[int, Node] = {}
     ids: dict[Node, int] = {}
-    # Iterative DFS: (node, id of the deepest cached ancestor, its depth)
-    stack: list[tuple[Node, int | None, int]] = [(tree.root, None, 0)]
+    rows: list[Row] = []
+    # Iterative DFS: (node, deepest cached ancestor-or-self)
+    stack: list[tuple[Node, Node | None]] = [(tree.root, None)]
     while stack:
-        node, anchor, anchor_depth = stack.pop()
+        node, above = stack.pop()
         if node in cached:
             ids[node] = len(ids)
-            ops.append(Prefill(ids[node], anchor, _representative(node), anchor_depth, node.depth))
-            anchor, anchor_depth = ids[node], node.depth
+            parent = ids[above] if above is not None else None
+            prefixes[ids[node]] = Prefix(ids[node], parent, _representative(node), above.depth if above else 0,
+                                         node.depth)
+            nodes[ids[node]] = node
+            above = node
         for key in node.keys:
-            packer.add(key, anchor, anchor_depth)
+            anchor = _anchor(above, cached) if cascade else None
+            shape = jobs[key]
+            extent = shape.prompt_len - (anchor.depth if anchor else 0) + shape.max_new_tokens
+            # an n too large for one batch is split: each part re-runs only the job's suffix
+            per_batch = max(1, min(max_slots, max_batch_tokens // _round(max(1, extent))))
+            for first in range(0, shape.n, per_batch):
+                rows.append(Row(key, range(first, min(shape.n, first + per_batch)),
+                                ids[above] if above else None, above.depth if above else 0,
+                                ids[anchor] if anchor else None, anchor.depth if anchor else 0))
         # heaviest first; pushed in reverse so the heaviest pops first
         for child in sorted(node.children.values(), key=lambda c: c.size):
-            stack.append((child, anchor, anchor_depth))
-    packer.flush()
-    return _insert_releases(ops)
+            stack.append((child, above))
+    out = Plan(prefixes, nodes, rows, [], jobs)
+    out.batches = batch_shapes(rows, out.extent, max_batch_tokens, max_slots)
+    return out
+
+
+def _anchor(node: Node | None, cached: set[Node]) -> Node | None:
+    """The shallowest cached ancestor-or-self of `node` that is at most COPY_LIMIT tokens above it."""
+    if node is None:
+        return None
+    anchor, up = node, node.parent
+    while up is not None:
+        if up in cached:
+            if node.depth - up.depth > COPY_LIMIT:
+                break
+            anchor = up
+        up = up.parent
+    return anchor
 
 
 def _representative(node: Node) -> Hashable:
@@ -118,63 +188,33 @@ def _representative(node: Node) -> Hashable:
     return node.keys[0]
 
 
-class _Packer:
-    """Packs rows into batches under a token budget counted with padding (rows x longest row)."""
-
-    def __init__(self, jobs: Mapping[Hashable, JobShape], budget: int, ops: list[Op], prefix_in_rows: bool) -> None:
-        self.jobs, self.budget, self.ops, self.prefix_in_rows = jobs, budget, ops, prefix_in_rows
-        self.rows: list[Row] = []
-        self.width = 0  # longest cached + suffix + new of the pending rows
-        self.count = 0  # pending rows, samples counted
-
-    def add(self, key: Hashable, node: int | None, cached: int) -> None:
-        shape = self.jobs[key]
-        width = shape.prompt_len + shape.max_new_tokens - (0 if self.prefix_in_rows else cached)
-        # an n too large for one batch is split: each part re-runs only the job's suffix
-        per_batch = max(1, self.budget // max(1, width))
-        for first in range(0, shape.n, per_batch):
-            samples = range(first, min(shape.n, first + per_batch))
-            new_width = max(self.width, width)
-            if self.rows and (self.count + len(samples)) * new_width > self.budget:
-                self.flush()
-                new_width = width
-            self.rows.append(Row(key, node, cached, samples))
-            self.width, self.count = new_width, self.count + len(samples)
-
-    def flush(self) -> None:
-        if self.rows:
-            self.ops.append(Batch(tuple(self.rows)))
-        self.rows, self.width, self.count = [], 0, 0
-
-
-def _insert_releases(ops: list[Op]) -> list[Op]:
-    """Free each prefix right after its last use: a child's prefill or a batch of its rows."""
-    last_use: dict[int, int] = {}
-    for i, op in enumerate(ops):
-        if isinstance(op, Prefill):
-            last_use[op.node] = i
-            if op.parent is not None:
-                last_use[op.parent] = i
-        elif isinstance(op, Batch):
-            for row in op.rows:
-                if row.node is not None:
-                    last_use[row.node] = i
-    releases: dict[int, list[int]] = {}
-    for node, i in last_use.items():
-        releases.setdefault(i, []).append(node)
-    out: list[Op] = []
-    for i, op in enumerate(ops):
-        out.append(op)
-        out.extend(Release(n) for n in sorted(releases.get(i, ())))
+def batch_shapes(rows: Sequence[Row], extent, budget: int, max_slots: int = 256) -> list[BatchShape]:
+    """Cut the row order into batches. A batch's slot capacity covers the rows that will fill it
+    about twice over; its slot count is what the budget allows. It then takes every following row
+    that fits, as slots free, and ends at the first row that does not."""
+    out: list[BatchShape] = []
+    i = 0
+    while i < len(rows):
+        capacity = _round(extent(rows[i]))
+        while True:
+            slots = max(1, min(max_slots, budget // capacity))
+            j, seen = i, 0
+            while j < len(rows) and seen < 2 * slots:
+                seen += len(rows[j].samples)
+                j += 1
+            wider = _round(max(extent(r) for r in rows[i:j]))
+            if wider <= capacity:
+                break
+            capacity = wider
+        end, samples = i, 0
+        while end < len(rows) and extent(rows[end]) <= capacity and len(rows[end].samples) <= slots:
+            samples += len(rows[end].samples)
+            end += 1
+        end = max(end, i + 1)  # a row wider than the budget still runs, alone
+        out.append(BatchShape(i, end, min(slots, max(samples, len(rows[i].samples))), capacity))
+        i = end
     return out
 
 
-def prefill_cost(ops: list[Op], prompt_len: Mapping[Hashable, int]) -> int:
-    """Tokens the engine will run through the model in prefill for these ops."""
-    total = 0
-    for op in ops:
-        if isinstance(op, Prefill):
-            total += op.end - op.start
-        elif isinstance(op, Batch):
-            total += sum(prompt_len[row.key] - row.cached for row in op.rows)
-    return total
+def _round(n: int) -> int:
+    return -(-n // SLOT_ROUND) * SLOT_ROUND

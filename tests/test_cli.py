@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.cli import main
-from pipeline.reference import reference_generate
+from reference import reference_generate
 from pipeline.tokenize import Tokenizer
 from pipeline.types import Request, SamplingParams
 from tiny_models import make_model

@@ -7,7 +7,7 @@ from click.testing import CliRunner
 
 from pipeline.cli import main
 from pipeline.model import load_model
-from pipeline.reference import reference_generate
+from reference import reference_generate
 from pipeline.tokenize import Tokenizer
 from pipeline.types import Request, SamplingParams
 

@@ -147,12 +147,16 @@ def test_out_of_memory_splits_the_batch_and_the_run_goes_on(monkeypatch):
     reqs = edge_case_requests(tok, max_new_tokens=5)
     want = sorted((c.key, c.sample_index, c.token_ids) for c in Engine(model, eos_token_ids=[2]).run(reqs))
     real = model.forward
-    poison = reqs[3].prompt_ids[-1]
+    poison = reqs[3].prompt_ids[-3:]
 
     def limited(*args, input_ids=None, **kw):
-        # "CUDA" runs out of memory above 3 rows, and in any suffix prefill holding one job's last token
-        suffix = input_ids.shape[1] > 1 and kw.get("attention_mask") is not None
-        if input_ids.shape[0] > 3 or (suffix and (input_ids[:, -1] == poison).any()):
+        # "CUDA" runs out of memory above 3 decoding rows, and in any forward that feeds a row the
+        # end of one job's prompt
+        step = kw.get("batchgen_step")
+        if step is None:  # the engine's probe of the model's layers
+            return real(*args, input_ids=input_ids, **kw)
+        ends = [input_ids[0, s.t0 : s.t1].tolist()[-3:] for s in step.segments if s.k is step.kv.k] if step.kv else []
+        if step.n_dec > 3 or poison in ends:
             raise torch.OutOfMemoryError("injected")
         return real(*args, input_ids=input_ids, **kw)
 
@@ -161,7 +165,7 @@ def test_out_of_memory_splits_the_batch_and_the_run_goes_on(monkeypatch):
     got = engine.generate(reqs)
     assert engine.stats.oom_splits > 0
     failed = {c.key for c in got if c.error}
-    assert failed and all(reqs[k].prompt_ids[-1] == poison for k in failed)
+    assert failed and all(reqs[k].prompt_ids[-3:] == poison for k in failed)
     ok = sorted((c.key, c.sample_index, c.token_ids) for c in got if not c.error)
     assert ok == [w for w in want if w[0] not in failed]
 

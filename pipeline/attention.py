@@ -1,0 +1,195 @@
+"""batchgen's attention: packed tokens, shared prefixes read once, merged exactly.
+
+The one module that touches transformers' attention API (it churns between releases). The model
+code stays Hugging Face's: batchgen registers this function in transformers' attention registry
+and, for its own forwards only, selects it and passes the forward's layout (`pipeline.step.Step`)
+as a keyword argument, which transformers forwards to every attention call.
+
+Per layer, for the forward's flat list of tokens:
+1. the new keys/values are written into their buffers (row slots or a prefix being prefilled);
+2. own part: each token against its own sequence's keys: decode tokens in one batched call over
+   the slots, each prefill segment in one causal call;
+3. anchor part: for each cached prefix the forward reads, one call for all the tokens that
+   continue it (queries folded per key head), the prefix's keys read once;
+4. the two partial softmaxes merged exactly by their log-sum-exps, as in vLLM's cascade
+   attention, FlashInfer and Hydragen.
+Each call goes to PyTorch's fused attention kernel, which also returns the log-sum-exp, where a
+probe found it agrees with the matmul reference (`partial`) for this device, dtype and head
+size; soft-capped models (Gemma2) and refused shapes use the reference.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+from transformers import AttentionInterface
+
+from pipeline.step import Step
+
+NAME = "batchgen"
+KWARG = "batchgen_step"
+
+
+def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask=None,
+              scaling: float | None = None, dropout: float = 0.0, sliding_window: int | None = None,
+              softcap: float | None = None, **kwargs):
+    """query (1, Hq, T, D), key/value (1, Hkv, T, D): the forward's new tokens; returns (1, T, Hq, Dv)."""
+    step: Step = kwargs[KWARG]
+    layer = module.layer_idx
+    q, k, v = query[0], key[0], value[0]  # (H, T, D)
+    hq, t, d = q.shape
+    hkv = k.shape[0]
+    fold = hq // hkv
+    scale = scaling if scaling is not None else d ** -0.5
+    step.store(layer, k, v)
+
+    out = q.new_empty(t, hq, v.shape[-1], dtype=torch.float32)
+    lse = q.new_empty(t, hq, dtype=torch.float32)
+    if step.n_dec:  # one token per decoding slot, against the slots' own keys
+        n, span = step.n_dec, step.span
+        qd = q[:, :n].transpose(0, 1)  # (n, Hq, D)
+        if not step.contiguous:  # holes between decoding slots: give them a query, drop their output
+            qd = q.new_zeros(step.hi, hq, d).index_copy_(0, step.dec_slots, qd)
+        keys, values = step.kv.k[layer][: step.hi, :, :span], step.kv.v[layer][: step.hi, :, :span]
+        o, l = _attend(qd[:, :, None], keys, values, step.own_mask(sliding_window, q.dtype), scale, softcap)
+        if not step.contiguous:
+            o, l = o[step.dec_slots], l[step.dec_slots]
+        out[:n], lse[:n] = o[:, :, 0], l[:, :, 0]  # (n, Hq, Dv), (n, Hq)
+    for i, s in enumerate(step.segments):  # a run of tokens of one sequence, causal over its own keys
+        end = s.offset + s.t1 - s.t0
+        keys, values = s.k[layer][s.index, :, :end][None], s.v[layer][s.index, :, :end][None]
+        mask = step.segment_mask(i, sliding_window, q.dtype)
+        o, l = _attend(q[None, :, s.t0 : s.t1], keys, values, mask, scale, softcap, causal=mask is None)
+        out[s.t0 : s.t1], lse[s.t0 : s.t1] = o[0].transpose(0, 1), l[0].transpose(0, 1)
+    for i, g in enumerate(step.groups):  # every token continuing one cached prefix, in one call
+        n = g.positions.shape[0]
+        # (1, Hkv, G*n, D): the G query heads of a key head side by side, so the prefix is read once per key head
+        qg = (q[:, g.index] if isinstance(g.index, slice) else q.index_select(1, g.index)).reshape(1, hkv, fold * n, d)
+        mask, blind = step.group_mask(i, sliding_window, q.dtype, fold) or (None, None)
+        o, l = _attend(qg, g.prefix.k[layer], g.prefix.v[layer], mask, scale, softcap)
+        o = o.reshape(hq, n, -1).transpose(0, 1).float()  # (n, Hq, Dv)
+        l = l.reshape(hq, n).transpose(0, 1)  # (n, Hq)
+        if blind is not None:  # queries whose window left the whole prefix behind: no share, and 0/0 outputs
+            l = l.masked_fill(blind[:, None], float("-inf"))
+            o = o.nan_to_num(0.0)
+        w = torch.sigmoid(l - lse[g.index])[..., None]  # = e^l / (e^l + e^lse): the prefix's share of the softmax
+        if isinstance(g.index, slice):
+            out[g.index].lerp_(o, w)
+        else:
+            out.index_copy_(0, g.index, out.index_select(0, g.index).lerp_(o, w))
+    return out.to(query.dtype)[None], None
+
+
+def _attend(q, k, v, mask, scale, softcap, causal=False):
+    """q (B, Hq, Q, D) over k/v (B, Hkv, L, D), Hq a multiple of Hkv: (output, log-sum-exp (B, Hq, Q) float32)."""
+    if softcap is None and fused_ok(q.device, q.dtype, q.shape[-1]):
+        try:
+            return _fused(q, k, v, mask, scale, causal)
+        except torch.OutOfMemoryError:
+            raise  # the engine splits the work
+        except RuntimeError:  # a shape the kernel refuses: the reference from now on
+            _FUSED_OK[(q.device.type, q.dtype, q.shape[-1])] = False
+    if causal:
+        mask = causal_mask(q.shape[-2], k.shape[-2], q.dtype, q.device)
+    return partial(q, k, v, mask, scale, softcap)
+
+
+def causal_mask(qn: int, kn: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(1, 1, Q, K) additive: query i sees keys up to kn - qn + i (the queries are the last keys)."""
+    hidden = torch.ones(qn, kn, dtype=torch.bool, device=device).tril(kn - qn).logical_not()
+    return torch.zeros(qn, kn, dtype=dtype, device=device).masked_fill(hidden, float("-inf"))[None, None]
+
+
+def partial(q, k, v, mask, scale, softcap=None):
+    """Reference attention in float32: (normalized output, log-sum-exp). Query heads are grouped
+    over their key head, so the keys are never copied per query head."""
+    b, hq, qn, d = q.shape
+    hkv = k.shape[1]
+    qg = q.float().reshape(b, hkv, hq // hkv * qn, d)
+    scores = torch.matmul(qg, k.float().transpose(-1, -2)) * scale  # (B, Hkv, G*Q, L)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.view(b, hkv, hq // hkv, qn, -1)
+    if mask is not None:
+        scores = scores + mask.float()[:, :, None]  # (B|1, 1, 1, Q|1, L)
+    m = scores.amax(dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(scores - m)
+    s = p.sum(dim=-1, keepdim=True)
+    o = torch.matmul(p.view(b, hkv, -1, scores.shape[-1]), v.float()).view(b, hkv, hq // hkv, qn, -1) / s
+    return o.reshape(b, hq, qn, -1), (m + s.log()).reshape(b, hq, qn)
+
+
+def _fused(q, k, v, mask, scale, causal):
+    """PyTorch's fused kernels, which return the log-sum-exp too. On CPU the flash kernel takes
+    grouped query heads and a broadcast mask as they are; the CUDA kernels get the key heads repeated."""
+    if q.device.type == "cpu":
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+        return o, lse.float()
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    if mask is not None:
+        mask = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    o, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, mask, True, 0.0, causal, scale=scale)[:2]
+    return o, lse[..., : q.shape[2]].float()  # the CUDA kernel pads the query dim of its LSE
+
+
+_FUSED_OK: dict[tuple[str, torch.dtype, int], bool] = {}
+
+
+def fused_ok(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Check the fused kernel once per device type, dtype and head size against the reference,
+    with grouped heads, a mask and causality; else use matmuls. The fused ops are private ATen ops
+    whose signatures may move between torch releases, and GPU kernels have shape limits: a kernel
+    that is missing or disagrees costs speed, never correctness."""
+    key = (device.type, dtype, head_dim)
+    if key not in _FUSED_OK:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(2, h, n, head_dim, generator=g).to(device, dtype) for h, n in ((6, 37), (2, 301), (2, 301)))
+        mask = torch.zeros(2, 1, 1, 301, dtype=dtype)
+        mask[1, ..., 150:] = float("-inf")
+        mask = mask.to(device)
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        try:
+            ok = True
+            for m, causal, kk, vv in ((None, False, k, v), (mask, False, k, v), (None, True, k[:, :, :37], v[:, :, :37])):
+                o, lse = _fused(q, kk, vv, m, head_dim ** -0.5, causal)
+                if causal:
+                    m = causal_mask(37, 37, dtype, device)
+                ro, rlse = partial(q, kk, vv, m, head_dim ** -0.5)
+                ok &= bool(torch.allclose(o.float(), ro, atol=tol) and torch.allclose(lse, rlse, atol=tol))
+            _FUSED_OK[key] = ok
+        except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+            _FUSED_OK[key] = False
+    return _FUSED_OK[key]
+
+
+@contextmanager
+def selected(model: torch.nn.Module) -> Iterator[None]:
+    """Route the model's attention through this module for one forward."""
+    config = model.config
+    previous = config._attn_implementation
+    config._attn_implementation = NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+
+
+@contextmanager
+def probing(model: torch.nn.Module, fn) -> Iterator[None]:
+    """Route the model's attention to `fn` for one forward (the engine reads the layers' shapes)."""
+    AttentionInterface.register(NAME + "_probe", fn)
+    config = model.config
+    previous = config._attn_implementation
+    config._attn_implementation = NAME + "_probe"
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+
+
+AttentionInterface.register(NAME, attention)
