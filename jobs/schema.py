@@ -27,6 +27,11 @@ _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 JOB_KEYS = ("id", "prompt", "messages", "max_new_tokens", "temperature",
             "top_p", "top_k", "seed", "stop", "n")
 _OPENAI_TOP_KEYS = ("custom_id", "method", "url", "body")
+# Columns batchgen writes itself: a carried-through input column of the same name would clash
+# with them (the result columns, and the input position that parts and shard outputs carry).
+RESERVED_COLUMNS = ("sample_index", "completion", "finish_reason", "prompt_tokens", "cached_tokens",
+                    "completion_tokens", "_batchgen_order")
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 class JobError(Exception):
@@ -211,7 +216,59 @@ def _check_id(check: _Checker, value: Any, default_id: int, name: str = "id") ->
         raise check.fail(name, f"must be a string or an integer, got {_show(value)} ({type(value).__name__})")
     if isinstance(value, str) and not value:
         raise check.fail(name, "must not be an empty string; leave it out to use the row number")
+    if name == "id" and isinstance(value, int) and not _INT64_MIN <= value <= _INT64_MAX:
+        # Integer ids are written as int64; rather than turn every id of the output into text
+        # for one row, the row is refused and says how to keep its id.
+        raise check.fail(name, f"is an integer outside the 64-bit range; write it as a string "
+                               f"(\"{value}\") to keep it")
     return value
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _bad_text(value: Any, path: str) -> str | None:
+    """Where in a row a string (or a key) is not valid Unicode: JSON's \\ud800 escape decodes to a
+    lone surrogate, which no tokenizer takes and no UTF-8 file can hold. None if all is well."""
+    if isinstance(value, str):
+        return None if value.isascii() or _encodes(value) else path
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else str(key)
+            if isinstance(key, str) and not _encodes(key):
+                return where
+            found = _bad_text(item, where)
+            if found is not None:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            found = _bad_text(item, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
+def _check_text(location: Location, row: Mapping[str, Any], id_key: str) -> None:
+    where = _bad_text(row, "")
+    if where is None:
+        return
+    raw_id = row.get(id_key)
+    job_id = raw_id if isinstance(raw_id, int) or (isinstance(raw_id, str) and _encodes(raw_id)) else None
+    printable = where.encode("utf-8", "backslashreplace").decode("utf-8")  # the message must be writable
+    raise JobValidationError(location, printable, "is not valid Unicode text: it holds a lone surrogate "
+                             "(a \\ud800-style escape without its pair); fix or remove that text", job_id)
+
+
+def _check_columns(check: _Checker, extra: Mapping[str, Any]) -> None:
+    for name in extra:
+        if name in RESERVED_COLUMNS:
+            raise check.fail(name, "is a column batchgen writes itself; rename it in the input "
+                                   "(its values would clash with the result column)")
 
 
 def template_fields(template: str) -> list[str]:
@@ -287,7 +344,9 @@ class Job:
         """
         if not isinstance(row, Mapping):
             raise JobValidationError(location, None, f"expected a JSON object, got {type(row).__name__}")
-        if "custom_id" in row and "body" in row:
+        openai = "custom_id" in row and "body" in row
+        _check_text(location, row, "custom_id" if openai else "id")
+        if openai:
             if prompt_template is not None:
                 cid = row["custom_id"]
                 raise JobValidationError(location, None, "--prompt-template cannot be used with OpenAI "
@@ -298,6 +357,7 @@ class Job:
         job_id = _check_id(check, raw_id, default_id)
         check.job_id = job_id
         extra = {k: v for k, v in row.items() if k not in JOB_KEYS}
+        _check_columns(check, extra)
 
         prompt, messages = row.get("prompt"), row.get("messages")
         if prompt_template is not None:
@@ -338,6 +398,7 @@ class Job:
         max_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         params["max_new_tokens"] = body.get(max_key)
         extra = {k: v for k, v in row.items() if k not in _OPENAI_TOP_KEYS}
+        _check_columns(check, extra)
         if body.get("model") is not None:
             extra.setdefault("model", body["model"])
         prompt = body.get("prompt")
@@ -401,10 +462,14 @@ class InvalidRow:
 
     def to_row(self) -> dict[str, Any]:
         """Row for the errors file; ids are strings there because bad rows may mix types."""
-        return {"id": None if self.job_id is None else str(self.job_id),
-                "location": str(self.location), "reason": self.reason}
+        def text(value: str) -> str:
+            # a file name with undecodable bytes must not make the errors file unwritable
+            return value.encode("utf-8", "backslashreplace").decode("utf-8")
+
+        return {"id": None if self.job_id is None else text(str(self.job_id)),
+                "location": text(str(self.location)), "reason": text(self.reason)}
 
 
 __all__ = ["JobError", "JobValidationError", "Location", "GenerationDefaults", "Job",
            "InvalidRow", "template_fields", "MESSAGE_ROLES", "CHAT_ENDPOINT",
-           "COMPLETIONS_ENDPOINT", "JOB_KEYS"]
+           "COMPLETIONS_ENDPOINT", "JOB_KEYS", "RESERVED_COLUMNS"]
