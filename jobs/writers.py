@@ -1,8 +1,11 @@
 """Atomic result writers: Parquet, JSON Lines, and OpenAI Batch API output.
 
-Every writer streams into ``.{name}.tmp-<pid>`` next to the target and only
-``os.replace``s it into place after a clean exit and an fsync, so a reader
-(or a rerun deciding whether to skip work) never sees a half-written file.
+Every file batchgen writes (outputs, errors, summaries, committed parts, manifests) goes through
+:class:`_AtomicWriter`: it streams into a fresh temp file ``.{name}.tmp-XXXXXXXX`` next to the
+target, created with ``O_CREAT|O_EXCL|O_NOFOLLOW`` (``tempfile.mkstemp``) so a link planted in a
+shared folder is never followed, then fsyncs it, ``os.replace``s it into place (replacing a link
+at the target, never writing through it) and fsyncs the directory. A reader (or a rerun deciding
+whether to skip work) never sees a half-written file.
 """
 
 from __future__ import annotations
@@ -10,9 +13,12 @@ from __future__ import annotations
 import base64
 import datetime as _dt
 import decimal
+import functools
+import glob
 import gzip
 import json
 import os
+import tempfile
 import time
 from typing import IO, Any, Iterable, Mapping, Sequence
 
@@ -108,9 +114,10 @@ def _check_required(rows: Sequence[Mapping[str, Any]], names: Sequence[str]) -> 
         raise ValueError(f"result rows lack required value(s) for {', '.join(missing)}")
 
 
-def _conform(rows: Sequence[Mapping[str, Any]], schema: pa.Schema) -> list[dict[str, Any]]:
+def conform_rows(rows: Sequence[Mapping[str, Any]], schema: pa.Schema, required: bool = True) -> list[dict[str, Any]]:
     """Order keys by schema and turn non-strings in string columns into JSON text."""
-    _check_required(rows, schema.names)
+    if required:
+        _check_required(rows, schema.names)
     string_cols = {f.name for f in schema if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)}
     out = []
     for r in rows:
@@ -122,6 +129,31 @@ def _conform(rows: Sequence[Mapping[str, Any]], schema: pa.Schema) -> list[dict[
     return out
 
 
+@functools.cache
+def _file_mode() -> int:
+    # mkstemp creates files 0600; an output gets the mode any new file would (0666 minus umask)
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def _temp_prefix(path: str) -> str:
+    return f".{os.path.basename(path)}.tmp-"
+
+
+def remove_stale_temps(paths: Iterable[str | os.PathLike[str]]) -> None:
+    """Temp files left by a writer of exactly these targets whose process died. Only names built
+    from these targets match (``.run.tmp-*`` for ``run``, never ``.run2.tmp-*``); call it only
+    while no other process writes them (a run holds its output's lock)."""
+    for path in map(os.fspath, paths):
+        pattern = os.path.join(glob.escape(os.path.dirname(path) or "."), glob.escape(_temp_prefix(path)) + "*")
+        for stale in glob.glob(pattern):  # the pattern starts with a dot: hidden names match
+            try:
+                os.unlink(stale)  # a link is removed itself, its target is untouched
+            except OSError:
+                pass
+
+
 class _AtomicWriter:
     """Temp file next to the target; replaced into place only on a clean exit."""
 
@@ -129,22 +161,27 @@ class _AtomicWriter:
 
     def __init__(self, path: str | os.PathLike[str], overwrite: bool = False) -> None:
         self.path = os.fspath(path)
+        if not os.path.basename(self.path):
+            raise JobError(f"{self.path!r}: give an output file name, not a directory")
         if os.path.isdir(self.path):
             raise JobError(f"{self.path}: is a directory; give an output file name")
         if os.path.exists(self.path) and not overwrite:
             raise JobError(f"{self.path}: already exists; pass --overwrite to replace it")
-        head, name = os.path.split(self.path)
-        self.tmp_path = os.path.join(head, f".{name}.tmp-{os.getpid()}")
+        self.tmp_path: str | None = None
         self._file: IO[bytes] | None = None
 
     def __enter__(self) -> _AtomicWriter:
-        parent = os.path.dirname(self.path)
-        if parent:
-            os.makedirs(parent, exist_ok=True)
-        raw = open(self.tmp_path, "wb")
-        gz = self._allow_gzip and self.path.endswith(".gz")
-        self._file = gzip.GzipFile(fileobj=raw, mode="wb") if gz else raw
-        self._raw = raw
+        parent = os.path.dirname(self.path) or "."
+        os.makedirs(parent, exist_ok=True)
+        fd, self.tmp_path = tempfile.mkstemp(prefix=_temp_prefix(self.path), dir=parent)
+        self._raw = self._file = os.fdopen(fd, "wb")
+        try:
+            os.fchmod(fd, _file_mode())
+        except BaseException:
+            self._discard()
+            raise
+        if self._allow_gzip and self.path.endswith(".gz"):
+            self._file = gzip.GzipFile(fileobj=self._raw, mode="wb")
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -184,7 +221,8 @@ class _AtomicWriter:
             except Exception:
                 pass  # already failing; the original error is the one to report
         try:
-            os.unlink(self.tmp_path)
+            if self.tmp_path is not None:
+                os.unlink(self.tmp_path)
         except FileNotFoundError:
             pass
 
@@ -210,7 +248,7 @@ class ParquetWriter(_AtomicWriter):
         return self
 
     def write(self, rows: Sequence[Mapping[str, Any]]) -> None:
-        self._buffer.extend(_conform(rows, self.schema))
+        self._buffer.extend(conform_rows(rows, self.schema))
         if len(self._buffer) >= _ROW_GROUP_ROWS:
             self._flush()
 
@@ -241,7 +279,7 @@ class JsonlWriter(_AtomicWriter):
 
     def write(self, rows: Sequence[Mapping[str, Any]]) -> None:
         _check_required(rows, self.schema.names)
-        # Not _conform: nested extras stay real JSON here instead of JSON-in-a-string.
+        # Not conform_rows: nested extras stay real JSON here instead of JSON-in-a-string.
         id_is_str = pa.types.is_string(self.schema.field("id").type)
         lines = []
         for r in rows:
@@ -346,13 +384,14 @@ def summary_path(output_path: str | os.PathLike[str]) -> str:
 class ErrorWriter(_AtomicWriter):
     """Invalid rows to Parquet (id, location, reason), atomically.
 
-    No rows -> no file. A stale errors file from an earlier run is left alone in
-    that case (it is only replaced when there are new errors), so callers that
-    rerun into the same place should remove it themselves if that matters.
+    No rows -> no file: with ``overwrite`` an errors file of an earlier run at this path is
+    removed, so the errors file always lists exactly this run's errors (a stale one would list
+    jobs that are now in the output).
     """
 
     def __init__(self, path: str | os.PathLike[str], overwrite: bool = False) -> None:
         super().__init__(path, overwrite)
+        self._overwrite = overwrite
         self._rows: list[dict[str, Any]] = []
 
     def write(self, rows: Iterable[InvalidRow | Mapping[str, Any]]) -> None:
@@ -362,11 +401,21 @@ class ErrorWriter(_AtomicWriter):
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is None and not self._rows:
             self._discard()  # nothing to report: do not create an empty errors file
+            if self._overwrite and os.path.lexists(self.path):
+                os.unlink(self.path)
             return
         super().__exit__(exc_type, exc, tb)
 
     def _finish(self) -> None:
         pq.write_table(pa.Table.from_pylist(self._rows, schema=ERROR_SCHEMA), self._file)
+
+
+def write_table(path: str | os.PathLike[str], rows: Sequence[Mapping[str, Any]], schema: pa.Schema,
+                overwrite: bool = True) -> None:
+    """Rows as one Parquet file, atomically; non-strings in string columns become JSON text."""
+    with _AtomicWriter(path, overwrite=overwrite) as w:
+        table = pa.Table.from_pylist(conform_rows(rows, schema, required=False), schema=schema)
+        pq.write_table(table, w._file)  # type: ignore[arg-type]
 
 
 def write_summary(path: str | os.PathLike[str], summary: Mapping[str, Any]) -> None:
@@ -378,4 +427,4 @@ def write_summary(path: str | os.PathLike[str], summary: Mapping[str, Any]) -> N
 
 __all__ = ["result_schema", "id_type_for", "infer_extra_schema", "ParquetWriter", "JsonlWriter",
            "OpenAIBatchWriter", "ErrorWriter", "open_result_writer", "errors_path", "summary_path",
-           "write_summary", "RESULT_COLUMNS", "ERROR_SCHEMA", "FORMATS"]
+           "write_summary", "write_table", "conform_rows", "remove_stale_temps", "RESULT_COLUMNS", "ERROR_SCHEMA", "FORMATS"]
