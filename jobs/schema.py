@@ -8,9 +8,12 @@ field so that a user with a million-line file can find and fix the bad row.
 from __future__ import annotations
 
 import math
-import string
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
+
+from .errors import JobError, JobValidationError, Location
+from .templates import TemplateRowError, fill_template, template_fields
+from .text import bad_text_at, encodes
 
 MESSAGE_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 CHAT_ENDPOINT = "/v1/chat/completions"
@@ -32,41 +35,6 @@ _OPENAI_TOP_KEYS = ("custom_id", "method", "url", "body")
 RESERVED_COLUMNS = ("sample_index", "completion", "finish_reason", "prompt_tokens", "cached_tokens",
                     "completion_tokens", "_batchgen_order")
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-
-
-class JobError(Exception):
-    """Base class for errors raised by the jobs package (bad input, bad output path)."""
-
-
-@dataclass(frozen=True)
-class Location:
-    """Where a row came from. JSONL uses 1-based ``line``; Parquet/datasets 0-based ``row``."""
-
-    path: str
-    line: int | None = None
-    row: int | None = None
-
-    def __str__(self) -> str:
-        # The path is printed exactly as the user typed it so it can be pasted back.
-        if self.line is not None:
-            return f"{self.path}:{self.line}"
-        if self.row is not None:
-            return f"{self.path}:row {self.row}"
-        return self.path
-
-
-class JobValidationError(JobError):
-    """One row is invalid. ``str(e)`` = ``<location>: field '<field>' <reason>``."""
-
-    def __init__(self, location: Location, field: str | None, reason: str,
-                 job_id: str | int | None = None) -> None:
-        self.location, self.field, self.reason, self.job_id = location, field, reason, job_id
-        super().__init__(f"{location}: {self.detail}")
-
-    @property
-    def detail(self) -> str:
-        """The message without the location (what InvalidRow.reason stores)."""
-        return f"field '{self.field}' {self.reason}" if self.field else self.reason
 
 
 def _show(value: Any) -> str:
@@ -224,41 +192,12 @@ def _check_id(check: _Checker, value: Any, default_id: int, name: str = "id") ->
     return value
 
 
-def _encodes(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _bad_text(value: Any, path: str) -> str | None:
-    """Where in a row a string (or a key) is not valid Unicode: JSON's \\ud800 escape decodes to a
-    lone surrogate, which no tokenizer takes and no UTF-8 file can hold. None if all is well."""
-    if isinstance(value, str):
-        return None if value.isascii() or _encodes(value) else path
-    if isinstance(value, Mapping):
-        for key, item in value.items():
-            where = f"{path}.{key}" if path else str(key)
-            if isinstance(key, str) and not _encodes(key):
-                return where
-            found = _bad_text(item, where)
-            if found is not None:
-                return found
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            found = _bad_text(item, f"{path}[{i}]")
-            if found is not None:
-                return found
-    return None
-
-
 def _check_text(location: Location, row: Mapping[str, Any], id_key: str) -> None:
-    where = _bad_text(row, "")
+    where = bad_text_at(row)
     if where is None:
         return
     raw_id = row.get(id_key)
-    job_id = raw_id if isinstance(raw_id, int) or (isinstance(raw_id, str) and _encodes(raw_id)) else None
+    job_id = raw_id if isinstance(raw_id, int) or (isinstance(raw_id, str) and encodes(raw_id)) else None
     printable = where.encode("utf-8", "backslashreplace").decode("utf-8")  # the message must be writable
     raise JobValidationError(location, printable, "is not valid Unicode text: it holds a lone surrogate "
                              "(a \\ud800-style escape without its pair); fix or remove that text", job_id)
@@ -271,36 +210,11 @@ def _check_columns(check: _Checker, extra: Mapping[str, Any]) -> None:
                                    "(its values would clash with the result column)")
 
 
-def template_fields(template: str) -> list[str]:
-    """Column names a ``str.format`` template refers to; raises JobError for bad templates."""
-    try:
-        parsed = list(string.Formatter().parse(template))
-    except ValueError as e:
-        raise JobError(f"invalid prompt template {template!r}: {e}") from None
-    names = []
-    for _, name, _, _ in parsed:
-        if name is None:
-            continue
-        base = name.split(".", 1)[0].split("[", 1)[0]
-        if not base or base.isdigit():
-            raise JobError(f"prompt template {template!r} uses a positional field "
-                           f"'{{{name}}}'; name a column instead, like {{text}}")
-        names.append(base)
-    return names
-
-
 def _fill_template(check: _Checker, template: str, row: Mapping[str, Any]) -> str:
-    for name in template_fields(template):
-        if name not in row:
-            cols = ", ".join(map(str, row)) or "none"
-            raise check.fail(None, f"prompt template needs column '{name}', which this row "
-                                   f"does not have (columns: {cols})")
-        if row[name] is None:
-            raise check.fail(name, "is null but the prompt template uses it")
     try:
-        return template.format(**row)
-    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
-        raise check.fail(None, f"cannot fill the prompt template: {e}") from None
+        return fill_template(template, row)
+    except TemplateRowError as e:
+        raise check.fail(e.field, e.reason) from None
 
 
 @dataclass

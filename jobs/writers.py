@@ -1,11 +1,5 @@
-"""Atomic result writers: Parquet, JSON Lines, and OpenAI Batch API output.
-
-Every file batchgen writes (outputs, errors, summaries, committed parts, manifests) goes through
-:class:`_AtomicWriter`: it streams into a fresh temp file ``.{name}.tmp-XXXXXXXX`` next to the
-target, created with ``O_CREAT|O_EXCL|O_NOFOLLOW`` (``tempfile.mkstemp``) so a link planted in a
-shared folder is never followed, then fsyncs it, ``os.replace``s it into place (replacing a link
-at the target, never writing through it) and fsyncs the directory. A reader (or a rerun deciding
-whether to skip work) never sees a half-written file.
+"""Result writers: Parquet, JSON Lines, and OpenAI Batch API output, and the errors file and
+summary beside them; each one an :class:`~jobs.atomic.AtomicWriter` (atomic, symlink-safe).
 """
 
 from __future__ import annotations
@@ -13,18 +7,15 @@ from __future__ import annotations
 import base64
 import datetime as _dt
 import decimal
-import functools
-import glob
-import gzip
 import json
 import os
-import tempfile
 import time
-from typing import IO, Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .atomic import AtomicWriter, remove_stale_temps
 from .schema import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, InvalidRow, JobError
 
 # Result columns, in output order after the carried-through input columns.
@@ -129,111 +120,7 @@ def conform_rows(rows: Sequence[Mapping[str, Any]], schema: pa.Schema, required:
     return out
 
 
-@functools.cache
-def _file_mode() -> int:
-    # mkstemp creates files 0600; an output gets the mode any new file would (0666 minus umask)
-    mask = os.umask(0)
-    os.umask(mask)
-    return 0o666 & ~mask
-
-
-def _temp_prefix(path: str) -> str:
-    return f".{os.path.basename(path)}.tmp-"
-
-
-def remove_stale_temps(paths: Iterable[str | os.PathLike[str]]) -> None:
-    """Temp files left by a writer of exactly these targets whose process died. Only names built
-    from these targets match (``.run.tmp-*`` for ``run``, never ``.run2.tmp-*``); call it only
-    while no other process writes them (a run holds its output's lock)."""
-    for path in map(os.fspath, paths):
-        pattern = os.path.join(glob.escape(os.path.dirname(path) or "."), glob.escape(_temp_prefix(path)) + "*")
-        for stale in glob.glob(pattern):  # the pattern starts with a dot: hidden names match
-            try:
-                os.unlink(stale)  # a link is removed itself, its target is untouched
-            except OSError:
-                pass
-
-
-class _AtomicWriter:
-    """Temp file next to the target; replaced into place only on a clean exit."""
-
-    _allow_gzip = False  # only line formats; a gzipped Parquet file helps nobody
-
-    def __init__(self, path: str | os.PathLike[str], overwrite: bool = False) -> None:
-        self.path = os.fspath(path)
-        if not os.path.basename(self.path):
-            raise JobError(f"{self.path!r}: give an output file name, not a directory")
-        if os.path.isdir(self.path):
-            raise JobError(f"{self.path}: is a directory; give an output file name")
-        if os.path.exists(self.path) and not overwrite:
-            raise JobError(f"{self.path}: already exists; pass --overwrite to replace it")
-        self.tmp_path: str | None = None
-        self._file: IO[bytes] | None = None
-
-    def __enter__(self) -> _AtomicWriter:
-        parent = os.path.dirname(self.path) or "."
-        os.makedirs(parent, exist_ok=True)
-        fd, self.tmp_path = tempfile.mkstemp(prefix=_temp_prefix(self.path), dir=parent)
-        self._raw = self._file = os.fdopen(fd, "wb")
-        try:
-            os.fchmod(fd, _file_mode())
-        except BaseException:
-            self._discard()
-            raise
-        if self._allow_gzip and self.path.endswith(".gz"):
-            self._file = gzip.GzipFile(fileobj=self._raw, mode="wb")
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is not None:
-            self._discard()
-            return
-        try:
-            self._finish()
-            if self._file is not self._raw:
-                self._file.close()  # type: ignore[union-attr]
-            self._raw.flush()
-            os.fsync(self._raw.fileno())  # data on disk before the rename makes it visible
-            self._raw.close()
-            self._commit()
-        except BaseException:
-            self._discard()
-            raise
-
-    def _commit(self) -> None:
-        os.replace(self.tmp_path, self.path)
-        # fsync the directory so the rename itself survives a power loss.
-        fd = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def _discard(self) -> None:
-        try:
-            self._abort()
-        except Exception:
-            pass  # already failing; the original error is the one to report
-        for f in (self._file, getattr(self, "_raw", None)):
-            try:
-                if f is not None:
-                    f.close()
-            except Exception:
-                pass  # already failing; the original error is the one to report
-        try:
-            if self.tmp_path is not None:
-                os.unlink(self.tmp_path)
-        except FileNotFoundError:
-            pass
-
-    def _finish(self) -> None:
-        """Flush anything buffered into the temp file (subclasses)."""
-
-    def _abort(self) -> None:
-        """Release format-level state before the temp file is deleted (subclasses)."""
-
-
-class ParquetWriter(_AtomicWriter):
+class ParquetWriter(AtomicWriter):
     """Result rows to Parquet with an explicit schema (see :func:`result_schema`)."""
 
     def __init__(self, path: str | os.PathLike[str], schema: pa.Schema, overwrite: bool = False) -> None:
@@ -268,7 +155,7 @@ class ParquetWriter(_AtomicWriter):
             self._pq.close()
 
 
-class JsonlWriter(_AtomicWriter):
+class JsonlWriter(AtomicWriter):
     """Result rows as JSON Lines, keys in schema order (``.gz`` suffix compresses)."""
 
     def __init__(self, path: str | os.PathLike[str], schema: pa.Schema, overwrite: bool = False) -> None:
@@ -290,7 +177,7 @@ class JsonlWriter(_AtomicWriter):
         self._file.write("".join(lines).encode("utf-8"))  # type: ignore[union-attr]
 
 
-class OpenAIBatchWriter(_AtomicWriter):
+class OpenAIBatchWriter(AtomicWriter):
     """Output in the OpenAI Batch API format: one line per job, samples grouped as choices.
 
     ``model`` is reported as the response's model. Each row may carry an
@@ -358,7 +245,7 @@ def _openai_line(k: int, custom_id: str, samples: list[Mapping[str, Any]], model
 
 def open_result_writer(path: str | os.PathLike[str], schema: pa.Schema, fmt: str = "parquet",
                        overwrite: bool = False, *, model: str | None = None,
-                       endpoint: str = CHAT_ENDPOINT) -> _AtomicWriter:
+                       endpoint: str = CHAT_ENDPOINT) -> AtomicWriter:
     """Writer for ``fmt`` in FORMATS; ``model`` is required for ``openai``."""
     if fmt == "parquet":
         return ParquetWriter(path, schema, overwrite)
@@ -381,7 +268,7 @@ def summary_path(output_path: str | os.PathLike[str]) -> str:
     return os.fspath(output_path) + ".summary.json"
 
 
-class ErrorWriter(_AtomicWriter):
+class ErrorWriter(AtomicWriter):
     """Invalid rows to Parquet (id, location, reason), atomically.
 
     No rows -> no file: with ``overwrite`` an errors file of an earlier run at this path is
@@ -413,18 +300,18 @@ class ErrorWriter(_AtomicWriter):
 def write_table(path: str | os.PathLike[str], rows: Sequence[Mapping[str, Any]], schema: pa.Schema,
                 overwrite: bool = True) -> None:
     """Rows as one Parquet file, atomically; non-strings in string columns become JSON text."""
-    with _AtomicWriter(path, overwrite=overwrite) as w:
+    with AtomicWriter(path, overwrite=overwrite) as w:
         table = pa.Table.from_pylist(conform_rows(rows, schema, required=False), schema=schema)
         pq.write_table(table, w._file)  # type: ignore[arg-type]
 
 
 def write_summary(path: str | os.PathLike[str], summary: Mapping[str, Any]) -> None:
     """Write ``summary`` as indented JSON, atomically (always replaces the old one)."""
-    with _AtomicWriter(path, overwrite=True) as w:
+    with AtomicWriter(path, overwrite=True) as w:
         w._file.write((json.dumps(summary, indent=2, ensure_ascii=False,  # type: ignore[union-attr]
                                   default=_json_default) + "\n").encode("utf-8"))
 
 
 __all__ = ["result_schema", "id_type_for", "infer_extra_schema", "ParquetWriter", "JsonlWriter",
            "OpenAIBatchWriter", "ErrorWriter", "open_result_writer", "errors_path", "summary_path",
-           "write_summary", "write_table", "conform_rows", "remove_stale_temps", "RESULT_COLUMNS", "ERROR_SCHEMA", "FORMATS"]
+           "write_summary", "write_table", "conform_rows", "remove_stale_temps", "AtomicWriter", "RESULT_COLUMNS", "ERROR_SCHEMA", "FORMATS"]

@@ -15,11 +15,11 @@ from typing import Any, Callable, Sequence
 
 from jobs import (ErrorWriter, GenerationDefaults, InvalidRow, Job, JobError, errors_path, open_result_writer,
                   summary_path, write_summary)
-from jobs.writers import remove_stale_temps
+from jobs.atomic import remove_stale_temps
 from pipeline.preflight import Checked, check_inputs, check_output
 from pipeline.preflight import to_requests  # noqa: F401  (planning.py imports it from here)
 from pipeline.progress import Progress
-from pipeline.signals import PREEMPTED_EXIT_CODE, Preempted, StopOnSignal  # noqa: F401  (the CLI's)
+from pipeline.signals import Preempted, StopOnSignal
 from pipeline.summary import JobCounts, add_work, run_summary, work_of
 from pipeline.tokenize import Tokenizer
 from pipeline.types import Completion, Request
