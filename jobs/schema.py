@@ -8,9 +8,12 @@ field so that a user with a million-line file can find and fix the bad row.
 from __future__ import annotations
 
 import math
-import string
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
+
+from .errors import JobError, JobValidationError, Location
+from .templates import TemplateRowError, fill_template, template_fields
+from .text import bad_text_at, encodes
 
 MESSAGE_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 CHAT_ENDPOINT = "/v1/chat/completions"
@@ -27,41 +30,11 @@ _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 JOB_KEYS = ("id", "prompt", "messages", "max_new_tokens", "temperature",
             "top_p", "top_k", "seed", "stop", "n")
 _OPENAI_TOP_KEYS = ("custom_id", "method", "url", "body")
-
-
-class JobError(Exception):
-    """Base class for errors raised by the jobs package (bad input, bad output path)."""
-
-
-@dataclass(frozen=True)
-class Location:
-    """Where a row came from. JSONL uses 1-based ``line``; Parquet/datasets 0-based ``row``."""
-
-    path: str
-    line: int | None = None
-    row: int | None = None
-
-    def __str__(self) -> str:
-        # The path is printed exactly as the user typed it so it can be pasted back.
-        if self.line is not None:
-            return f"{self.path}:{self.line}"
-        if self.row is not None:
-            return f"{self.path}:row {self.row}"
-        return self.path
-
-
-class JobValidationError(JobError):
-    """One row is invalid. ``str(e)`` = ``<location>: field '<field>' <reason>``."""
-
-    def __init__(self, location: Location, field: str | None, reason: str,
-                 job_id: str | int | None = None) -> None:
-        self.location, self.field, self.reason, self.job_id = location, field, reason, job_id
-        super().__init__(f"{location}: {self.detail}")
-
-    @property
-    def detail(self) -> str:
-        """The message without the location (what InvalidRow.reason stores)."""
-        return f"field '{self.field}' {self.reason}" if self.field else self.reason
+# Columns batchgen writes itself: a carried-through input column of the same name would clash
+# with them (the result columns, and the input position that parts and shard outputs carry).
+RESERVED_COLUMNS = ("sample_index", "completion", "finish_reason", "prompt_tokens", "cached_tokens",
+                    "completion_tokens", "_batchgen_order")
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 def _show(value: Any) -> str:
@@ -211,39 +184,37 @@ def _check_id(check: _Checker, value: Any, default_id: int, name: str = "id") ->
         raise check.fail(name, f"must be a string or an integer, got {_show(value)} ({type(value).__name__})")
     if isinstance(value, str) and not value:
         raise check.fail(name, "must not be an empty string; leave it out to use the row number")
+    if name == "id" and isinstance(value, int) and not _INT64_MIN <= value <= _INT64_MAX:
+        # Integer ids are written as int64; rather than turn every id of the output into text
+        # for one row, the row is refused and says how to keep its id.
+        raise check.fail(name, f"is an integer outside the 64-bit range; write it as a string "
+                               f"(\"{value}\") to keep it")
     return value
 
 
-def template_fields(template: str) -> list[str]:
-    """Column names a ``str.format`` template refers to; raises JobError for bad templates."""
-    try:
-        parsed = list(string.Formatter().parse(template))
-    except ValueError as e:
-        raise JobError(f"invalid prompt template {template!r}: {e}") from None
-    names = []
-    for _, name, _, _ in parsed:
-        if name is None:
-            continue
-        base = name.split(".", 1)[0].split("[", 1)[0]
-        if not base or base.isdigit():
-            raise JobError(f"prompt template {template!r} uses a positional field "
-                           f"'{{{name}}}'; name a column instead, like {{text}}")
-        names.append(base)
-    return names
+def _check_text(location: Location, row: Mapping[str, Any], id_key: str) -> None:
+    where = bad_text_at(row)
+    if where is None:
+        return
+    raw_id = row.get(id_key)
+    job_id = raw_id if isinstance(raw_id, int) or (isinstance(raw_id, str) and encodes(raw_id)) else None
+    printable = where.encode("utf-8", "backslashreplace").decode("utf-8")  # the message must be writable
+    raise JobValidationError(location, printable, "is not valid Unicode text: it holds a lone surrogate "
+                             "(a \\ud800-style escape without its pair); fix or remove that text", job_id)
+
+
+def _check_columns(check: _Checker, extra: Mapping[str, Any]) -> None:
+    for name in extra:
+        if name in RESERVED_COLUMNS:
+            raise check.fail(name, "is a column batchgen writes itself; rename it in the input "
+                                   "(its values would clash with the result column)")
 
 
 def _fill_template(check: _Checker, template: str, row: Mapping[str, Any]) -> str:
-    for name in template_fields(template):
-        if name not in row:
-            cols = ", ".join(map(str, row)) or "none"
-            raise check.fail(None, f"prompt template needs column '{name}', which this row "
-                                   f"does not have (columns: {cols})")
-        if row[name] is None:
-            raise check.fail(name, "is null but the prompt template uses it")
     try:
-        return template.format(**row)
-    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
-        raise check.fail(None, f"cannot fill the prompt template: {e}") from None
+        return fill_template(template, row)
+    except TemplateRowError as e:
+        raise check.fail(e.field, e.reason) from None
 
 
 @dataclass
@@ -287,7 +258,9 @@ class Job:
         """
         if not isinstance(row, Mapping):
             raise JobValidationError(location, None, f"expected a JSON object, got {type(row).__name__}")
-        if "custom_id" in row and "body" in row:
+        openai = "custom_id" in row and "body" in row
+        _check_text(location, row, "custom_id" if openai else "id")
+        if openai:
             if prompt_template is not None:
                 cid = row["custom_id"]
                 raise JobValidationError(location, None, "--prompt-template cannot be used with OpenAI "
@@ -298,6 +271,7 @@ class Job:
         job_id = _check_id(check, raw_id, default_id)
         check.job_id = job_id
         extra = {k: v for k, v in row.items() if k not in JOB_KEYS}
+        _check_columns(check, extra)
 
         prompt, messages = row.get("prompt"), row.get("messages")
         if prompt_template is not None:
@@ -338,6 +312,7 @@ class Job:
         max_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         params["max_new_tokens"] = body.get(max_key)
         extra = {k: v for k, v in row.items() if k not in _OPENAI_TOP_KEYS}
+        _check_columns(check, extra)
         if body.get("model") is not None:
             extra.setdefault("model", body["model"])
         prompt = body.get("prompt")
@@ -401,10 +376,14 @@ class InvalidRow:
 
     def to_row(self) -> dict[str, Any]:
         """Row for the errors file; ids are strings there because bad rows may mix types."""
-        return {"id": None if self.job_id is None else str(self.job_id),
-                "location": str(self.location), "reason": self.reason}
+        def text(value: str) -> str:
+            # a file name with undecodable bytes must not make the errors file unwritable
+            return value.encode("utf-8", "backslashreplace").decode("utf-8")
+
+        return {"id": None if self.job_id is None else text(str(self.job_id)),
+                "location": text(str(self.location)), "reason": text(self.reason)}
 
 
 __all__ = ["JobError", "JobValidationError", "Location", "GenerationDefaults", "Job",
            "InvalidRow", "template_fields", "MESSAGE_ROLES", "CHAT_ENDPOINT",
-           "COMPLETIONS_ENDPOINT", "JOB_KEYS"]
+           "COMPLETIONS_ENDPOINT", "JOB_KEYS", "RESERVED_COLUMNS"]

@@ -1,8 +1,5 @@
-"""Atomic result writers: Parquet, JSON Lines, and OpenAI Batch API output.
-
-Every writer streams into ``.{name}.tmp-<pid>`` next to the target and only
-``os.replace``s it into place after a clean exit and an fsync, so a reader
-(or a rerun deciding whether to skip work) never sees a half-written file.
+"""Result writers: Parquet, JSON Lines, and OpenAI Batch API output, and the errors file and
+summary beside them; each one an :class:`~jobs.atomic.AtomicWriter` (atomic, symlink-safe).
 """
 
 from __future__ import annotations
@@ -10,15 +7,15 @@ from __future__ import annotations
 import base64
 import datetime as _dt
 import decimal
-import gzip
 import json
 import os
 import time
-from typing import IO, Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .atomic import AtomicWriter, remove_stale_temps
 from .schema import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, InvalidRow, JobError
 
 # Result columns, in output order after the carried-through input columns.
@@ -108,9 +105,10 @@ def _check_required(rows: Sequence[Mapping[str, Any]], names: Sequence[str]) -> 
         raise ValueError(f"result rows lack required value(s) for {', '.join(missing)}")
 
 
-def _conform(rows: Sequence[Mapping[str, Any]], schema: pa.Schema) -> list[dict[str, Any]]:
+def conform_rows(rows: Sequence[Mapping[str, Any]], schema: pa.Schema, required: bool = True) -> list[dict[str, Any]]:
     """Order keys by schema and turn non-strings in string columns into JSON text."""
-    _check_required(rows, schema.names)
+    if required:
+        _check_required(rows, schema.names)
     string_cols = {f.name for f in schema if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)}
     out = []
     for r in rows:
@@ -122,80 +120,7 @@ def _conform(rows: Sequence[Mapping[str, Any]], schema: pa.Schema) -> list[dict[
     return out
 
 
-class _AtomicWriter:
-    """Temp file next to the target; replaced into place only on a clean exit."""
-
-    _allow_gzip = False  # only line formats; a gzipped Parquet file helps nobody
-
-    def __init__(self, path: str | os.PathLike[str], overwrite: bool = False) -> None:
-        self.path = os.fspath(path)
-        if os.path.isdir(self.path):
-            raise JobError(f"{self.path}: is a directory; give an output file name")
-        if os.path.exists(self.path) and not overwrite:
-            raise JobError(f"{self.path}: already exists; pass --overwrite to replace it")
-        head, name = os.path.split(self.path)
-        self.tmp_path = os.path.join(head, f".{name}.tmp-{os.getpid()}")
-        self._file: IO[bytes] | None = None
-
-    def __enter__(self) -> _AtomicWriter:
-        parent = os.path.dirname(self.path)
-        if parent:
-            os.makedirs(parent, exist_ok=True)
-        raw = open(self.tmp_path, "wb")
-        gz = self._allow_gzip and self.path.endswith(".gz")
-        self._file = gzip.GzipFile(fileobj=raw, mode="wb") if gz else raw
-        self._raw = raw
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is not None:
-            self._discard()
-            return
-        try:
-            self._finish()
-            if self._file is not self._raw:
-                self._file.close()  # type: ignore[union-attr]
-            self._raw.flush()
-            os.fsync(self._raw.fileno())  # data on disk before the rename makes it visible
-            self._raw.close()
-            self._commit()
-        except BaseException:
-            self._discard()
-            raise
-
-    def _commit(self) -> None:
-        os.replace(self.tmp_path, self.path)
-        # fsync the directory so the rename itself survives a power loss.
-        fd = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def _discard(self) -> None:
-        try:
-            self._abort()
-        except Exception:
-            pass  # already failing; the original error is the one to report
-        for f in (self._file, getattr(self, "_raw", None)):
-            try:
-                if f is not None:
-                    f.close()
-            except Exception:
-                pass  # already failing; the original error is the one to report
-        try:
-            os.unlink(self.tmp_path)
-        except FileNotFoundError:
-            pass
-
-    def _finish(self) -> None:
-        """Flush anything buffered into the temp file (subclasses)."""
-
-    def _abort(self) -> None:
-        """Release format-level state before the temp file is deleted (subclasses)."""
-
-
-class ParquetWriter(_AtomicWriter):
+class ParquetWriter(AtomicWriter):
     """Result rows to Parquet with an explicit schema (see :func:`result_schema`)."""
 
     def __init__(self, path: str | os.PathLike[str], schema: pa.Schema, overwrite: bool = False) -> None:
@@ -210,7 +135,7 @@ class ParquetWriter(_AtomicWriter):
         return self
 
     def write(self, rows: Sequence[Mapping[str, Any]]) -> None:
-        self._buffer.extend(_conform(rows, self.schema))
+        self._buffer.extend(conform_rows(rows, self.schema))
         if len(self._buffer) >= _ROW_GROUP_ROWS:
             self._flush()
 
@@ -230,7 +155,7 @@ class ParquetWriter(_AtomicWriter):
             self._pq.close()
 
 
-class JsonlWriter(_AtomicWriter):
+class JsonlWriter(AtomicWriter):
     """Result rows as JSON Lines, keys in schema order (``.gz`` suffix compresses)."""
 
     def __init__(self, path: str | os.PathLike[str], schema: pa.Schema, overwrite: bool = False) -> None:
@@ -241,7 +166,7 @@ class JsonlWriter(_AtomicWriter):
 
     def write(self, rows: Sequence[Mapping[str, Any]]) -> None:
         _check_required(rows, self.schema.names)
-        # Not _conform: nested extras stay real JSON here instead of JSON-in-a-string.
+        # Not conform_rows: nested extras stay real JSON here instead of JSON-in-a-string.
         id_is_str = pa.types.is_string(self.schema.field("id").type)
         lines = []
         for r in rows:
@@ -252,7 +177,7 @@ class JsonlWriter(_AtomicWriter):
         self._file.write("".join(lines).encode("utf-8"))  # type: ignore[union-attr]
 
 
-class OpenAIBatchWriter(_AtomicWriter):
+class OpenAIBatchWriter(AtomicWriter):
     """Output in the OpenAI Batch API format: one line per job, samples grouped as choices.
 
     ``model`` is reported as the response's model. Each row may carry an
@@ -320,7 +245,7 @@ def _openai_line(k: int, custom_id: str, samples: list[Mapping[str, Any]], model
 
 def open_result_writer(path: str | os.PathLike[str], schema: pa.Schema, fmt: str = "parquet",
                        overwrite: bool = False, *, model: str | None = None,
-                       endpoint: str = CHAT_ENDPOINT) -> _AtomicWriter:
+                       endpoint: str = CHAT_ENDPOINT) -> AtomicWriter:
     """Writer for ``fmt`` in FORMATS; ``model`` is required for ``openai``."""
     if fmt == "parquet":
         return ParquetWriter(path, schema, overwrite)
@@ -343,16 +268,17 @@ def summary_path(output_path: str | os.PathLike[str]) -> str:
     return os.fspath(output_path) + ".summary.json"
 
 
-class ErrorWriter(_AtomicWriter):
+class ErrorWriter(AtomicWriter):
     """Invalid rows to Parquet (id, location, reason), atomically.
 
-    No rows -> no file. A stale errors file from an earlier run is left alone in
-    that case (it is only replaced when there are new errors), so callers that
-    rerun into the same place should remove it themselves if that matters.
+    No rows -> no file: with ``overwrite`` an errors file of an earlier run at this path is
+    removed, so the errors file always lists exactly this run's errors (a stale one would list
+    jobs that are now in the output).
     """
 
     def __init__(self, path: str | os.PathLike[str], overwrite: bool = False) -> None:
         super().__init__(path, overwrite)
+        self._overwrite = overwrite
         self._rows: list[dict[str, Any]] = []
 
     def write(self, rows: Iterable[InvalidRow | Mapping[str, Any]]) -> None:
@@ -362,6 +288,8 @@ class ErrorWriter(_AtomicWriter):
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is None and not self._rows:
             self._discard()  # nothing to report: do not create an empty errors file
+            if self._overwrite and os.path.lexists(self.path):
+                os.unlink(self.path)
             return
         super().__exit__(exc_type, exc, tb)
 
@@ -369,13 +297,21 @@ class ErrorWriter(_AtomicWriter):
         pq.write_table(pa.Table.from_pylist(self._rows, schema=ERROR_SCHEMA), self._file)
 
 
+def write_table(path: str | os.PathLike[str], rows: Sequence[Mapping[str, Any]], schema: pa.Schema,
+                overwrite: bool = True) -> None:
+    """Rows as one Parquet file, atomically; non-strings in string columns become JSON text."""
+    with AtomicWriter(path, overwrite=overwrite) as w:
+        table = pa.Table.from_pylist(conform_rows(rows, schema, required=False), schema=schema)
+        pq.write_table(table, w._file)  # type: ignore[arg-type]
+
+
 def write_summary(path: str | os.PathLike[str], summary: Mapping[str, Any]) -> None:
     """Write ``summary`` as indented JSON, atomically (always replaces the old one)."""
-    with _AtomicWriter(path, overwrite=True) as w:
+    with AtomicWriter(path, overwrite=True) as w:
         w._file.write((json.dumps(summary, indent=2, ensure_ascii=False,  # type: ignore[union-attr]
                                   default=_json_default) + "\n").encode("utf-8"))
 
 
 __all__ = ["result_schema", "id_type_for", "infer_extra_schema", "ParquetWriter", "JsonlWriter",
            "OpenAIBatchWriter", "ErrorWriter", "open_result_writer", "errors_path", "summary_path",
-           "write_summary", "RESULT_COLUMNS", "ERROR_SCHEMA", "FORMATS"]
+           "write_summary", "write_table", "conform_rows", "remove_stale_temps", "AtomicWriter", "RESULT_COLUMNS", "ERROR_SCHEMA", "FORMATS"]

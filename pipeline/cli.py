@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 
 import click
 
@@ -23,7 +22,8 @@ def _model_options(f):
     f = click.option("--model", envvar="BATCHGEN_MODEL", default=None, metavar="NAME_OR_PATH",
                      help="Hugging Face model id or local directory [default: embedded SmolLM2-135M-Instruct]")(f)
     f = click.option("--trust-remote-code", is_flag=True, envvar="BATCHGEN_TRUST_REMOTE_CODE",
-                     help="Allow a model's own Python code to run (off unless asked).")(f)
+                     help="Run the Python code that comes with the model (off unless asked; "
+                          "BATCHGEN_TRUST_REMOTE_CODE=1 turns it on too): only for models you trust.")(f)
     return f
 
 
@@ -111,9 +111,12 @@ def main() -> None:
               help="Ray actors, one model each.")
 @click.option("--gpus-per-worker", type=click.FloatRange(min=0), default=0.0, show_default=True,
               envvar="BATCHGEN_GPUS_PER_WORKER")
+@click.option("--progress-every", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              envvar="BATCHGEN_PROGRESS_EVERY", metavar="SECONDS",
+              help="When stderr is not a terminal (logs), print a progress line this often.")
 def process(inputs, output, model, trust_remote_code, device, dtype, max_batch_tokens, min_shared_tokens,
             output_format, overwrite, on_error, shard, commit_every, engine, address, workers, gpus_per_worker,
-            dataset, split, prompt_template, system, **gen):
+            progress_every, dataset, split, prompt_template, system, **gen):
     """Generate completions for every job in INPUTS and write them to OUTPUT in input order.
 
     INPUTS are JSONL (optionally .gz/.zst), Parquet, directories of part files, `datasets`
@@ -124,7 +127,9 @@ def process(inputs, output, model, trust_remote_code, device, dtype, max_batch_t
     """
     from transformers.utils import logging as hf_logging
 
-    from pipeline.runner import PREEMPTED_EXIT_CODE, Preempted, RunOptions, process as run_process
+    from pipeline.progress import ProgressReport
+    from pipeline.runner import RunOptions, process as run_process
+    from pipeline.signals import PREEMPTED_EXIT_CODE, Preempted
 
     hf_logging.disable_progress_bar()  # our own bar reports progress; logs stay quiet
 
@@ -142,14 +147,14 @@ def process(inputs, output, model, trust_remote_code, device, dtype, max_batch_t
                    f"{summary['failed']} failed; prefill {summary['prefill_tokens']} of {summary['prompt_tokens']} "
                    f"prompt tokens in {summary['wall_seconds']:.1f}s -> {output}/", err=True)
         return
-    bar = _ProgressBar()
+    report = ProgressReport(every=progress_every, stream=click.get_text_stream("stderr"))
     try:
-        summary = _guard(run_process, list(inputs), output, options, progress=bar.update)
+        summary = _guard(run_process, list(inputs), output, options, progress=report.update)
     except Preempted as e:
-        bar.close()
+        report.close()
         click.echo(f"batchgen: {e}", err=True)
         sys.exit(PREEMPTED_EXIT_CODE)
-    bar.close()
+    report.close()
     click.echo(
         f"{summary['completed']}/{summary['jobs']} jobs done, {summary['failed']} failed; "
         f"prefill {summary['prefill_tokens']} of {summary['prompt_tokens']} prompt tokens "
@@ -193,20 +198,22 @@ def plan(inputs, model, trust_remote_code, dataset, split, prompt_template, syst
 
 @main.command(epilog="\b\nExample:\n  batchgen validate data/*.jsonl")
 @_input_options
+@_model_options
 @_generation_options
-def validate(inputs, dataset, split, prompt_template, system, **gen):
-    """Check every job in INPUTS and report every problem with its file:line."""
-    from jobs import InvalidRow, read_jobs
+def validate(inputs, model, trust_remote_code, dataset, split, prompt_template, system, **gen):
+    """Check every job in INPUTS exactly as `process` does before it generates (rows, carried
+    columns, tokenization and the model's context window; the tokenizer and config only, no
+    weights) and report every problem with its file:line."""
+    from pipeline.preflight import check_inputs
+    from pipeline.runner import RunOptions
 
-    count, problems = 0, 0
-    for item in _guard(read_jobs, list(inputs), _guard(_defaults, gen), dataset=dataset, split=split,
-                       prompt_template=prompt_template, system=system):
-        count += 1
-        if isinstance(item, InvalidRow):
-            problems += 1
-            click.echo(str(item))
-    click.echo(f"{count} jobs checked, {problems} with problems", err=True)
-    if problems:
+    options = RunOptions(model=model, defaults=_guard(_defaults, gen), prompt_template=prompt_template, system=system,
+                         dataset=dataset, split=split, trust_remote_code=trust_remote_code)
+    checked = _guard(check_inputs, list(inputs), options)
+    for problem in checked.invalid.values():
+        click.echo(str(problem))
+    click.echo(f"{checked.total} jobs checked, {len(checked.invalid)} with problems", err=True)
+    if checked.invalid:
         sys.exit(1)
 
 
@@ -232,30 +239,8 @@ def _guard(fn, *args, **kwargs):
 
     try:
         return fn(*args, **kwargs)
-    except (JobError, ModelLoadError, TokenizerError, ValueError, FileNotFoundError) as e:
+    except (JobError, ModelLoadError, TokenizerError, ValueError) as e:
         raise click.ClickException(str(e)) from e
-
-
-class _ProgressBar:
-    """A tqdm bar on a terminal; silent in logs (scheduled jobs)."""
-
-    def __init__(self) -> None:
-        self.bar = None
-        self.started = time.monotonic()
-        self.enabled = sys.stderr.isatty()
-
-    def update(self, completion, stats) -> None:
-        if not self.enabled:
-            return
-        if self.bar is None:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=stats.rows, unit="row", desc="generating", dynamic_ncols=True)
-        self.bar.update(1)
-        wall = max(1e-9, time.monotonic() - self.started)
-        reuse = stats.cached_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0
-        self.bar.set_postfix_str(f"{stats.completion_tokens / wall:.1f} tok/s, cache reuse {reuse:.0%}", refresh=False)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+    except OSError as e:  # what the library did not word itself: still one line, no traceback
+        where = f"{e.filename}: " if e.filename else ""
+        raise click.ClickException(f"{where}{e.strerror or e}; check that path and rerun") from e

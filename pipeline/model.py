@@ -16,6 +16,7 @@ import fcntl
 import importlib.util
 import json
 import os
+import pickle
 import shutil
 import tempfile
 from pathlib import Path
@@ -96,6 +97,7 @@ def _convert(gguf_path: Path, out: Path) -> None:
     model.load_state_dict(gguf_model.state_dict(), strict=True)
     model.generation_config = gguf_model.generation_config
     model.save_pretrained(out, safe_serialization=True)
+    _drop_quantization_config(out)
     eos_id = gguf_model.generation_config.eos_token_id
     del gguf_model, model
 
@@ -119,6 +121,31 @@ def _convert(gguf_path: Path, out: Path) -> None:
         raise ModelLoadError(f"converting {DEFAULT_MODEL} failed: {'; '.join(problems)}")
 
 
+def _drop_quantization_config(model_dir: Path) -> bool:
+    """The converted weights are plain float32, but transformers copies the GGUF's
+    ``quantization_config`` (quant_method gguf) into the config, and converters such as
+    CTranslate2's and optimum's then refuse the checkpoint. Rewritten atomically; True if it was there."""
+    path = model_dir / "config.json"
+    config = json.loads(path.read_text())
+    if "quantization_config" not in config:
+        return False
+    del config["quantization_config"]
+    fd, tmp = tempfile.mkstemp(prefix=".config.json.tmp-", dir=model_dir)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return True
+
+
 def default_model_path() -> Path:
     """Directory of the converted default model, converting it on first use.
 
@@ -129,6 +156,13 @@ def default_model_path() -> Path:
     models = cache_dir() / "models"
     target = models / _CONVERTED_NAME
     if (target / _MARKER).is_file():
+        if _needs_repair(target):  # converted by an older batchgen: its config is fixed in place
+            try:
+                with open(models / f".{_CONVERTED_NAME}.lock", "w") as lock:
+                    fcntl.flock(lock, fcntl.LOCK_EX)
+                    _drop_quantization_config(target)
+            except OSError:
+                pass  # a read-only shared cache: batchgen itself loads it either way
         return target
 
     gguf_path = _gguf_source()
@@ -151,6 +185,13 @@ def default_model_path() -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return target
+
+
+def _needs_repair(target: Path) -> bool:
+    try:
+        return "quantization_config" in json.loads((target / "config.json").read_text())
+    except (OSError, ValueError):
+        return False  # the loader reports an unreadable config with its own message
 
 
 def resolve_device(device: str) -> torch.device:
@@ -200,10 +241,52 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
         raise ValueError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16 or float16") from None
 
 
+def resolve_precision(device: str, dtype: str) -> dict[str, str]:
+    """The device type and dtype a run with these options computes in (what `load_model` uses):
+    `auto` differs between machines, so resumed work is checked against these, not the options."""
+    torch_device = resolve_device(device)
+    return {"device_type": torch_device.type, "dtype": str(resolve_dtype(dtype, torch_device)).removeprefix("torch.")}
+
+
 def _looks_local(name: str) -> bool:
     # Hub ids are "name" or "org/name"; anything else shaped like a path is meant to be local,
     # so a typo gives a "not found" error instead of a slow, doomed hub lookup.
     return name.startswith((".", "/", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
+
+
+def model_source(name_or_path: str | None) -> tuple[str, str]:
+    """``(label, source)``: the name to report, and the local directory or hub id that the
+    config, tokenizer and weights load from (for the default model, its converted directory)."""
+    if name_or_path is None:
+        return DEFAULT_MODEL, str(default_model_path())
+    local = Path(name_or_path).expanduser()
+    if local.exists():
+        if not (local / "config.json").is_file():
+            raise ModelLoadError(
+                f"model {name_or_path!r}: {local} has no config.json; "
+                "point to a directory written by save_pretrained"
+            )
+        return name_or_path, str(local)
+    if _looks_local(name_or_path):
+        raise ModelLoadError(
+            f"model {name_or_path!r} not found: the path does not exist; "
+            "check the path, or omit --model to use the default model"
+        )
+    return name_or_path, name_or_path
+
+
+def load_config(name_or_path: str | None, trust_remote_code: bool = False):
+    """The model's config alone (no weights): what the checks before a run need of the model."""
+    from transformers import AutoConfig
+
+    label, source = model_source(name_or_path)
+    try:
+        return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        hint = ("it needs custom code: pass --trust-remote-code only if you trust that code"
+                if "trust_remote_code" in str(e) and not trust_remote_code
+                else "pass a local directory written by save_pretrained, or a hub id that is in the local HF cache")
+        raise ModelLoadError(f"model {label!r}: cannot read its config: {str(e)[:300]}\nFix: {hint}") from e
 
 
 def load_model(
@@ -217,24 +300,7 @@ def load_model(
     Returns ``(model, tokenizer_source)``: the local directory or hub id the
     tokenizer should be loaded from (for the default model, the converted dir).
     """
-    if name_or_path is None:
-        label, source = DEFAULT_MODEL, str(default_model_path())
-    else:
-        label = source = name_or_path
-        local = Path(name_or_path).expanduser()
-        if local.exists():
-            if not (local / "config.json").is_file():
-                raise ModelLoadError(
-                    f"model {label!r}: {local} has no config.json; "
-                    "point to a directory written by save_pretrained"
-                )
-            source = str(local)
-        elif _looks_local(name_or_path):
-            raise ModelLoadError(
-                f"model {label!r} not found: the path does not exist; "
-                "check the path, or omit --model to use the default model"
-            )
-
+    label, source = model_source(name_or_path)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
 
@@ -264,6 +330,14 @@ def load_model(
         else:
             hint = "use a causal language model (AutoModelForCausalLM)"
         raise ModelLoadError(f"model {label!r} could not be loaded: {msg[:500]}\nFix: {hint}") from e
+    except pickle.UnpicklingError as e:
+        # torch.load (weights_only) refuses a pickled checkpoint holding more than tensors
+        detail = next((line.strip() for line in str(e).splitlines() if "WeightsUnpickler error" in line),
+                      str(e).splitlines()[0] if str(e) else "")
+        raise ModelLoadError(
+            f"model {label!r}: torch refused to load its pickled checkpoint safely ({detail[:200]}); "
+            "use a safetensors copy of the model, or another model"
+        ) from e
     except OSError as e:
         raise ModelLoadError(
             f"model {label!r} could not be loaded: {e}\n"

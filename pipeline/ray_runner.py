@@ -1,30 +1,34 @@
 """`batchgen process --engine ray`: the same run, spread over a Ray cluster, prefix-aware.
 
-The driver reads and validates the jobs; tokenization runs in parallel Ray tasks; each job gets
-the key of its top shared prefix, and every group goes whole to one actor of a pool (one model per
-actor, loaded once), so a prefix is prefilled once across the cluster. Actors write their results
-as Parquet parts into OUTPUT_DIR, named by the jobs they hold: a retried task rewrites the same
-part instead of duplicating it, and a rerun skips every job already in a part (exactly once).
+The driver reads and checks the jobs (the same checks as a local run, `preflight.read_checked`);
+tokenization runs on an autoscaling pool of Ray actors (up to one per cluster CPU, at most 16,
+each loading the tokenizer once); each job gets the key of its top shared prefix, and every group
+goes whole to one actor of a pool (one model per actor, loaded once), so a prefix is prefilled
+once across the cluster. Actors write their results as Parquet parts into OUTPUT_DIR, named by the
+jobs they hold: a retried task rewrites the same part instead of duplicating it, and a rerun of
+the same job set and settings (`run.json`, the local runner's fingerprint) skips every job already
+in a part (exactly once). Output is always Parquet parts: another --output-format is refused.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import tempfile
 import time
-from dataclasses import asdict
 from typing import Any, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobs import ErrorWriter, JobError, id_type_for, infer_extra_schema, input_schema, result_schema, write_summary
-from jobs import InvalidRow
-from pipeline.parts import ERROR_PART_SCHEMA, ORDER, write_part
-from pipeline.runner import (RunOptions, _eos_ids, _settings, _summary, context_window, job_rows, length_error,
-                             read_all)
-from pipeline.types import RunStats
+from jobs import ErrorWriter, InvalidRow, JobError, write_summary
+from pipeline.parts import ERROR_PART_SCHEMA, ORDER, job_set_key, may_resume, write_part
+from pipeline.preflight import context_window, length_error, read_checked
+from pipeline.runner import RunOptions, _eos_ids, job_rows, run_settings
+from pipeline.summary import JobCounts, add_work, run_summary, work_of
 
+RUN_FILE = "run.json"  # the job set's key and the settings the parts beside it were made with
+_WORK_KEY = b"batchgen_work"  # a part's engine work, in its Parquet metadata
 UNSHARED_BUCKETS = 64  # jobs that share no prefix are spread over this many groups
 
 
@@ -84,7 +88,7 @@ class _Generate:
         import json
 
         from pipeline.engine import Engine
-        from pipeline.runner import make_request
+        from pipeline.preflight import make_request
 
         ids = dict(zip(group.column("order").to_pylist(), (json.loads(x) for x in group.column("ids").to_pylist())))
         orders = sorted(ids)
@@ -103,10 +107,11 @@ class _Generate:
             rows += results
             errors += failed
         name = hashlib.blake2b(repr(orders).encode(), digest_size=10).hexdigest()
-        write_part(os.path.join(self.out_dir, f"part-{name}.parquet"), rows, self.schema)
+        write_part(os.path.join(self.out_dir, f"part-{name}.parquet"), rows, self.schema,
+                   {_WORK_KEY: json.dumps(work_of(engine.stats))})
         if errors:
             write_part(os.path.join(self.out_dir, f"errors-{name}.parquet"), errors, ERROR_PART_SCHEMA)
-        return pa.table({k: [v] for k, v in asdict(engine.stats).items()})
+        return pa.table({"jobs": [len(orders)]})
 
 
 def done_orders(out_dir: str) -> set[int]:
@@ -119,24 +124,23 @@ def done_orders(out_dir: str) -> set[int]:
 
 def process_ray(inputs: Sequence[str], out_dir: str, options: RunOptions, *, address: str | None = None,
                 workers: int = 1, gpus_per_worker: float = 0.0) -> dict[str, Any]:
-    import json
     import pickle
 
+    started = time.monotonic()
+    if options.output_format != "parquet":
+        raise JobError(f"--engine ray writes a directory of Parquet parts; --output-format {options.output_format} "
+                       "is not supported with it (drop it, or run without --engine ray)")
     import ray
 
-    from pipeline.model import DEFAULT_MODEL, default_model_path
+    from pipeline.model import DEFAULT_MODEL, default_model_path, resolve_precision
 
-    started = time.monotonic()
     if os.path.isfile(out_dir):
         raise JobError(f"{out_dir}: --engine ray writes a directory of parts; give a directory path")
     os.makedirs(out_dir, exist_ok=True)
-    jobs, invalid = read_all(inputs, options)
-    schema = result_schema(infer_extra_schema((j.extra for j in jobs.values()), input_schema(inputs)),
-                           id_type_for(j.id for j in jobs.values())).append(pa.field(ORDER, pa.int64()))
-    settings = _settings(options, options.model or DEFAULT_MODEL)
-    _check_settings(out_dir, settings, options.overwrite)
-    done = done_orders(out_dir)
+    jobs, invalid, schema = read_checked(list(inputs), options)
+    schema = schema.append(pa.field(ORDER, pa.int64()))
     source = options.model if options.model is not None else str(default_model_path())
+    model_name = options.model or DEFAULT_MODEL
 
     started_ray = not ray.is_initialized()
     if started_ray:
@@ -147,13 +151,19 @@ def process_ray(inputs: Sequence[str], out_dir: str, options: RunOptions, *, add
             ray.init(num_cpus=os.cpu_count(), num_gpus=1 if gpus_per_worker else 0, _temp_dir=_ray_temp(out_dir),
                      include_dashboard=False, log_to_driver=False)
     try:
+        # where the actors run, `auto` resolves to their device: ask a task with their resources
+        probe = ray.remote(num_cpus=0, num_gpus=gpus_per_worker or 0)(resolve_precision)
+        settings = run_settings(options, model_name, ray.get(probe.remote(options.device, options.dtype)))
+        claim(out_dir, job_set_key(jobs, settings), settings, options.overwrite)
+        done = done_orders(out_dir)
         todo = [{"order": o, "prompt": j.prompt or "", "messages": json.dumps(j.messages) if j.messages else ""}
                 for o, j in jobs.items() if o not in done]
-        stats = RunStats()
         if todo:
+            tokenizers = max(1, min(16, int(ray.cluster_resources().get("CPU", 1))))
             tokenized = (ray.data.from_items(todo, override_num_blocks=max(1, min(len(todo) // 64, 16)))
                          .map_batches(_Tokenize, fn_constructor_args=(source, options.trust_remote_code),
-                                      concurrency=1, num_cpus=0.25, batch_format="numpy")
+                                      concurrency=(1, tokenizers) if tokenizers > 1 else 1, num_cpus=0.25,
+                                      batch_format="numpy")
                          .take_all())
             window = _context_window(source, options.trust_remote_code)
             ids = {}
@@ -168,16 +178,14 @@ def process_ray(inputs: Sequence[str], out_dir: str, options: RunOptions, *, add
             keys = group_keys(ids, options.min_shared_tokens, workers)
             table = pa.table({"order": list(ids), "ids": [json.dumps(ids[o]) for o in ids],
                               "group": [keys[o] for o in ids]})
-            results = (ray.data.from_arrow(table)
-                       .groupby("group")
-                       .map_groups(_Generate, batch_format="pyarrow", concurrency=workers,
-                                   num_cpus=0 if gpus_per_worker else 0.5, num_gpus=gpus_per_worker or None,
-                                   fn_constructor_args=(options.model, options.device, options.dtype, options,
-                                                        pickle.dumps({o: jobs[o] for o in ids}), out_dir,
-                                                        schema.serialize().to_pybytes(), options.trust_remote_code))
-                       .take_all())
-            for r in results:
-                stats.add(RunStats(**{k: int(r[k]) for k in RunStats.__dataclass_fields__}))
+            (ray.data.from_arrow(table)
+             .groupby("group")
+             .map_groups(_Generate, batch_format="pyarrow", concurrency=workers,
+                         num_cpus=0 if gpus_per_worker else 0.5, num_gpus=gpus_per_worker or None,
+                         fn_constructor_args=(options.model, options.device, options.dtype, options,
+                                              pickle.dumps({o: jobs[o] for o in ids}), out_dir,
+                                              schema.serialize().to_pybytes(), options.trust_remote_code))
+             .take_all())
     finally:
         if started_ray:
             ray.shutdown()
@@ -188,37 +196,42 @@ def process_ray(inputs: Sequence[str], out_dir: str, options: RunOptions, *, add
             errors += [{k: v for k, v in e.items() if k != ORDER} for e in pq.read_table(os.path.join(out_dir, name)).to_pylist()]
     with ErrorWriter(os.path.join(out_dir, "errors.parquet"), overwrite=True) as ew:
         ew.write(errors)
-    parts = [os.path.join(out_dir, n) for n in os.listdir(out_dir) if n.startswith("part-") and n.endswith(".parquet")]
-    completed = len({o for p in parts for o in pq.read_table(p, columns=[ORDER])[ORDER].to_pylist()})
-    rows = sum(pq.read_metadata(p).num_rows for p in parts)
-    summary = _summary(stats, len(jobs) + len(invalid), completed, len(errors), rows, settings["model"], options, started)
-    summary.update(engine="ray", output=out_dir, workers=workers, resumed_jobs=len(done), settings=settings)
+    parts = sorted(os.path.join(out_dir, n) for n in os.listdir(out_dir) if n.startswith("part-") and n.endswith(".parquet"))
+    results = pa.concat_tables([pq.read_table(p) for p in parts]) if parts else schema.empty_table()
+    work = add_work(*(json.loads((pq.read_schema(p).metadata or {}).get(_WORK_KEY, b"{}")) for p in parts))
+    summary = run_summary(JobCounts.of(results, len(errors)), work, started=started, model=model_name, options=options)
+    summary.update(engine="ray", output=out_dir, workers=workers, resumed_jobs=len(done), settings=settings,
+                   jobs_total=len(jobs.keys() | invalid.keys()))
     write_summary(os.path.join(out_dir, "summary.json"), summary)
     return summary
 
 
-def _check_settings(out_dir: str, settings: dict[str, Any], overwrite: bool) -> None:
-    """Parts of a run with other options or another model are never mixed in."""
-    import json
-
-    path = os.path.join(out_dir, "settings.json")
-    if os.path.exists(path):
+def claim(out_dir: str, key: str, settings: dict[str, Any], overwrite: bool) -> None:
+    """Parts of another job set, other options or another precision are never mixed in: the same
+    check as the local runner's (`parts.may_resume`), on `run.json`."""
+    path = os.path.join(out_dir, RUN_FILE)
+    recorded: dict[str, Any] | None = None
+    try:
         with open(path) as f:
-            old = json.load(f)
-        if old != json.loads(json.dumps(settings, default=str)):
-            if not overwrite:
-                raise JobError(f"{out_dir} holds parts of a run with other options or model; "
-                               "pass --overwrite to discard them and start over")
-            for name in os.listdir(out_dir):
-                if name.endswith(".parquet"):
-                    os.unlink(os.path.join(out_dir, name))
-    write_summary(path, settings)
+            recorded = json.load(f)
+    except FileNotFoundError:
+        if any(n.endswith(".parquet") for n in os.listdir(out_dir)):
+            recorded = {"key": None, "settings": "unknown (no run.json beside its parts)"}
+    except (OSError, ValueError) as e:
+        if not overwrite:
+            raise JobError(f"{path} is unreadable ({e}); pass --overwrite to start over") from e
+        recorded = {"key": None}
+    if not may_resume(out_dir, recorded, key, overwrite):
+        for name in os.listdir(out_dir):
+            if name.endswith(".parquet") or name == "summary.json":
+                os.unlink(os.path.join(out_dir, name))
+    write_summary(path, {"key": key, "settings": settings})
 
 
 def _context_window(source: str, trust_remote_code: bool) -> int | None:
-    from transformers import AutoConfig
+    from pipeline.model import load_config
 
-    return context_window(AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code))
+    return context_window(load_config(source, trust_remote_code))
 
 
 def _ray_temp(out_dir: str) -> str:

@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 
 from jobs import ErrorWriter, JobError, ParquetWriter, errors_path, summary_path, write_summary
 from pipeline.schedule import top_groups
+from pipeline.summary import merged
 
 
 def parse_shard(spec: str | None) -> tuple[int, int] | None:
@@ -55,10 +56,6 @@ def assign(prompts: Mapping[Hashable, Sequence[int]], shards: int, min_shared_to
     return out
 
 
-COUNTERS = ("prompt_tokens", "prefill_tokens", "cached_tokens", "completion_tokens", "decode_steps",
-            "batches", "shared_prefixes", "oom_splits", "completed", "failed", "rows")
-
-
 def merge(shard_outputs: Sequence[str], output: str, overwrite: bool = False) -> dict[str, Any]:
     """Join shard outputs into one file in input order; every job exactly once, or an error."""
     from pipeline.parts import ORDER
@@ -95,8 +92,8 @@ def merge(shard_outputs: Sequence[str], output: str, overwrite: bool = False) ->
         w.write(table.drop_columns([ORDER]).to_pylist())
     with ErrorWriter(errors_path(output), overwrite=True) as ew:
         ew.write(errors)
-    summary = {k: sum(s.get(k, 0) or 0 for s in summaries) for k in COUNTERS}
-    summary.update(jobs=jobs, shards=total, model=summaries[0].get("model"), merged_from=list(shard_outputs),
-                   wall_seconds=max(s.get("wall_seconds", 0) for s in summaries))
+    summary = merged(summaries)  # every field a shard summary has; counters summed
+    summary.update(shard=None, shards=total, merged_from=list(shard_outputs), output=output,
+                   errors_file=errors_path(output) if errors else None)
     write_summary(summary_path(output), summary)
     return summary

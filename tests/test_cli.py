@@ -2,6 +2,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -24,7 +25,7 @@ def write_jsonl(path, rows):
 
 
 def run(args, model_dir, ok=True):
-    result = CliRunner().invoke(main, [*args, "--model", str(model_dir)] if args[0] != "validate" else args)
+    result = CliRunner().invoke(main, [*args, "--model", str(model_dir)])
     if ok:
         assert result.exit_code == 0, result.output + repr(result.exception)
     return result
@@ -131,3 +132,22 @@ def test_subprocess_run_with_env_vars(tmp_path, model_dir):
     assert "3/3 jobs done" in proc.stderr
     version = subprocess.run([sys.executable, "-m", "pipeline", "--version"], capture_output=True, text=True)
     assert "batchgen, version" in version.stdout
+
+
+def test_every_environment_variable_is_documented_in_the_readme():
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    names = {p.envvar for cmd in main.commands.values() for p in cmd.params if p.envvar}
+    assert "BATCHGEN_TRUST_REMOTE_CODE" in names
+    assert sorted(n for n in names if n not in readme) == []
+    # the one that runs a model's own code is documented beside its flag, with the warning
+    para = next(p for p in readme.split("\n\n") if "BATCHGEN_TRUST_REMOTE_CODE" in p)
+    assert "--trust-remote-code" in para and "trust" in para.lower() and "code" in para
+
+
+def test_progress_lines_in_logs(tmp_path, model_dir):
+    src = write_jsonl(tmp_path / "jobs.jsonl", [{"prompt": SYSTEM + f"Q{i}"} for i in range(4)])
+    res = run(["process", str(src), "-o", str(tmp_path / "o.parquet"), "--max-new-tokens", "2",
+               "--progress-every", "0"], model_dir)
+    lines = [x for x in res.stderr.splitlines() if x.startswith("batchgen: ")]
+    assert len(lines) >= 4 and lines[-1].startswith("batchgen: 4/4 jobs (100.0%), ")
+    assert all("tokens/s" in x and "ETA" in x for x in lines)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import time
 from pathlib import Path
@@ -169,6 +170,8 @@ def test_default_model_conversion(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     assert (path / pm._MARKER).is_file()
     assert (path / "model.safetensors").is_file()
     assert (path / "generation_config.json").is_file()
+    # plain float32 weights: no GGUF quantization_config for other converters to trip on
+    assert "quantization_config" not in json.loads((path / "config.json").read_text())
     # No temp dirs left behind beside the result.
     assert not [p for p in path.parent.iterdir() if ".tmp-" in p.name]
 
@@ -268,3 +271,17 @@ def test_incomplete_dir_is_reconverted(fake_gguf: Path, monkeypatch: pytest.Monk
     assert pm.default_model_path() == target
     assert not (target / "stale.bin").exists()
     assert (target / pm._MARKER).is_file()
+
+
+def test_an_older_conversion_gets_a_clean_config_in_place(fake_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    target = fake_gguf / "models" / "SmolLM2-135M-Instruct-Q4_1"
+    target.mkdir(parents=True)
+    (target / pm._MARKER).write_text("{}")
+    config = {"model_type": "llama", "num_hidden_layers": 30,
+              "quantization_config": {"quant_method": "gguf", "gguf_file": "x.gguf", "dequantize": False}}
+    (target / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(pm, "_convert", lambda *a: pytest.fail("a complete conversion is not redone"))
+    monkeypatch.setattr(pm, "_gguf_source", lambda: pytest.fail("the GGUF package is not needed to fix it"))
+    assert pm.default_model_path() == target
+    assert json.loads((target / "config.json").read_text()) == {"model_type": "llama", "num_hidden_layers": 30}
+    assert sorted(p.name for p in target.iterdir()) == [pm._MARKER, "config.json"]

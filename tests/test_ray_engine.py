@@ -46,8 +46,27 @@ def test_ray_engine_equals_the_local_engine(tmp_path):
     assert ray_summary["prefill_tokens"] == local_summary["prefill_tokens"]
     assert ray_summary["completed"] == 16 and ray_summary["failed"] == 1
     assert pq.read_table(out_dir / "errors.parquet").num_rows == 1
-    # a rerun finds every job done and computes nothing
+    # a rerun finds every job done and computes nothing: the work counters are the first run's
     res = CliRunner().invoke(main, ["process", str(src), "-o", str(out_dir), "--engine", "ray", *common])
     assert res.exit_code == 0, res.output
     again = json.loads((out_dir / "summary.json").read_text())
-    assert again["resumed_jobs"] == 16 and again["prefill_tokens"] == 0 and again["completed"] == 16
+    assert again["resumed_jobs"] == 16 and again["completed"] == 16
+    assert again["prefill_tokens"] == ray_summary["prefill_tokens"]
+    for key in ("jobs", "completed", "failed", "rows", "prompt_tokens", "cached_tokens", "completion_tokens"):
+        assert again[key] == local_summary[key] == ray_summary[key], key
+    # another input of as many rows into the same directory: its jobs are not "done" by position
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps({"id": f"x{i}", "prompt": f"Other job {i}?"}) + "\n" for i in range(len(rows))))
+    before = sorted(out_dir.glob("part-*.parquet"))
+    res = CliRunner().invoke(main, ["process", str(other), "-o", str(out_dir), "--engine", "ray", *common])
+    assert res.exit_code == 1 and "other jobs, options or model" in res.output, res.output
+    assert sorted(out_dir.glob("part-*.parquet")) == before  # the first run's work is kept
+
+
+def test_ray_refuses_an_output_format_it_does_not_write(tmp_path, model_dir):
+    src = tmp_path / "jobs.jsonl"
+    src.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    res = CliRunner().invoke(main, ["process", str(src), "-o", str(tmp_path / "out"), "--engine", "ray",
+                                    "--output-format", "jsonl", "--model", str(model_dir)])
+    assert res.exit_code == 1 and "--output-format jsonl is not supported" in res.output, res.output
+    assert not (tmp_path / "out").exists()
