@@ -7,8 +7,9 @@ as a keyword argument, which transformers forwards to every attention call.
 
 Per layer, for the forward's flat list of tokens:
 1. the new keys/values are written into their buffers (row slots or a prefix being prefilled);
-2. own part: each token against its own sequence's keys: decode tokens in one batched call over
-   the slots, each prefill segment in one causal call;
+2. own part: each token against its own sequence's keys: decode tokens batched over the slots
+   (in runs of 16 slots, each reading only as far as its longest row), fresh suffixes right-
+   padded side by side in a few causal calls, later chunks of long suffixes one call each;
 3. anchor part: for each cached prefix the forward reads, one call for all the tokens that
    continue it (queries folded per key head), the prefix's keys read once;
 4. the two partial softmaxes merged exactly by their log-sum-exps, as in vLLM's cascade
@@ -46,17 +47,31 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
     out = q.new_empty(t, hq, v.shape[-1], dtype=torch.float32)
     lse = q.new_empty(t, hq, dtype=torch.float32)
-    if step.n_dec:  # one token per decoding slot, against the slots' own keys
-        n, span = step.n_dec, step.span
+    if step.n_dec:  # one token per decoding slot, against the slots' own keys, in runs of slots
+        n = step.n_dec
         qd = q[:, :n].transpose(0, 1)  # (n, Hq, D)
-        if not step.contiguous:  # holes between decoding slots: give them a query, drop their output
+        if not step.contiguous:  # idle slots between decoding ones: give them a query, drop their output
             qd = q.new_zeros(step.hi, hq, d).index_copy_(0, step.dec_slots, qd)
-        keys, values = step.kv.k[layer][: step.hi, :, :span], step.kv.v[layer][: step.hi, :, :span]
-        o, l = _attend(qd[:, :, None], keys, values, step.own_mask(sliding_window, q.dtype), scale, softcap)
+        mask = step.own_mask(sliding_window, q.dtype)  # (hi, 1, 1, L)
+        od = q.new_empty(step.hi, hq, v.shape[-1], dtype=torch.float32)
+        ld = q.new_empty(step.hi, hq, dtype=torch.float32)
+        for a, b, span in step.dec_runs:  # each run reads only as far as its longest row
+            keys, values = step.kv.k[layer][a:b, :, :span], step.kv.v[layer][a:b, :, :span]
+            o, l = _attend(qd[a:b, :, None], keys, values, mask[a:b, ..., :span], scale, softcap)
+            od[a:b], ld[a:b] = o[:, :, 0], l[:, :, 0]
         if not step.contiguous:
-            o, l = o[step.dec_slots], l[step.dec_slots]
-        out[:n], lse[:n] = o[:, :, 0], l[:, :, 0]  # (n, Hq, Dv), (n, Hq)
-    for i, s in enumerate(step.segments):  # a run of tokens of one sequence, causal over its own keys
+            od, ld = od[step.dec_slots], ld[step.dec_slots]
+        out[:n], lse[:n] = od[:n], ld[:n]
+    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (T, H, D)
+    for i, b in enumerate(step.batches):  # fresh suffixes side by side, right-padded, causal
+        rows, length = b.gather.shape
+        flat = b.gather.flatten()
+        qb, kb, vb = (x.index_select(0, flat).view(rows, length, x.shape[1], -1).transpose(1, 2) for x in (qt, kt, vt))
+        mask = step.batch_mask(i, sliding_window, q.dtype)
+        o, l = _attend(qb, kb, vb, mask, scale, softcap, causal=mask is None)  # (rows, Hq, L, Dv), (rows, Hq, L)
+        out.index_copy_(0, b.tokens, o.transpose(1, 2).reshape(rows * length, hq, -1).index_select(0, b.real).float())
+        lse.index_copy_(0, b.tokens, l.transpose(1, 2).reshape(rows * length, hq).index_select(0, b.real))
+    for i, s in enumerate(step.continuing):  # a continuing run of one sequence, causal over its own keys
         end = s.offset + s.t1 - s.t0
         keys, values = s.k[layer][s.index, :, :end][None], s.v[layer][s.index, :, :end][None]
         mask = step.segment_mask(i, sliding_window, q.dtype)
@@ -83,6 +98,11 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 def _attend(q, k, v, mask, scale, softcap, causal=False):
     """q (B, Hq, Q, D) over k/v (B, Hkv, L, D), Hq a multiple of Hkv: (output, log-sum-exp (B, Hq, Q) float32)."""
+    if q.device.type == "cpu" and q.dtype != torch.float32 and q.shape[2] == 1 and not causal:
+        # one query per row (decode) in half precision: PyTorch's CPU flash kernel takes 6x longer
+        # than the float32 one on this shape; half-precision matmuls (AVX-512 BF16) read the keys at
+        # half the bytes, as Hugging Face's eager attention computes it
+        return partial(q, k, v, mask, scale, softcap, matmul_dtype=q.dtype)
     if softcap is None and fused_ok(q.device, q.dtype, q.shape[-1]):
         try:
             return _fused(q, k, v, mask, scale, causal)
@@ -101,13 +121,14 @@ def causal_mask(qn: int, kn: int, dtype: torch.dtype, device: torch.device) -> t
     return torch.zeros(qn, kn, dtype=dtype, device=device).masked_fill(hidden, float("-inf"))[None, None]
 
 
-def partial(q, k, v, mask, scale, softcap=None):
-    """Reference attention in float32: (normalized output, log-sum-exp). Query heads are grouped
-    over their key head, so the keys are never copied per query head."""
+def partial(q, k, v, mask, scale, softcap=None, matmul_dtype=torch.float32):
+    """Reference attention: (normalized output, log-sum-exp), softmax in float32 (matmuls in
+    `matmul_dtype`). Query heads are grouped over their key head, so keys are never copied per
+    query head."""
     b, hq, qn, d = q.shape
     hkv = k.shape[1]
-    qg = q.float().reshape(b, hkv, hq // hkv * qn, d)
-    scores = torch.matmul(qg, k.float().transpose(-1, -2)) * scale  # (B, Hkv, G*Q, L)
+    qg = q.to(matmul_dtype).reshape(b, hkv, hq // hkv * qn, d)
+    scores = torch.matmul(qg, k.to(matmul_dtype).transpose(-1, -2)).float() * scale  # (B, Hkv, G*Q, L)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.view(b, hkv, hq // hkv, qn, -1)
@@ -117,7 +138,8 @@ def partial(q, k, v, mask, scale, softcap=None):
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     p = torch.exp(scores - m)
     s = p.sum(dim=-1, keepdim=True)
-    o = torch.matmul(p.view(b, hkv, -1, scores.shape[-1]), v.float()).view(b, hkv, hq // hkv, qn, -1) / s
+    o = torch.matmul(p.view(b, hkv, -1, scores.shape[-1]).to(matmul_dtype), v.to(matmul_dtype)).float()
+    o = o.view(b, hkv, hq // hkv, qn, -1) / s
     return o.reshape(b, hq, qn, -1), (m + s.log()).reshape(b, hq, qn)
 
 

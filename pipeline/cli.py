@@ -114,9 +114,12 @@ def main() -> None:
 @click.option("--progress-every", type=click.FloatRange(min=0), default=30.0, show_default=True,
               envvar="BATCHGEN_PROGRESS_EVERY", metavar="SECONDS",
               help="When stderr is not a terminal (logs), print a progress line this often.")
+@click.option("--threads", type=click.IntRange(min=1), default=None, envvar="BATCHGEN_THREADS",
+              help="CPU threads [default: OMP_NUM_THREADS, else the cores this process may use "
+                   "(affinity and cgroup quota)].")
 def process(inputs, output, model, trust_remote_code, device, dtype, max_batch_tokens, min_shared_tokens,
             output_format, overwrite, on_error, shard, commit_every, engine, address, workers, gpus_per_worker,
-            progress_every, dataset, split, prompt_template, system, **gen):
+            progress_every, threads, dataset, split, prompt_template, system, **gen):
     """Generate completions for every job in INPUTS and write them to OUTPUT in input order.
 
     INPUTS are JSONL (optionally .gz/.zst), Parquet, directories of part files, `datasets`
@@ -137,7 +140,7 @@ def process(inputs, output, model, trust_remote_code, device, dtype, max_batch_t
                          max_batch_tokens=max_batch_tokens, min_shared_tokens=min_shared_tokens,
                          output_format=output_format, overwrite=overwrite, prompt_template=prompt_template,
                          system=system, dataset=dataset, split=split, trust_remote_code=trust_remote_code,
-                         on_error=on_error, shard=shard, commit_every=commit_every)
+                         on_error=on_error, shard=shard, commit_every=commit_every, threads=threads)
     if engine == "ray":
         from pipeline.ray_runner import process_ray
 

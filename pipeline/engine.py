@@ -22,7 +22,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from pipeline import attention
+from pipeline import attention, kernels
 from pipeline.kv import LayerShape, PrefixKV, RowKV
 from pipeline.prefix_tree import PrefixTree
 from pipeline.sampling import make_generator, sample
@@ -86,6 +86,9 @@ class Engine:
         self.join = join  # rows planned next take the slots of finished rows (continuous batching)
         self.attention_path = "cascade" if cascade else "copy"
         self.layers = layer_shapes(model)
+        self.linears = kernels.fast_linears(model)  # float32 on CPU: oneDNN's GEMM, not MKL's
+        if self.device.type == "cpu":
+            kernels.keep_freed_memory()  # activations reuse memory instead of faulting in fresh pages
         self.stats = RunStats()
 
     def generate(self, requests: Sequence[Request]) -> list[Completion]:
@@ -166,8 +169,11 @@ class Engine:
             rows.append(row)
             free -= len(row.samples)
         self._prefill_prefixes({r.prefix for r in rows if r.prefix is not None})
-        for row in rows:
+        for _ in rows:
             queue.popleft()
+        # neighbouring slots get rows of similar length: each decode attention call reads only as
+        # far as the longest row of its run of slots
+        for row in sorted(rows, key=self._plan.extent):
             slots = kv.take(len(row.samples))
             if row.cached > row.anchored:  # a short nested prefix: its keys/values join the row's own
                 kv.copy_in(slots[0], self._prefixes[row.prefix], row.anchored, row.cached)
@@ -197,7 +203,7 @@ class Engine:
     def forward(self, step: Step, keep: list[int]) -> torch.Tensor:
         """One forward over the step's flat tokens: the logits (N, V) at the token indices `keep`."""
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
-        with attention.selected(self.model):
+        with attention.selected(self.model), kernels.linears_on_onednn(self.linears):
             out = self.model(input_ids=step.input_ids, position_ids=step.positions, use_cache=False,
                              logits_to_keep=index, **{attention.KWARG: step})
         return out.logits[0].float()

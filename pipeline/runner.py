@@ -44,6 +44,7 @@ class RunOptions:
     shard: str | None = None  # "I/N"
     commit_every: int = 256  # jobs per committed part ...
     commit_seconds: float = 60.0  # ... or this long since the last commit, whichever first
+    threads: int | None = None  # torch threads; None: one per core this process may use
 
 
 def result_rows(job: Job, completions: list[Completion], tokenizer: Tokenizer) -> list[dict[str, Any]]:
@@ -116,6 +117,9 @@ def process(inputs: Sequence[str], output: str, options: RunOptions,
         key = f"{job_set}:{options.shard}"
         # refused before the model loads; checked again under the output's lock
         may_resume(output + ".parts", read_manifest(output + ".parts"), key, options.overwrite)
+        from pipeline.kernels import set_threads
+
+        set_threads(options.threads)
         model, _ = load_model(options.model, options.device, options.dtype, options.trust_remote_code)
 
         stop.defer()  # writing starts: a signal now stops between steps, after committing

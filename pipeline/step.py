@@ -8,6 +8,10 @@ A forward is one flat list of tokens, no padding (vLLM v1's layout):
 Every token attends to its own sequence's keys (causally, by own index) and, if its row has one,
 to its anchor: a cached prefix read once for all the tokens that continue it. Positions are the
 anchor's length plus the own index, so they continue exactly from the shared prefix.
+
+Everything here is computed once per forward and shared by all layers: index tensors, masks,
+and how the attention calls are batched (decode slots in runs of similar length; fresh suffixes
+of similar length side by side in one padded causal call).
 """
 from __future__ import annotations
 
@@ -16,6 +20,9 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeline.kv import PrefixKV, RowKV
+
+DECODE_RUN = 16  # decoding slots per own-part call: each call reads only as far as its longest row
+PAD_WASTE = 1.5  # a padded call of fresh suffixes may do this much more work than their own
 
 
 @dataclass
@@ -52,17 +59,33 @@ class Group:
 
 
 @dataclass
+class Batch:
+    """Fresh suffixes (own keys = this forward's keys) of similar length, right-padded side by side
+    for one causal call: with the queries at the start of their keys, causality alone keeps every
+    real query off the padding."""
+
+    gather: torch.Tensor  # (n, L) token index of each padded position (padding repeats a real one)
+    real: torch.Tensor  # (m,) flat padded positions that are real tokens
+    tokens: torch.Tensor  # (m,) their token indices
+
+
+@dataclass
 class Step:
     input_ids: torch.Tensor  # (1, T)
     positions: torch.Tensor  # (1, T)
     kv: RowKV | None
     n_dec: int
     dec_slots: torch.Tensor | None  # (n_dec,) slot of each decode token, ascending
-    dec_write: torch.Tensor | None  # (n_dec,) own index each one's keys/values go to
-    dec_lens: list[int]  # own keys each decoding slot holds after this step's write
     contiguous: bool  # decode slots are exactly 0..n_dec-1
     hi: int  # decode attention spans slots [0, hi)
-    segments: list[Segment]
+    dec_runs: list[tuple[int, int, int]]  # (first slot, end slot, own keys to read) per own-part call
+    dec_lens: torch.Tensor | None  # (hi,) own keys per slot after this step's write (1 for idle slots)
+    store_tokens: torch.Tensor | slice  # tokens whose keys/values go to row slots ...
+    store_slots: torch.Tensor  # ... their slots
+    store_at: torch.Tensor  # ... and own indices
+    segments: list[Segment]  # every segment, in token order
+    continuing: list[Segment]  # those that continue stored keys (prefixes, later chunks): one call each
+    batches: list[Batch]  # the fresh suffixes
     groups: list[Group]
     _masks: dict = field(default_factory=dict)
 
@@ -70,28 +93,21 @@ class Step:
     def tokens(self) -> int:
         return self.input_ids.shape[1]
 
-    @property
-    def span(self) -> int:
-        """Own keys the decode attention reads per slot: the longest decoding row's."""
-        return max(self.dec_lens)
-
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """New keys/values (H, T, D) of this layer into their buffers."""
-        if self.n_dec:
-            kd = k[:, : self.n_dec].transpose(0, 1)  # (n_dec, H, D)
-            vd = v[:, : self.n_dec].transpose(0, 1)
-            self.kv.k[layer][self.dec_slots, :, self.dec_write] = kd
-            self.kv.v[layer][self.dec_slots, :, self.dec_write] = vd
-        for s in self.segments:
-            s.k[layer][s.index, :, s.offset : s.offset + s.t1 - s.t0] = k[:, s.t0 : s.t1]
-            s.v[layer][s.index, :, s.offset : s.offset + s.t1 - s.t0] = v[:, s.t0 : s.t1]
+        if self.store_slots.numel():
+            self.kv.k[layer][self.store_slots, :, self.store_at] = k[:, self.store_tokens].transpose(0, 1)
+            self.kv.v[layer][self.store_slots, :, self.store_at] = v[:, self.store_tokens].transpose(0, 1)
+        for s in self.continuing:
+            if self.kv is None or s.k is not self.kv.k:  # a prefix being prefilled: its own buffer
+                s.k[layer][s.index, :, s.offset : s.offset + s.t1 - s.t0] = k[:, s.t0 : s.t1]
+                s.v[layer][s.index, :, s.offset : s.offset + s.t1 - s.t0] = v[:, s.t0 : s.t1]
 
     def own_mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
-        """Decode rows' own keys: (hi, 1, 1, L) additive; a slot not decoding sees its key 0 (finite, unused)."""
+        """Decode rows' own keys: (hi, 1, 1, L) additive; an idle slot sees its key 0 (finite, unused)."""
         key = ("own", window, dtype)
         if key not in self._masks:
-            lens = torch.ones(self.hi, dtype=torch.long)
-            lens[self.dec_slots.cpu()] = torch.tensor(self.dec_lens)
+            lens = self.dec_lens.cpu()
             j = torch.arange(int(lens.max()))[None]  # (1, L)
             allow = j < lens[:, None]
             if window is not None:
@@ -100,8 +116,9 @@ class Step:
         return self._masks[key]
 
     def segment_mask(self, i: int, window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
-        """Segment i's queries over its own keys: None when plain causal attention is exact."""
-        s = self.segments[i]
+        """Continuing segment i's queries over its own keys (the first `offset` already stored):
+        causal by own index."""
+        s = self.continuing[i]
         n = s.t1 - s.t0
         if s.offset == 0 and (window is None or window >= n):
             return None
@@ -113,6 +130,18 @@ class Step:
             if window is not None:
                 allow &= (q - j) < window
             self._masks[key] = _additive(allow, dtype, self.input_ids.device)[None, None]
+        return self._masks[key]
+
+    def batch_mask(self, i: int, window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
+        """Padded fresh suffixes: None (plain causal) unless a sliding window cuts into them."""
+        length = self.batches[i].gather.shape[1]
+        if window is None or window >= length:
+            return None
+        key = ("batch", i, window, dtype)
+        if key not in self._masks:
+            q = torch.arange(length)[:, None]
+            j = torch.arange(length)[None]
+            self._masks[key] = _additive((j <= q) & (q - j < window), dtype, self.input_ids.device)[None, None]
         return self._masks[key]
 
     def group_mask(self, i: int, window: int | None, dtype: torch.dtype, fold: int):
@@ -143,43 +172,79 @@ def build(decode: list[Decode], decode_ids: list[int], segments: list[tuple[Segm
     ids: list[int] = list(decode_ids)
     pos: list[int] = []
     members: dict[int, tuple[PrefixKV, list[int]]] = {}
+    store_tokens, store_slots, store_at = [], [], []
 
     def join(anchor: PrefixKV | None, tokens) -> None:
         if anchor is not None:
             members.setdefault(id(anchor), (anchor, []))[1].extend(tokens)
 
-    dec_lens = []
     for t, d in enumerate(decode):
         n = kv.lens[d.slot]
         pos.append(d.base + n)
-        dec_lens.append(n + 1)
+        store_tokens.append(t), store_slots.append(d.slot), store_at.append(n)
         join(d.anchor, [t])
-    segs = []
+    every, continuing, fresh = [], [], []
     for seg, tokens in segments:
         seg.t0 = len(ids)
         seg.t1 = seg.t0 + len(tokens)
         ids += tokens
         pos += range(seg.base + seg.offset, seg.base + seg.offset + len(tokens))
         join(seg.anchor, range(seg.t0, seg.t1))
-        segs.append(seg)
+        if kv is not None and seg.k is kv.k:  # a row's suffix: its keys go to its slot
+            store_tokens += range(seg.t0, seg.t1)
+            store_slots += [seg.index] * len(tokens)
+            store_at += range(seg.offset, seg.offset + len(tokens))
+        (fresh if seg.offset == 0 and kv is not None and seg.k is kv.k else continuing).append(seg)
+        every.append(seg)
     positions = torch.tensor(pos, dtype=torch.long)
     slots = [d.slot for d in decode]
+    hi = max(slots) + 1 if slots else 0
+    dec_lens = [1] * hi
+    for s, n in zip(slots, store_at):
+        dec_lens[s] = n + 1
     groups = []
     for prefix, index in members.values():
         index_t = torch.tensor(index, dtype=torch.long)
         run = index == list(range(index[0], index[0] + len(index)))
         groups.append(Group(prefix, slice(index[0], index[0] + len(index)) if run else index_t.to(device),
                             positions[index_t]))
+    everything = store_tokens == list(range(len(ids)))
     return Step(
         input_ids=torch.tensor([ids], dtype=torch.long, device=device),
         positions=positions[None].to(device),
         kv=kv,
         n_dec=len(decode),
         dec_slots=torch.tensor(slots, dtype=torch.long, device=device) if decode else None,
-        dec_write=torch.tensor([n - 1 for n in dec_lens], dtype=torch.long, device=device) if decode else None,
-        dec_lens=dec_lens,
         contiguous=slots == list(range(len(slots))),
-        hi=max(slots) + 1 if slots else 0,
-        segments=segs,
+        hi=hi,
+        dec_runs=[(a, min(a + DECODE_RUN, hi), max(dec_lens[a : a + DECODE_RUN])) for a in range(0, hi, DECODE_RUN)],
+        dec_lens=torch.tensor(dec_lens, dtype=torch.long) if decode else None,
+        store_tokens=slice(None) if everything else torch.tensor(store_tokens, dtype=torch.long, device=device),
+        store_slots=torch.tensor(store_slots, dtype=torch.long, device=device),
+        store_at=torch.tensor(store_at, dtype=torch.long, device=device),
+        segments=every,
+        continuing=continuing,
+        batches=_batches(fresh, device),
         groups=groups,
     )
+
+
+def _batches(fresh: list[Segment], device: torch.device) -> list[Batch]:
+    """Fresh suffixes, longest first, cut into padded calls that waste at most PAD_WASTE x their
+    attention work (which grows with the square of the length)."""
+    out: list[Batch] = []
+    todo = sorted(fresh, key=lambda s: s.t0 - s.t1)
+    while todo:
+        longest = todo[0].t1 - todo[0].t0
+        take, work = 0, 0
+        while take < len(todo):
+            n = todo[take].t1 - todo[take].t0
+            if take and (take + 1) * longest**2 > PAD_WASTE * (work + n * n):
+                break
+            take, work = take + 1, work + n * n
+        part, todo = todo[:take], todo[take:]
+        gather = torch.tensor([[s.t0 + min(p, s.t1 - s.t0 - 1) for p in range(longest)] for s in part],
+                              dtype=torch.long)
+        real = torch.tensor([i * longest + p for i, s in enumerate(part) for p in range(s.t1 - s.t0)], dtype=torch.long)
+        out.append(Batch(gather.to(device), real.to(device), gather.flatten()[real].to(device)))
+    return out
