@@ -25,7 +25,7 @@ import torch
 from pipeline import attention, kernels
 from pipeline.kv import LayerShape, PrefixKV, RowKV
 from pipeline.prefix_tree import PrefixTree
-from pipeline.sampling import make_generator, sample
+from pipeline.sampling import RowState, row_state, sample
 from pipeline.schedule import Plan, Row, plan, tree_of
 from pipeline.step import Decode, Segment, Step, build
 from pipeline.types import Completion, Request, RunStats
@@ -57,8 +57,11 @@ class Live:
     request: Request
     sample: int
     slot: int
-    generator: torch.Generator | None
-    tokens: list[int] = field(default_factory=list)
+    state: RowState  # how its tokens are chosen, and the tokens so far
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.state.tokens
 
 
 class Engine:
@@ -230,20 +233,19 @@ class Engine:
             q = f.request
             seed = q.params.seed if q.params.seed is not None else self.default_seed
             for s, slot in zip(f.row.samples, f.slots):
-                gen = None if q.params.greedy else make_generator(seed, s, self.device)
-                out.append(Live(f.row, q, s, slot, gen))
+                out.append(Live(f.row, q, s, slot, row_state(q.params, seed, s, self.device)))
         return out
 
     def _sample(self, logits: torch.Tensor, running: list[Live], kv: RowKV) -> Iterator[Completion]:
         """The next token of every running row (logits (len(running), V), in order); finished rows leave."""
         finite = torch.isfinite(logits).all(dim=-1).tolist()
-        tokens = sample(logits, [r.request.params for r in running], [r.generator for r in running]).tolist()
+        tokens = sample(logits, [r.state for r in running]).tolist()
         keep = []
         for r, tok, ok in zip(running, tokens, finite):
             if not ok:
                 yield self._finish(r, kv, "error", "non-finite logits")
                 continue
-            r.tokens.append(tok)
+            r.state.accept(tok)
             reason = self._finish_reason(r, tok)
             if reason:
                 yield self._finish(r, kv, reason)
@@ -343,8 +345,9 @@ class Engine:
             row, samples, slots = flight[0]
             filling.clear()
             running.clear()
-            yield self._finish(Live(row, self._requests[row.key], samples[0], slots[0], None), kv, "error",
-                               "out of memory")
+            request = self._requests[row.key]
+            state = row_state(request.params, 0, samples[0], self.device)
+            yield self._finish(Live(row, request, samples[0], slots[0], state), kv, "error", "out of memory")
             return 1
         kept, used = 0, 0
         while kept < len(flight) and used + len(flight[kept][2]) <= in_use // 2:

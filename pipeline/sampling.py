@@ -1,10 +1,12 @@
-"""Choosing the next token of each row, with a per-row generator.
+"""Choosing the next token of each row: one `RowState` per sample, and one batched `sample` call
+per step over the rows that have logits.
 
 Each sample draws from its own generator seeded from (job seed, sample index), so its text
 does not depend on which rows share its batch or in what order they run.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
@@ -36,16 +38,30 @@ def _warpers(temperature: float, top_k: int, top_p: float) -> LogitsProcessorLis
     return procs
 
 
-def sample(
-    logits: torch.Tensor,  # (B, V)
-    params: list[SamplingParams],
-    generators: list[torch.Generator | None],
-) -> torch.Tensor:  # (B,) token ids
+@dataclass
+class RowState:
+    """What choosing one sample's tokens needs: its parameters, its generator, what it generated."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)
+
+    def accept(self, token: int) -> None:
+        self.tokens.append(token)
+
+
+def row_state(params: SamplingParams, seed: int, sample_index: int, device: torch.device) -> RowState:
+    return RowState(params, None if params.greedy else make_generator(seed, sample_index, device))
+
+
+def sample(logits: torch.Tensor, rows: list[RowState]) -> torch.Tensor:
+    """The next token of each row: logits (B, V) -> token ids (B,)."""
     tokens = logits.argmax(dim=-1)  # (B,) greedy for every row; sampled rows overwrite below
-    for r, p in enumerate(params):
+    for r, row in enumerate(rows):
+        p = row.params
         if p.greedy:
             continue
-        row = _warpers(p.temperature, p.top_k, p.top_p)(None, logits[r : r + 1].float())  # (1, V)
-        probs = torch.softmax(row, dim=-1)
-        tokens[r] = torch.multinomial(probs, 1, generator=generators[r])[0, 0]
+        warped = _warpers(p.temperature, p.top_k, p.top_p)(None, logits[r : r + 1].float())  # (1, V)
+        probs = torch.softmax(warped, dim=-1)
+        tokens[r] = torch.multinomial(probs, 1, generator=row.generator)[0, 0]
     return tokens
