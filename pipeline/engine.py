@@ -233,7 +233,7 @@ class Engine:
             q = f.request
             seed = q.params.seed if q.params.seed is not None else self.default_seed
             for s, slot in zip(f.row.samples, f.slots):
-                out.append(Live(f.row, q, s, slot, row_state(q.params, seed, s, self.device)))
+                out.append(Live(f.row, q, s, slot, row_state(q.params, seed, s, self.device, q, self.eos)))
         return out
 
     def _sample(self, logits: torch.Tensor, running: list[Live], kv: RowKV) -> Iterator[Completion]:
@@ -245,6 +245,9 @@ class Engine:
             if not ok:
                 yield self._finish(r, kv, "error", "non-finite logits")
                 continue
+            if tok < 0:  # no token can continue it (a grammar's dead end): it fails alone
+                yield self._finish(r, kv, "error", r.state.error)
+                continue
             r.state.accept(tok)
             reason = self._finish_reason(r, tok)
             if reason:
@@ -254,8 +257,8 @@ class Engine:
         running[:] = keep
 
     def _finish_reason(self, row: Live, token: int) -> str | None:
-        if token in self.eos:
-            return "stop"
+        if token in self.eos or token in row.request.params.stop_token_ids or row.state.finished:
+            return "stop"  # EOS, a stop token, or a grammar that is complete and allows nothing more
         if row.request.stop is not None and row.request.stop(row.tokens):
             return "stop"
         if len(row.tokens) >= row.request.params.max_new_tokens:

@@ -5,10 +5,15 @@ The engine sees token ids only; text lives in the tokenize module and jobs/.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Hashable
+from typing import TYPE_CHECKING, Callable, Hashable
+
+if TYPE_CHECKING:
+    from pipeline.grammar import Matcher
 
 # Called with a row's generated ids; returns True when a stop string has appeared.
 StopCheck = Callable[[list[int]], bool]
+# Makes a fresh grammar matcher for one sample of a constrained request (each sample has its own).
+MatcherFactory = Callable[[], "Matcher"]
 
 
 @dataclass(frozen=True)
@@ -19,10 +24,21 @@ class SamplingParams:
     top_k: int = 0  # 0 means off
     seed: int | None = None
     n: int = 1
+    # logits processors, in the order transformers' generate applies them (see pipeline/logits.py)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    repetition_penalty: float = 1.0  # transformers' (prompt and generated tokens), 1 is off
+    presence_penalty: float = 0.0  # OpenAI's (generated tokens only), 0 is off
+    frequency_penalty: float = 0.0  # OpenAI's (generated tokens only), 0 is off
+    min_tokens: int = 0  # EOS and stop_token_ids are held back until this many new tokens
+    stop_token_ids: tuple[int, ...] = ()  # more tokens that end a sample, like EOS
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @dataclass
@@ -33,6 +49,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     stop: StopCheck | None = None
+    grammar: MatcherFactory | None = None  # a constrained request: its samples' tokens follow a grammar
 
 
 @dataclass
@@ -42,7 +59,7 @@ class Completion:
     key: Hashable
     sample_index: int
     token_ids: list[int]
-    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    finish_reason: str  # "stop" (EOS, stop token or string, grammar complete), "length" or "error"
     prompt_tokens: int
     cached_tokens: int  # prompt tokens reused from a shared prefix, not computed for this job
     error: str | None = None  # set when the job failed alone during generation

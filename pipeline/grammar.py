@@ -1,0 +1,176 @@
+"""Constrained decoding: JSON Schemas, regular expressions and choices, with llguidance.
+
+llguidance was chosen over xgrammar (numbers in BENCHMARKS.md): it compiles a schema about 7x
+faster (batch jobs often carry a schema each), its wheel has no dependencies (xgrammar pulls in
+triton and a second FFI runtime), its validation returns a message instead of raising (what
+`validate` reports), and its per-step mask for 32 rows costs well under a millisecond, against a
+decode step of tens to hundreds.
+
+One `Grammars` per tokenizer compiles each distinct constraint once; every sample gets its own
+`Matcher` (a copy of the compiled one). `allowed_tokens` fills the masks of all constrained rows
+of a step in one parallel call. Constraints apply to generated tokens only: prompts and their
+shared prefixes are untouched.
+"""
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from functools import lru_cache
+from typing import Any, Sequence
+
+import torch
+
+from jobs.params import Constraint
+from pipeline.types import MatcherFactory
+
+# Compact JSON: no whitespace between tokens unless a schema asks for it ("x-guidance"). Free
+# whitespace lets a model pad forever; compact output is what json.dumps(separators=...) gives.
+JSON_OPTIONS = {"whitespace_flexible": False}
+_PROTOTYPES = 256  # compiled matchers kept for copying; others are rebuilt from their grammar text
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+class GrammarError(Exception):
+    """A constraint that cannot be compiled for this tokenizer; the message says why."""
+
+
+def grammar_text(constraint: Constraint) -> str:
+    """The llguidance grammar of a constraint (not yet checked: `Grammars.check` does that)."""
+    import llguidance
+
+    build = llguidance.LLMatcher
+    if constraint.kind == "json_schema":
+        return build.grammar_from_json_schema(constraint.spec, defaults=JSON_OPTIONS)
+    if constraint.kind == "json_object":
+        return build.grammar_from_json_schema('{"type": "object"}', defaults=JSON_OPTIONS)
+    if constraint.kind == "regex":
+        return build.grammar_from_regex(constraint.spec)
+    if constraint.kind == "choice":
+        choices = json.loads(constraint.spec)
+        return build.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+    raise GrammarError(f"unknown constraint kind {constraint.kind!r}")
+
+
+class Matcher:
+    """One sample's position in its grammar."""
+
+    __slots__ = ("ll", "n_vocab")
+
+    def __init__(self, ll: Any, n_vocab: int) -> None:
+        self.ll = ll
+        self.n_vocab = n_vocab  # its tokenizer's vocabulary: the width of the masks it fills
+
+    def accept(self, token: int) -> None:
+        self.ll.consume_token(token)  # a refused token leaves the matcher in its error state
+
+    @property
+    def accepting(self) -> bool:
+        """The text so far is complete: ending here (EOS) is allowed."""
+        return self.ll.is_accepting()
+
+    @property
+    def done(self) -> bool:
+        """The text is complete and the grammar allows nothing more: the sample ends. (A matcher
+        stopped short of a complete text is a dead end: the next mask allows nothing.)"""
+        return self.ll.is_stopped() and self.ll.is_accepting()
+
+    @property
+    def error(self) -> str | None:
+        if not self.ll.is_error():
+            return None
+        return _first_line(self.ll.get_error() or "the grammar refused a token")
+
+
+class Grammars:
+    """Compiles constraints for one Hugging Face tokenizer and makes matchers from them."""
+
+    def __init__(self, hf_tokenizer: Any) -> None:
+        self.hf = hf_tokenizer
+        self._tok = None
+        self._prototypes: OrderedDict[str, Any] = OrderedDict()
+        self.check = lru_cache(maxsize=65536)(self._check)
+
+    @property
+    def tokenizer(self) -> Any:
+        """llguidance's view of the tokenizer (built once: about a second for a large vocabulary)."""
+        if self._tok is None:
+            self._tok = _ll_tokenizer(self.hf)
+        return self._tok
+
+    def _check(self, constraint: Constraint) -> str:
+        """The constraint's grammar text, checked against this tokenizer; raises GrammarError."""
+        import llguidance
+
+        try:
+            text = grammar_text(constraint)
+        except ValueError as e:  # not a JSON object, say
+            raise GrammarError(str(e)) from None
+        error = llguidance.LLMatcher.validate_grammar(text, self.tokenizer)
+        if error:
+            raise GrammarError(_first_line(error))
+        return text
+
+    def factory(self, constraint: Constraint) -> MatcherFactory:
+        """A maker of fresh matchers for this constraint; raises GrammarError if it cannot compile."""
+        text = self.check(constraint)
+        return lambda: self.matcher(text)
+
+    def matcher(self, text: str) -> Matcher:
+        import llguidance
+
+        proto = self._prototypes.get(text)
+        if proto is None:
+            proto = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
+            self._prototypes[text] = proto
+            if len(self._prototypes) > _PROTOTYPES:
+                self._prototypes.popitem(last=False)
+        else:
+            self._prototypes.move_to_end(text)
+        return Matcher(proto.deep_copy(), self.tokenizer.vocab_size)
+
+
+def _ll_tokenizer(hf: Any) -> Any:
+    import llguidance
+    import llguidance.hf
+
+    try:
+        return llguidance.hf.from_tokenizer(hf)
+    except ValueError as e:
+        if "decoder type" not in str(e):
+            raise GrammarError(f"constrained decoding needs a fast (Rust) tokenizer: {e}") from None
+    # A Metaspace decoder (sentencepiece-style tokenizers converted by transformers) is not one
+    # llguidance reads; the equivalent Replace/ByteFallback/Fuse/Strip chain is.
+    spec = json.loads(hf.backend_tokenizer.to_str())
+    dec = spec.get("decoder") or {}
+    if dec.get("type") != "Metaspace":
+        raise GrammarError(f"constrained decoding does not support this tokenizer's decoder ({dec.get('type')})")
+    rep = dec.get("replacement", "▁")
+    spec["decoder"] = {"type": "Sequence", "decoders": [
+        {"type": "Replace", "pattern": {"String": rep}, "content": " "}, {"type": "ByteFallback"},
+        {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]}
+    return llguidance.LLTokenizer(json.dumps(spec), eos_token=hf.eos_token_id)
+
+
+_executor = None
+
+
+def allowed_tokens(matchers: Sequence[Matcher], vocab: int) -> torch.Tensor:
+    """(R, vocab) bool: the tokens each matcher allows next, filled in one parallel call."""
+    import llguidance
+    import llguidance.torch as lt
+
+    global _executor
+    if _executor is None:
+        _executor = llguidance.LLExecutor()
+    words = (matchers[0].n_vocab + 31) // 32  # one tokenizer per run: one mask width
+    bitmask = torch.zeros((len(matchers), words), dtype=torch.int32)
+    lt.fill_next_token_bitmask_par(_executor, [(m.ll, i) for i, m in enumerate(matchers)], bitmask)
+    bits = ((bitmask.unsqueeze(-1) >> _SHIFTS) & 1).view(len(matchers), words * 32).bool()
+    if bits.shape[1] >= vocab:
+        return bits[:, :vocab]
+    # ids past the tokenizer's vocabulary (padding of the model's output layer) are never allowed
+    return torch.cat([bits, bits.new_zeros(len(matchers), vocab - bits.shape[1])], dim=1)
+
+
+def _first_line(message: str) -> str:
+    return " ".join(message.strip().split("\n")[:2]).strip()
