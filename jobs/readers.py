@@ -76,19 +76,20 @@ def _generate(sources: list[_Source], defaults: GenerationDefaults,
                 yield InvalidRow(location, None, record)
                 continue
             try:
-                job = Job.from_row(record, location, defaults, default_id,
-                                   prompt_template=prompt_template, system=system)
+                jobs = Job.from_record(record, location, defaults, default_id,
+                                       prompt_template=prompt_template, system=system)
             except JobValidationError as e:
                 yield InvalidRow.from_error(e)
                 continue
-            # Keyed by str() because outputs with mixed id types store ids as strings.
-            key = str(job.id)
-            if key in seen:
-                yield InvalidRow(location, job.id, f"duplicate id {job.id!r}: an earlier "
-                                                   "job already uses it; ids must be unique")
-                continue
-            seen.add(key)
-            yield job
+            for job in jobs:  # one, or one per element of an OpenAI list prompt
+                # Keyed by str() because outputs with mixed id types store ids as strings.
+                key = str(job.id)
+                if key in seen:
+                    yield InvalidRow(location, job.id, f"duplicate id {job.id!r}: an earlier "
+                                                       "job already uses it; ids must be unique")
+                    continue
+                seen.add(key)
+                yield job
 
 
 def _resolve(path: str, split: str) -> list[_Source]:

@@ -188,9 +188,9 @@ def test_openai_completions_row_and_max_completion_tokens() -> None:
     ({**CHAT_ROW, "method": "GET"}, "jobs.jsonl:17: field 'method' must be 'POST', got 'GET'"),
     ({**CHAT_ROW, "body": {"prompt": "x"}},
      "jobs.jsonl:17: field 'body.messages' is required for /v1/chat/completions"),
-    ({"custom_id": "c", "url": "/v1/completions", "body": {"prompt": ["a", "b"]}},
-     "jobs.jsonl:17: field 'body.prompt' must be a single string (lists and token ids are not "
-     "supported), got ['a', 'b']"),
+    ({"custom_id": "c", "url": "/v1/completions", "body": {"prompt": [1, 2]}},
+     "jobs.jsonl:17: field 'body.prompt' must be a string or a non-empty list of strings (token ids "
+     "are not supported), got [1, 2]"),
     ({"custom_id": None, "body": {"prompt": "x"}},
      "jobs.jsonl:17: field 'custom_id' must be a non-empty string, got null"),
     ({"custom_id": "c", "body": "text"}, "jobs.jsonl:17: field 'body' must be an object, got 'text'"),

@@ -1,0 +1,113 @@
+"""Field checks bound to one input row, so that every error names the row's location, its id and
+the field (``jobs.jsonl:17: field 'max_new_tokens' must be a positive integer, got -3``)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping
+
+from .errors import JobValidationError, Location
+
+MESSAGE_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+MAX_STOP_SEQUENCES = 16
+
+
+def show(value: Any) -> str:
+    """Short repr for error messages; long prompts would drown the message."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_number_text(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return "_" not in text  # float() accepts 1_000; JSON does not
+
+
+def bad_type(value: Any, expected: str) -> str:
+    if isinstance(value, str):
+        # The commonest mistake is a quoted number coming out of a spreadsheet export;
+        # only then is "drop the quotes" the fix ('abc' unquoted would be invalid JSON).
+        hint = "; write it without quotes" if _is_number_text(value) else ""
+        return f"must be {expected}, got the string {show(value)}{hint}"
+    return f"must be {expected}, got {show(value)} ({type(value).__name__})"
+
+
+class Checker:
+    """Field validators bound to one row, so each error carries location and id."""
+
+    def __init__(self, location: Location, job_id: str | int | None = None) -> None:
+        self.location = location
+        self.job_id = job_id
+
+    def fail(self, name: str | None, reason: str) -> JobValidationError:
+        return JobValidationError(self.location, name, reason, self.job_id)
+
+    def integer(self, name: str, value: Any, *, low: int, high: int, what: str) -> int:
+        # 3.0 is accepted because JSON writers and pandas often emit integral floats.
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(name, bad_type(value, what))
+        if not low <= value <= high:
+            limit = f" (at most {high:_})" if value > high else ""
+            raise self.fail(name, f"must be {what}{limit}, got {value}")
+        return value
+
+    def number(self, name: str, value: Any, what: str, ok: Callable[[float], bool]) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.fail(name, bad_type(value, what))
+        if not (math.isfinite(value) and ok(value)):
+            raise self.fail(name, f"must be {what}, got {value}")
+        return float(value)
+
+    def stop(self, value: Any) -> tuple[str, ...]:
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)):
+            raise self.fail("stop", bad_type(value, "a string or a list of strings"))
+        if len(items) > MAX_STOP_SEQUENCES:
+            raise self.fail("stop", f"has {len(items)} sequences; at most {MAX_STOP_SEQUENCES} are allowed")
+        for i, s in enumerate(items):
+            if not isinstance(s, str) or not s:
+                raise self.fail("stop", f"entry {i} must be a non-empty string, got {show(s)}")
+        return tuple(items)
+
+    def prompt(self, value: Any, name: str = "prompt") -> str:
+        if not isinstance(value, str) or not value.strip():
+            raise self.fail(name, f"must be a non-empty string, got {show(value)}")
+        return value
+
+    def messages(self, value: Any, name: str = "messages") -> list[dict[str, str]]:
+        if not isinstance(value, (list, tuple)) or not value:
+            raise self.fail(name, f"must be a non-empty list of {{role, content}} objects, got {show(value)}")
+        out: list[dict[str, str]] = []
+        for i, msg in enumerate(value):
+            where = f"{name}[{i}]"
+            if not isinstance(msg, Mapping):
+                raise self.fail(where, f"must be an object with 'role' and 'content', got {show(msg)}")
+            role = msg.get("role")
+            if role not in MESSAGE_ROLES:
+                roles = ", ".join(sorted(MESSAGE_ROLES))
+                raise self.fail(f"{where}.role", f"must be one of {roles}, got {show(role)}")
+            clean = {"role": role, "content": self._content(f"{where}.content", msg.get("content"))}
+            for key, extra in msg.items():
+                # Parquet structs fill absent members with null; drop those rather than fail.
+                if key in ("role", "content") or extra is None:
+                    continue
+                if not isinstance(extra, str):
+                    raise self.fail(f"{where}.{key}", f"must be a string, got {show(extra)}")
+                clean[key] = extra
+            out.append(clean)
+        return out
+
+    def _content(self, name: str, value: Any) -> str:
+        if isinstance(value, str):
+            return value
+        # OpenAI clients often send content as a list of text parts; join them.
+        parts = value if isinstance(value, (list, tuple)) and value else [value]
+        if all(isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
+               for p in parts):
+            return "".join(p["text"] for p in parts)
+        raise self.fail(name, f"must be a string or a list of text parts, got {show(value)}")
