@@ -1,0 +1,158 @@
+"""Constrained decoding on a tiny random-weight model (its free output is noise): every output of
+a JSON Schema job parses and validates, regex and choice jobs match, rows with and without
+constraints share batches and prefixes, and a grammar that dead-ends fails its row alone."""
+import json
+import re
+
+import jsonschema
+import pytest
+from tokenizers import Tokenizer as RustTokenizer
+from transformers import PreTrainedTokenizerFast
+
+from jobs.params import Constraint
+from jobsets import SYSTEM, tokenizer
+from pipeline.engine import Engine
+from pipeline.grammar import GrammarError, Grammars
+from pipeline.types import Request, SamplingParams
+from tiny_models import make_model
+from tiny_tokenizer import make_tokenizer
+
+EOS = [2]
+
+
+def schemas() -> list[dict]:
+    """Nested schemas: objects in objects, arrays of objects, enums, integers and numbers with
+    ranges, required and optional fields (bounded, as a schema for a model should be)."""
+    person = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+              "properties": {"name": {"type": "string", "maxLength": 10},
+                             "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+    return [
+        person,
+        {"type": "object", "additionalProperties": False, "required": ["verdict", "score"],
+         "properties": {"verdict": {"enum": ["good", "bad", "unsure"]},
+                        "score": {"type": "number", "minimum": 0, "maximum": 10},
+                        "reasons": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3}}},
+        {"type": "object", "additionalProperties": False, "required": ["people"],
+         "properties": {"people": {"type": "array", "items": person, "minItems": 1, "maxItems": 2}}},
+        {"type": "object", "additionalProperties": False, "required": ["a"],
+         "properties": {"a": {"type": "object", "additionalProperties": False, "required": ["b"],
+                              "properties": {"b": {"type": "object", "additionalProperties": False,
+                                                   "required": ["c"],
+                                                   "properties": {"c": {"type": "boolean"}}}}}}},
+        {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5}, "minItems": 2, "maxItems": 4},
+        {"type": "object", "additionalProperties": False, "required": ["id", "tags", "meta"],
+         "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 9999},
+                        "tags": {"type": "array", "items": {"enum": ["x", "y", "z"]}, "maxItems": 3},
+                        "meta": {"type": "object", "additionalProperties": False, "required": ["ok"],
+                                 "properties": {"ok": {"type": "boolean"}, "note": {"type": ["string", "null"],
+                                                                                    "maxLength": 5}}}}},
+    ]
+
+
+REGEXES = [r"[A-Z]{3}-\d{2}", r"(yes|no), because [a-z]{2,5}\.", r"\d{1,3}(\.\d)?"]
+CHOICES = [["positive", "negative", "neutral"], ["A", "B", "C", "D"], ["the cat", "the dog"]]
+
+
+def constrained_jobs(tok, grammars: Grammars):
+    """60 schema jobs (some n > 1, some sampled), 9 regex and 9 choice jobs, 6 free ones; all under
+    one shared system prompt."""
+    jobs = []  # (request, kind, spec)
+    ss = schemas()
+    for i in range(60):
+        schema = ss[i % len(ss)]
+        params = SamplingParams(max_new_tokens=160, temperature=0.0 if i % 3 else 0.8, seed=i, n=1 + (i % 4 == 0))
+        c = Constraint("json_schema", json.dumps(schema))
+        jobs.append((Request(i, tok.encode_prompt(SYSTEM + f"Record {i} as JSON:"), params, grammar=grammars.factory(c)),
+                     "json", schema))
+    for i in range(9):
+        key = len(jobs)
+        kind, spec = ("regex", REGEXES[i % 3]) if i % 2 else ("choice", CHOICES[i % 3])
+        c = Constraint(kind, spec if kind == "regex" else json.dumps(spec))
+        params = SamplingParams(max_new_tokens=30, temperature=0.7 * (i % 2), seed=i, n=1 + (i == 4))
+        jobs.append((Request(key, tok.encode_prompt(SYSTEM + f"Answer {i}:"), params, grammar=grammars.factory(c)),
+                     kind, spec))
+        c2 = Constraint("choice", json.dumps(CHOICES[i % 3]))
+        jobs.append((Request(key + 1, tok.encode_prompt(SYSTEM + f"Pick {i}:"), SamplingParams(max_new_tokens=30),
+                             grammar=grammars.factory(c2)), "choice", CHOICES[i % 3]))
+    for i in range(6):
+        jobs.append((Request(len(jobs), tok.encode_prompt(SYSTEM + f"Say {i}"), SamplingParams(max_new_tokens=8)),
+                     None, None))
+    return jobs
+
+
+def test_every_constrained_output_parses_and_matches():
+    tok = tokenizer()
+    jobs = constrained_jobs(tok, Grammars(tok.hf))
+    engine = Engine(make_model("llama"), eos_token_ids=EOS, min_shared_tokens=4)
+    done = list(engine.run([r for r, _, _ in jobs]))
+    assert len(done) == sum(r.params.n for r, _, _ in jobs)
+    checked = {"json": 0, "regex": 0, "choice": 0}
+    for c in done:
+        request, kind, spec = jobs[c.key]
+        assert c.error is None and c.cached_tokens > 0  # constraints leave prefix sharing alone
+        text = tok.decode(c.token_ids)
+        if kind is None:
+            continue
+        assert c.finish_reason == "stop", (kind, text)
+        if kind == "json":
+            jsonschema.validate(json.loads(text), spec)
+        elif kind == "regex":
+            assert re.fullmatch(spec, text), (spec, text)
+        else:
+            assert text in spec
+        checked[kind] += 1
+    assert checked["json"] >= 50 and checked["regex"] >= 4 and checked["choice"] >= 9
+    # sampled samples of one job differ; rows really were constrained in shared batches
+    assert engine.stats.cascade_batches > 0
+
+
+def test_constraints_change_no_prefill_work():
+    tok = tokenizer()
+    jobs = constrained_jobs(tok, Grammars(tok.hf))[:20]
+    free = [Request(r.key, r.prompt_ids, SamplingParams(max_new_tokens=4, n=r.params.n)) for r, _, _ in jobs]
+    bound = [Request(r.key, r.prompt_ids, SamplingParams(max_new_tokens=4, n=r.params.n), grammar=r.grammar)
+             for r, _, _ in jobs]
+    model = make_model("qwen2")
+    stats = []
+    for reqs in (free, bound):
+        engine = Engine(model, eos_token_ids=[], min_shared_tokens=4)
+        cached = sorted((c.key, c.cached_tokens) for c in engine.run(reqs))
+        stats.append((engine.stats.prefill_tokens, engine.stats.prefix_nodes, cached))
+    assert stats[0] == stats[1]
+
+
+def tokenizer_without_unk() -> PreTrainedTokenizerFast:
+    """The tiny tokenizer with no <unk>: a character outside its vocabulary has no token at all."""
+    spec = json.loads(make_tokenizer().backend_tokenizer.to_str())
+    spec["model"]["unk_token"] = None
+    return PreTrainedTokenizerFast(tokenizer_object=RustTokenizer.from_str(json.dumps(spec)), bos_token="<s>",
+                                   eos_token="</s>", pad_token="<pad>")
+
+
+def test_a_grammar_dead_end_fails_its_row_alone():
+    hf = tokenizer_without_unk()
+    grammars = Grammars(hf)
+    prompt = hf(SYSTEM + "Spell it:")["input_ids"]
+    dead = grammars.factory(Constraint("regex", "ab\u00e9"))  # no token writes 'é'
+    fine = grammars.factory(Constraint("choice", json.dumps(["ok", "fine"])))
+    reqs = [Request(0, prompt, SamplingParams(max_new_tokens=10, n=2), grammar=dead),
+            Request(1, prompt + [40], SamplingParams(max_new_tokens=10), grammar=fine),
+            Request(2, prompt + [41], SamplingParams(max_new_tokens=10))]
+    got = {(c.key, c.sample_index): c for c in Engine(make_model("llama"), eos_token_ids=EOS).run(reqs)}
+    for s in (0, 1):
+        c = got[(0, s)]
+        assert c.finish_reason == "error" and "dead end after 2 tokens" in c.error, c.error
+        assert hf.decode(c.token_ids) == "ab"
+    assert got[(1, 0)].error is None and hf.decode(got[(1, 0)].token_ids) in ("ok", "fine")
+    assert got[(2, 0)].error is None and len(got[(2, 0)].token_ids) == 10
+
+
+@pytest.mark.parametrize("constraint, message", [
+    (Constraint("regex", "(["), "invalid regex"),
+    (Constraint("json_schema", '{"type": "foo"}'), "foo"),
+    (Constraint("json_schema", '{"type": "object", "properties": {"a": {"$ref": "#/nope"}}}'), "nope"),
+])
+def test_a_constraint_that_cannot_compile_is_refused_with_the_reason(constraint, message):
+    grammars = Grammars(make_tokenizer())
+    with pytest.raises(GrammarError, match=message):
+        grammars.factory(constraint)
