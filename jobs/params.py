@@ -11,7 +11,7 @@ asks for what batchgen does anyway (``stream: false``, ``logprobs: false``, ``be
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from .checks import Checker, bad_type, show
@@ -29,6 +29,7 @@ class Constraint:
 
     kind: str  # "json_schema", "json_object", "regex" or "choice"
     spec: str  # the schema as JSON text, the regular expression, the choices as a JSON list; "" for json_object
+    source: str = field(default="", compare=False)  # the field that set it, for error messages
 
 
 # batchgen's names, each a job field and a CLI default (--max-new-tokens, --repetition-penalty, ...)
@@ -190,12 +191,12 @@ def constraint(check: Checker, params: Mapping[str, Any], spelled: Mapping[str, 
     if name == "regex":
         if not isinstance(value, str) or not value:
             raise check.fail(where, bad_type(value, "a non-empty regular expression"))
-        return Constraint("regex", value)
+        return Constraint("regex", value, where)
     if name == "choice":
         value = _json_value(check, where, value) if isinstance(value, str) and value.startswith("[") else value
         if not isinstance(value, (list, tuple)) or not value or not all(isinstance(c, str) and c for c in value):
             raise check.fail(where, f"must be a non-empty list of non-empty strings, got {show(value)}")
-        return Constraint("choice", json.dumps(list(value), ensure_ascii=False))
+        return Constraint("choice", json.dumps(list(value), ensure_ascii=False), where)
     return _response_format(check, where, _json_value(check, where, value))
 
 
@@ -204,7 +205,7 @@ def _schema(check: Checker, where: str, value: Any) -> Constraint:
     if not isinstance(value, Mapping):
         raise check.fail(where, bad_type(value, "a JSON Schema object"))
     # key order is kept: it is the order in which the model writes the properties
-    return Constraint("json_schema", json.dumps(value, ensure_ascii=False, separators=(",", ":")))
+    return Constraint("json_schema", json.dumps(value, ensure_ascii=False, separators=(",", ":")), where)
 
 
 def _response_format(check: Checker, where: str, value: Any) -> Constraint | None:
@@ -215,7 +216,7 @@ def _response_format(check: Checker, where: str, value: Any) -> Constraint | Non
     if kind == "text":
         return None
     if kind == "json_object":
-        return Constraint("json_object", "")
+        return Constraint("json_object", "", where)
     if kind != "json_schema":
         raise check.fail(f"{where}.type", f"must be 'text', 'json_object' or 'json_schema', got {show(kind)}")
     spec = value.get("json_schema")

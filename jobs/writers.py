@@ -9,7 +9,6 @@ import datetime as _dt
 import decimal
 import json
 import os
-import time
 from typing import Any, Iterable, Mapping, Sequence
 
 import pyarrow as pa
@@ -28,14 +27,16 @@ RESULT_FIELDS: tuple[pa.Field, ...] = (
     pa.field("completion_tokens", pa.int64()),
 )
 RESULT_COLUMNS = ("id",) + tuple(f.name for f in RESULT_FIELDS)
+CREATED = "_batchgen_created"  # a job's completion time (Unix seconds), kept for OpenAI output
 ERROR_SCHEMA = pa.schema([pa.field("id", pa.string()), pa.field("location", pa.string()),
                           pa.field("reason", pa.string())])
 FORMATS = ("parquet", "jsonl", "openai")
 _ROW_GROUP_ROWS = 8192  # buffer tiny write() calls so Parquet row groups stay efficient
 
 
-def result_schema(extra_schema: pa.Schema | None, id_type: pa.DataType) -> pa.Schema:
-    """Extra (carried-through) columns first, then ``id`` and the result columns.
+def result_schema(extra_schema: pa.Schema | None, id_type: pa.DataType, created: bool = False) -> pa.Schema:
+    """Extra (carried-through) columns first, then ``id`` and the result columns; with
+    ``created``, each job's completion time (what OpenAI output reports as ``created``).
 
     Raises JobError when an input column has the name of a result column, since
     one would silently overwrite the other.
@@ -45,7 +46,8 @@ def result_schema(extra_schema: pa.Schema | None, id_type: pa.DataType) -> pa.Sc
     if clash:
         raise JobError(f"input column(s) {', '.join(clash)} clash with result columns of the "
                        "same name; rename them in the input")
-    return pa.schema(extra + [pa.field("id", id_type), *RESULT_FIELDS])
+    return pa.schema(extra + [pa.field("id", id_type), *RESULT_FIELDS]
+                     + ([pa.field(CREATED, pa.int64())] if created else []))
 
 
 def id_type_for(ids: Iterable[str | int]) -> pa.DataType:
@@ -177,75 +179,9 @@ class JsonlWriter(AtomicWriter):
         self._file.write("".join(lines).encode("utf-8"))  # type: ignore[union-attr]
 
 
-class OpenAIBatchWriter(AtomicWriter):
-    """Output in the OpenAI Batch API format: one line per job, samples grouped as choices.
-
-    ``model`` is reported as the response's model. Each row may carry an
-    ``endpoint`` key (``/v1/chat/completions`` or ``/v1/completions``, i.e.
-    ``Job.openai_endpoint``); rows without one use the constructor's ``endpoint``.
-    ``id`` becomes ``custom_id``. Because samples of one job may arrive in
-    separate write() calls, rows are held until close (memory ~ output size),
-    then written in first-seen job order with choices sorted by sample_index.
-    """
-
-    def __init__(self, path: str | os.PathLike[str], schema: pa.Schema | None = None,
-                 overwrite: bool = False, *, model: str, endpoint: str = CHAT_ENDPOINT) -> None:
-        super().__init__(path, overwrite)
-        if endpoint not in (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT):
-            raise ValueError(f"unknown endpoint {endpoint!r}")
-        self.schema, self.model, self.endpoint = schema, model, endpoint
-        self._jobs: dict[str, list[Mapping[str, Any]]] = {}
-
-    _allow_gzip = True
-
-    def write(self, rows: Sequence[Mapping[str, Any]]) -> None:
-        _check_required(rows, RESULT_COLUMNS)
-        for r in rows:
-            self._jobs.setdefault(str(r["id"]), []).append(r)
-
-    def _finish(self) -> None:
-        created = int(time.time())
-        for k, (custom_id, samples) in enumerate(self._jobs.items(), start=1):
-            line = _openai_line(k, custom_id, samples, self.model, self.endpoint, created)
-            self._file.write((_dumps(line) + "\n").encode("utf-8"))  # type: ignore[union-attr]
-        self._jobs.clear()
-
-
-def _openai_line(k: int, custom_id: str, samples: list[Mapping[str, Any]], model: str,
-                 default_endpoint: str, created: int) -> dict[str, Any]:
-    samples = sorted(samples, key=lambda r: r["sample_index"])
-    chat = samples[0].get("endpoint", default_endpoint) == CHAT_ENDPOINT
-    choices = []
-    for s in samples:
-        choice: dict[str, Any] = {"index": int(s["sample_index"])}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": s["completion"]}
-        else:
-            choice["text"] = s["completion"]
-        choice["logprobs"] = None
-        choice["finish_reason"] = s["finish_reason"]
-        choices.append(choice)
-    # The prompt is shared by all samples; OpenAI counts it once per request.
-    prompt_tokens = int(samples[0]["prompt_tokens"])
-    completion_tokens = sum(int(s["completion_tokens"]) for s in samples)
-    body = {
-        "id": f"{'chatcmpl' if chat else 'cmpl'}-{k}",
-        "object": "chat.completion" if chat else "text_completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens,
-                  "prompt_tokens_details": {"cached_tokens": int(samples[0]["cached_tokens"])}},
-    }
-    return {"id": f"batch_req_{k}", "custom_id": custom_id,
-            "response": {"status_code": 200, "request_id": f"req_{k}", "body": body},
-            "error": None}
-
-
 def open_result_writer(path: str | os.PathLike[str], schema: pa.Schema, fmt: str = "parquet",
                        overwrite: bool = False, *, model: str | None = None,
-                       endpoint: str = CHAT_ENDPOINT) -> AtomicWriter:
+                       endpoint: str = CHAT_ENDPOINT, fingerprint: str | None = None) -> AtomicWriter:
     """Writer for ``fmt`` in FORMATS; ``model`` is required for ``openai``."""
     if fmt == "parquet":
         return ParquetWriter(path, schema, overwrite)
@@ -254,14 +190,15 @@ def open_result_writer(path: str | os.PathLike[str], schema: pa.Schema, fmt: str
     if fmt == "openai":
         if not model:
             raise JobError("the openai output format needs a model name")
-        return OpenAIBatchWriter(path, schema, overwrite, model=model, endpoint=endpoint)
+        return OpenAIBatchWriter(path, schema, overwrite, model=model, endpoint=endpoint, fingerprint=fingerprint)
     raise JobError(f"unknown output format {fmt!r}; choose one of {', '.join(FORMATS)}")
 
 
-def errors_path(output_path: str | os.PathLike[str]) -> str:
+def errors_path(output_path: str | os.PathLike[str], fmt: str = "parquet") -> str:
     """``out/results.parquet`` -> ``out/results.parquet.errors.parquet``: beside the output,
-    named after it whole, like the summary (``OUTPUT.summary.json``)."""
-    return os.fspath(output_path) + ".errors.parquet"
+    named after it whole, like the summary (``OUTPUT.summary.json``). OpenAI output has its
+    errors as Batch API error lines: ``OUTPUT.errors.jsonl``."""
+    return os.fspath(output_path) + (".errors.jsonl" if fmt == "openai" else ".errors.parquet")
 
 
 def summary_path(output_path: str | os.PathLike[str]) -> str:
@@ -297,6 +234,11 @@ class ErrorWriter(AtomicWriter):
         pq.write_table(pa.Table.from_pylist(self._rows, schema=ERROR_SCHEMA), self._file)
 
 
+def open_error_writer(path: str | os.PathLike[str], fmt: str = "parquet", overwrite: bool = False) -> AtomicWriter:
+    """The errors file's writer: Batch API error lines beside OpenAI output, else Parquet."""
+    return OpenAIErrorWriter(path, overwrite) if fmt == "openai" else ErrorWriter(path, overwrite)
+
+
 def write_table(path: str | os.PathLike[str], rows: Sequence[Mapping[str, Any]], schema: pa.Schema,
                 overwrite: bool = True) -> None:
     """Rows as one Parquet file, atomically; non-strings in string columns become JSON text."""
@@ -312,6 +254,9 @@ def write_summary(path: str | os.PathLike[str], summary: Mapping[str, Any]) -> N
                                   default=_json_default) + "\n").encode("utf-8"))
 
 
+# the OpenAI Batch writers need this module's helpers: imported last
+from .openai_batch import OpenAIBatchWriter, OpenAIErrorWriter  # noqa: E402
+
 __all__ = ["result_schema", "id_type_for", "infer_extra_schema", "ParquetWriter", "JsonlWriter",
-           "OpenAIBatchWriter", "ErrorWriter", "open_result_writer", "errors_path", "summary_path",
+           "OpenAIBatchWriter", "OpenAIErrorWriter", "ErrorWriter", "CREATED", "open_error_writer", "open_result_writer", "errors_path", "summary_path",
            "write_summary", "write_table", "conform_rows", "remove_stale_temps", "AtomicWriter", "RESULT_COLUMNS", "ERROR_SCHEMA", "FORMATS"]

@@ -52,6 +52,25 @@ def _generation_options(f):
         click.option("--n", "n", type=click.IntRange(min=1), default=1, show_default=True, envvar="BATCHGEN_N",
                      help="Samples per job."),
         click.option("--stop", multiple=True, help="Stop string (repeatable)."),
+        click.option("--stop-token-id", "stop_token_ids", type=click.IntRange(min=0), multiple=True,
+                     help="Token id that ends a sample, like EOS (repeatable)."),
+        click.option("--repetition-penalty", type=float, default=1.0, show_default=True,
+                     envvar="BATCHGEN_REPETITION_PENALTY",
+                     help="transformers' repetition penalty over prompt and output tokens; 1 is off."),
+        click.option("--presence-penalty", type=float, default=0.0, show_default=True,
+                     envvar="BATCHGEN_PRESENCE_PENALTY", help="OpenAI's, in [-2, 2]; 0 is off."),
+        click.option("--frequency-penalty", type=float, default=0.0, show_default=True,
+                     envvar="BATCHGEN_FREQUENCY_PENALTY", help="OpenAI's, in [-2, 2]; 0 is off."),
+        click.option("--min-tokens", type=click.IntRange(min=0), default=0, show_default=True,
+                     envvar="BATCHGEN_MIN_TOKENS", help="New tokens before EOS or a stop token may end a sample."),
+        click.option("--logit-bias", default=None, envvar="BATCHGEN_LOGIT_BIAS", metavar="JSON",
+                     help='Added to token logits, OpenAI\'s shape: \'{"50256": -100}\'.'),
+        click.option("--json-schema", default=None, envvar="BATCHGEN_JSON_SCHEMA", metavar="JSON_OR_FILE",
+                     help="Default constraint: output is JSON of this schema (a JSON object, or a file holding one)."),
+        click.option("--regex", default=None, envvar="BATCHGEN_REGEX",
+                     help="Default constraint: output matches this regular expression."),
+        click.option("--choice", "choices", multiple=True,
+                     help="Default constraint: output is one of these strings (repeatable)."),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -61,9 +80,18 @@ def _generation_options(f):
 def _defaults(kw):
     from jobs import GenerationDefaults
 
+    schema = kw["json_schema"]
+    if schema is not None and not schema.lstrip().startswith("{"):
+        with open(schema, encoding="utf-8") as fh:  # a file holding the schema
+            schema = fh.read()
+    constraint = GenerationDefaults.constraint_of(json_schema=schema, regex=kw["regex"],
+                                                  choice=list(kw["choices"]) or None)
     return GenerationDefaults(max_new_tokens=kw["max_new_tokens"], temperature=kw["temperature"],
                               top_p=kw["top_p"], top_k=kw["top_k"], seed=kw["seed"], stop=tuple(kw["stop"]),
-                              n=kw["n"])
+                              n=kw["n"], repetition_penalty=kw["repetition_penalty"],
+                              presence_penalty=kw["presence_penalty"], frequency_penalty=kw["frequency_penalty"],
+                              min_tokens=kw["min_tokens"], logit_bias=kw["logit_bias"] or (),
+                              stop_token_ids=tuple(kw["stop_token_ids"]), constraint=constraint)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

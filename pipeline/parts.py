@@ -41,8 +41,8 @@ def job_set_key(jobs: Mapping[int, Job], settings: dict[str, Any]) -> str:
     """What finished work belongs to: every job with its input position, and the settings. The
     same for every shard of one command line (so `merge` can check they belong together), and
     for the local and the Ray runner."""
-    return fingerprint(([o, j.id, j.prompt, j.messages, j.extra, j.max_new_tokens, j.temperature, j.top_p,
-                         j.top_k, j.seed, list(j.stop), j.n] for o, j in sorted(jobs.items())),
+    return fingerprint(([o, j.id, j.prompt, j.messages, j.extra, j.generation(), j.custom_id, j.prompt_index]
+                        for o, j in sorted(jobs.items())),
                        {k: v for k, v in settings.items() if k != "shard"})
 
 

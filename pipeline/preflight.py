@@ -115,7 +115,8 @@ def read_checked(inputs: list[str], options: RunOptions) -> tuple[dict[int, Job]
     for order, bad in check_extras(jobs, extra_schema).items():
         invalid[order] = bad
         del jobs[order]
-    return jobs, invalid, result_schema(extra_schema, id_type_for(j.id for j in jobs.values()))
+    created = options.output_format == "openai"  # each request's completion time, kept in the parts
+    return jobs, invalid, result_schema(extra_schema, id_type_for(j.id for j in jobs.values()), created)
 
 
 def check_extras(jobs: Mapping[int, Job], extra_schema: pa.Schema) -> dict[int, InvalidRow]:
@@ -154,9 +155,18 @@ def check_inputs(inputs: list[str], options: RunOptions) -> Checked:
 
     jobs, invalid, schema = read_checked(inputs, options)
     _, source = model_source(options.model)
-    window = context_window(load_config(options.model, options.trust_remote_code))
+    config = load_config(options.model, options.trust_remote_code)
     tokenizer = Tokenizer.load(source, trust_remote_code=options.trust_remote_code)
-    requests, bad = to_requests(jobs, tokenizer, window, options.defaults.seed)
+    default = options.defaults.constraint
+    if default is not None:  # a bad default fails once, before any row
+        from pipeline.grammar import GrammarError
+
+        try:
+            tokenizer.grammars.check(default)
+        except GrammarError as e:
+            raise JobError(f"--{(default.source or default.kind).replace('_', '-')}: cannot be used: {e}") from None
+    requests, bad = to_requests(jobs, tokenizer, context_window(config), options.defaults.seed,
+                                vocab_size(config))
     invalid.update(bad)
     return Checked(jobs, dict(sorted(invalid.items())), requests, schema, tokenizer)
 
@@ -176,8 +186,14 @@ def context_window(config: Any) -> int | None:
     return None
 
 
+def vocab_size(config: Any) -> int | None:
+    """The model's output vocabulary (its logits' width), where the config says it."""
+    value = getattr(config, "vocab_size", None) or getattr(getattr(config, "text_config", None), "vocab_size", None)
+    return value if isinstance(value, int) and value > 0 else None
+
+
 def to_requests(jobs: Mapping[int, Job], tokenizer: Tokenizer, window: int | None,
-                run_seed: int | None) -> tuple[list[Request], dict[int, InvalidRow]]:
+                run_seed: int | None, vocab: int | None = None) -> tuple[list[Request], dict[int, InvalidRow]]:
     """Tokenize each job whole (keyed by its input position); a job that cannot run becomes an
     error row, never a crash."""
     requests, invalid = [], {}
@@ -187,7 +203,7 @@ def to_requests(jobs: Mapping[int, Job], tokenizer: Tokenizer, window: int | Non
         except TokenizerError as e:
             invalid[order] = InvalidRow(job.location, job.id, str(e))
             continue
-        made = make_request(order, job, ids, tokenizer, window, run_seed)
+        made = make_request(order, job, ids, tokenizer, window, run_seed, vocab)
         if isinstance(made, InvalidRow):
             invalid[order] = made
         else:
@@ -196,17 +212,44 @@ def to_requests(jobs: Mapping[int, Job], tokenizer: Tokenizer, window: int | Non
 
 
 def make_request(order: int, job: Job, ids: list[int], tokenizer: Tokenizer, window: int | None,
-                 run_seed: int | None) -> Request | InvalidRow:
+                 run_seed: int | None, vocab: int | None = None) -> Request | InvalidRow:
     if not ids:
         return InvalidRow(job.location, job.id, "the prompt tokenizes to no tokens")
     too_long = length_error(job, len(ids), window)
     if too_long is not None:
         return too_long
+    bad = generation_error(job, tokenizer, vocab)
+    if bad is not None:
+        return bad
+    # compiled once per distinct constraint (generation_error just did)
+    grammar = tokenizer.grammars.factory(job.constraint) if job.constraint is not None else None
     params = SamplingParams(
         max_new_tokens=job.max_new_tokens, temperature=job.temperature, top_p=job.top_p,
         top_k=job.top_k, seed=job.seed if job.seed is not None else job_seed(run_seed, job.id), n=job.n,
+        logit_bias=job.logit_bias, repetition_penalty=job.repetition_penalty, presence_penalty=job.presence_penalty,
+        frequency_penalty=job.frequency_penalty, min_tokens=job.min_tokens, stop_token_ids=job.stop_token_ids,
     )
-    return Request(order, ids, params, tokenizer.stop_check(job.stop))
+    return Request(order, ids, params, tokenizer.stop_check(job.stop), grammar)
+
+
+def generation_error(job: Job, tokenizer: Tokenizer, vocab: int | None = None) -> InvalidRow | None:
+    """What the tokenizer refuses of a job's generation parameters: token ids (logit_bias,
+    stop_token_ids) outside the model's vocabulary, a constraint that does not compile for it."""
+    vocab = min(tokenizer.vocab_size, vocab or tokenizer.vocab_size)
+    for name, ids in (("logit_bias", [t for t, _ in job.logit_bias]), ("stop_token_ids", job.stop_token_ids)):
+        outside = [t for t in ids if t >= vocab]
+        if outside:
+            return InvalidRow(job.location, job.id, f"field '{name}' names token id {outside[0]}, outside the "
+                                                    f"model's vocabulary of {vocab} tokens")
+    if job.constraint is not None:
+        from pipeline.grammar import GrammarError
+
+        try:
+            tokenizer.grammars.check(job.constraint)
+        except GrammarError as e:
+            return InvalidRow(job.location, job.id, f"field '{job.constraint.source or job.constraint.kind}' "
+                                                    f"cannot be used: {e}")
+    return None
 
 
 def length_error(job: Job, n_prompt: int, window: int | None) -> InvalidRow | None:

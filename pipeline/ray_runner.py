@@ -93,7 +93,7 @@ class _Generate:
         ids = dict(zip(group.column("order").to_pylist(), (json.loads(x) for x in group.column("ids").to_pylist())))
         orders = sorted(ids)
         mine = {o: self.jobs[o] for o in orders}
-        # the driver checked lengths: every job here makes a request
+        # the driver checked every job: each one here makes a request
         requests = [make_request(o, mine[o], ids[o], self.tok, None, self.options.defaults.seed) for o in orders]
         engine = Engine(self.model, eos_token_ids=_eos_ids(self.model, self.tok),
                         min_shared_tokens=self.options.min_shared_tokens,
@@ -166,11 +166,12 @@ def process_ray(inputs: Sequence[str], out_dir: str, options: RunOptions, *, add
                                       batch_format="numpy")
                          .take_all())
             window = _context_window(source, options.trust_remote_code)
+            check = _generation_check(source, options.trust_remote_code, jobs)
             ids = {}
             for r in tokenized:
                 o, x = int(r["order"]), json.loads(r["ids"])
                 bad = InvalidRow(jobs[o].location, jobs[o].id, x["error"]) if isinstance(x, dict) \
-                    else length_error(jobs[o], len(x), window)
+                    else length_error(jobs[o], len(x), window) or check(jobs[o])
                 if bad is None:
                     ids[o] = x
                 else:
@@ -226,6 +227,20 @@ def claim(out_dir: str, key: str, settings: dict[str, Any], overwrite: bool) -> 
             if name.endswith(".parquet") or name == "summary.json":
                 os.unlink(os.path.join(out_dir, name))
     write_summary(path, {"key": key, "settings": settings})
+
+
+def _generation_check(source: str, trust_remote_code: bool, jobs: dict[int, Any]):
+    """The local runner's check of token ids and constraints (preflight.generation_error), on the
+    driver, with a tokenizer loaded only if some job needs it."""
+    if not any(j.constraint is not None or j.logit_bias or j.stop_token_ids for j in jobs.values()):
+        return lambda job: None
+    from pipeline.model import load_config
+    from pipeline.preflight import generation_error, vocab_size
+    from pipeline.tokenize import Tokenizer
+
+    tok = Tokenizer.load(source, trust_remote_code=trust_remote_code)
+    vocab = vocab_size(load_config(source, trust_remote_code))
+    return lambda job: generation_error(job, tok, vocab)
 
 
 def _context_window(source: str, trust_remote_code: bool) -> int | None:

@@ -13,8 +13,10 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Sequence
 
-from jobs import (ErrorWriter, GenerationDefaults, InvalidRow, Job, JobError, errors_path, open_result_writer,
-                  summary_path, write_summary)
+from jobs import (GenerationDefaults, InvalidRow, Job, JobError, errors_path, open_result_writer, summary_path,
+                  write_summary)
+from jobs.openai_batch import GENERATION_FAILED, openai_fields, whole_requests
+from jobs.writers import CREATED, open_error_writer
 from jobs.atomic import remove_stale_temps
 from pipeline.preflight import Checked, check_inputs, check_output
 from pipeline.preflight import to_requests  # noqa: F401  (planning.py imports it from here)
@@ -72,9 +74,10 @@ def job_rows(order: int, job: Job, completions: list[Completion],
 
     failed = next((c for c in completions if c.error), None)
     if failed is not None or not completions:
-        reason = f"generation failed: {failed.error if failed else 'no output'}"
+        reason = f"{GENERATION_FAILED}{failed.error if failed else 'no output'}"
         return [], [{**InvalidRow(job.location, job.id, reason).to_row(), ORDER: order}]
-    return [{**r, ORDER: order} for r in result_rows(job, completions, tokenizer)], []
+    created = int(time.time())  # the job's completion time (OpenAI output reports it)
+    return [{**r, ORDER: order, CREATED: created} for r in result_rows(job, completions, tokenizer)], []
 
 
 def run_settings(options: RunOptions, model_name: str, precision: dict[str, str]) -> dict[str, Any]:
@@ -158,7 +161,8 @@ class _Run:
 
         jobs, tokenizer, store = self.checked.jobs, self.checked.tokenizer, self.store
         done = store.done()
-        remove_stale_temps([self.output, errors_path(self.output), summary_path(self.output)])  # we hold the lock
+        fmt = self.options.output_format
+        remove_stale_temps([self.output, errors_path(self.output, fmt), summary_path(self.output)])  # we hold the lock
         committer = _Committer(store, self.options, tokenizer)
         committer.errors = [{**inv.to_row(), ORDER: o} for o, inv in invalid.items() if o not in done]
         todo = [r for r in requests if r.key not in done]
@@ -188,23 +192,33 @@ class _Run:
 
         table = store.results()
         rows = table.to_pylist()
+        errors = store.errors()
         sharded = self.options.shard is not None
+        if fmt == "openai":  # what only that writer reads: the request each row belongs to
+            for r in rows + errors:
+                if r[ORDER] in jobs:
+                    r.update(openai_fields(jobs[r[ORDER]]))
+            rows = whole_requests(rows, errors)
         for r in rows:
-            if self.options.output_format == "openai":
-                r["endpoint"] = jobs[r[ORDER]].openai_endpoint  # only that writer reads it
             if not sharded:
                 del r[ORDER]  # kept in shard outputs: `batchgen merge` restores input order with it
         schema = table.schema if sharded else self.checked.schema
-        with open_result_writer(self.output, schema, self.options.output_format, overwrite=True,
-                                model=self.model_name) as w:
+        with open_result_writer(self.output, schema, fmt, overwrite=True, model=self.model_name,
+                                fingerprint=self.fingerprint()) as w:
             w.write(rows)
             _fault("final-write")
-        errors = store.errors()
-        with ErrorWriter(errors_path(self.output), overwrite=True) as ew:
+        with open_error_writer(errors_path(self.output, fmt), fmt, overwrite=True) as ew:
             ew.write(errors)
         about = {"attention_path": engine.attention_path, "output": self.output,
-                 "errors_file": errors_path(self.output) if errors else None, "resumed_jobs": len(done)}
+                 "errors_file": errors_path(self.output, fmt) if errors else None, "resumed_jobs": len(done)}
         return JobCounts.of(table, len(errors)), committer.work(), about
+
+
+    def fingerprint(self) -> str:
+        """OpenAI's system_fingerprint: what produced the output (engine version, model, precision)."""
+        from pipeline import __version__
+
+        return f"batchgen-{__version__}:{self.model_name}:{next(self.model.parameters()).dtype}".replace("torch.", "")
 
 
 class _Committer:

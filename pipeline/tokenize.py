@@ -18,6 +18,20 @@ class TokenizerError(Exception):
 class Tokenizer:
     def __init__(self, hf_tokenizer: Any) -> None:
         self.hf = hf_tokenizer
+        self._grammars = None
+
+    @property
+    def grammars(self) -> Any:
+        """Constraints compiled for this tokenizer (pipeline/grammar.py), built on first use."""
+        if self._grammars is None:
+            from pipeline.grammar import Grammars
+
+            self._grammars = Grammars(self.hf)
+        return self._grammars
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
 
     @classmethod
     def load(cls, name_or_path: str, *, trust_remote_code: bool = False) -> "Tokenizer":

@@ -139,26 +139,33 @@ def test_jsonl_writer_key_order_nested_values_and_gzip(tmp_path: Path) -> None:
 
 def test_openai_writer_groups_samples_of_a_job(tmp_path: Path) -> None:
     target = tmp_path / "batch_out.jsonl"
-    with OpenAIBatchWriter(target, SCHEMA, model="tiny-model") as w:
+    with OpenAIBatchWriter(target, SCHEMA, model="tiny-model", fingerprint="batchgen-x:tiny-model:float32") as w:
         # Samples arrive interleaved and out of order across write() calls.
         w.write([result("job-a", 1, endpoint="/v1/chat/completions"), result("job-b", 0,
-                 endpoint="/v1/completions")])
+                 endpoint="/v1/completions", model="gpt-echo")])
         w.write([result("job-a", 0, endpoint="/v1/chat/completions"), result(7, 0)])
     lines = [json.loads(x) for x in target.read_text().splitlines()]
     assert [x["custom_id"] for x in lines] == ["job-a", "job-b", "7"]
-    assert [x["id"] for x in lines] == ["batch_req_1", "batch_req_2", "batch_req_3"]
+    ids = [x["id"] for x in lines]
+    assert all(i.startswith("batch_req_") for i in ids) and len(set(ids)) == 3
     a = lines[0]
     assert a["error"] is None and a["response"]["status_code"] == 200
     body = a["response"]["body"]
     assert body["object"] == "chat.completion" and body["model"] == "tiny-model"
+    assert body["system_fingerprint"] == "batchgen-x:tiny-model:float32"
     assert [c["index"] for c in body["choices"]] == [0, 1]
-    assert body["choices"][1]["message"] == {"role": "assistant", "content": "out1"}
+    assert body["choices"][1]["message"] == {"role": "assistant", "content": "out1", "refusal": None,
+                                             "annotations": []}
     assert body["choices"][0]["finish_reason"] == "stop"
     assert body["usage"] == {"prompt_tokens": 10, "completion_tokens": 3 + 4, "total_tokens": 17,
-                             "prompt_tokens_details": {"cached_tokens": 4}}
+                             "prompt_tokens_details": {"cached_tokens": 4, "audio_tokens": 0},
+                             "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0,
+                                                           "accepted_prediction_tokens": 0,
+                                                           "rejected_prediction_tokens": 0}}
     b = lines[1]["response"]["body"]
     assert b["object"] == "text_completion" and b["choices"][0]["text"] == "out0"
-    assert "message" not in b["choices"][0]
+    assert "message" not in b["choices"][0] and b["model"] == "gpt-echo"  # the request's model, echoed
+    assert "completion_tokens_details" not in b["usage"]
     # No endpoint on the row: the constructor's default (chat) applies.
     assert lines[2]["response"]["body"]["object"] == "chat.completion"
 

@@ -1,0 +1,151 @@
+"""OpenAI Batch API output: the output file (one line per request) and the error file (one line
+per failed request), in the shapes the Batch API documents.
+
+Output line: ``{id, custom_id, response: {status_code, request_id, body}, error: null}`` with a
+``chat.completion`` or ``text_completion`` body. Error line: ``{id, custom_id, response: null,
+error: {code, message}}``. Line ids are random per line (``batch_req_…``), so two runs never
+share one; ``created`` is when the request's last sample finished; ``model`` echoes the
+request's ``body.model`` (else the model batchgen ran); ``system_fingerprint`` names batchgen's
+version, the model and its precision. Rows carry what only this writer reads: ``endpoint``,
+``custom_id`` and ``prompt_index`` (an element of a completions request's list prompt), set by
+the runner from the job (:func:`openai_fields`).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from typing import Any, Iterable, Mapping, Sequence
+
+from .atomic import AtomicWriter
+from .schema import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, InvalidRow, Job
+from .writers import CREATED, RESULT_COLUMNS, _check_required, _dumps
+
+GENERATION_FAILED = "generation failed: "  # how the runner words a job that failed while generating
+
+
+def _rid(prefix: str) -> str:
+    return prefix + secrets.token_hex(12)
+
+
+def openai_fields(job: Job) -> dict[str, Any]:
+    """What an OpenAI output line needs of a row's job beyond its result columns."""
+    return {"endpoint": job.openai_endpoint, "custom_id": job.custom_id or str(job.id),
+            "prompt_index": job.prompt_index}
+
+
+def whole_requests(rows: list[dict[str, Any]], errors: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The result rows of requests that did not fail: a request whose list prompt had one element
+    fail is an error line only, as the API fails a request whole."""
+    failed = {e.get("custom_id") for e in errors}
+    return [r for r in rows if r["custom_id"] not in failed]
+
+
+class OpenAIBatchWriter(AtomicWriter):
+    """One line per request, its samples (and list-prompt elements) as choices. Samples of one
+    request may arrive in separate write() calls, so rows are held until close (memory ~ output
+    size), then written in first-seen order."""
+
+    def __init__(self, path: str | os.PathLike[str], schema: Any = None, overwrite: bool = False, *, model: str,
+                 endpoint: str = CHAT_ENDPOINT, fingerprint: str | None = None) -> None:
+        super().__init__(path, overwrite)
+        if endpoint not in (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT):
+            raise ValueError(f"unknown endpoint {endpoint!r}")
+        self.schema, self.model, self.endpoint = schema, model, endpoint
+        self.fingerprint = fingerprint or f"batchgen:{model}"
+        self._requests: dict[str, list[Mapping[str, Any]]] = {}
+
+    _allow_gzip = True
+
+    def write(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        _check_required(rows, RESULT_COLUMNS)
+        for r in rows:
+            self._requests.setdefault(str(r.get("custom_id") or r["id"]), []).append(r)
+
+    def _finish(self) -> None:
+        for custom_id, samples in self._requests.items():
+            line = response_line(custom_id, samples, self.model, self.endpoint, self.fingerprint)
+            self._file.write((_dumps(line) + "\n").encode("utf-8"))  # type: ignore[union-attr]
+        self._requests.clear()
+
+
+def response_line(custom_id: str, samples: list[Mapping[str, Any]], model: str, default_endpoint: str,
+                  fingerprint: str) -> dict[str, Any]:
+    samples = sorted(samples, key=lambda r: (r.get("prompt_index") or 0, r["sample_index"]))
+    chat = samples[0].get("endpoint", default_endpoint) == CHAT_ENDPOINT
+    choices = []
+    for index, s in enumerate(samples):  # element i, sample k: index i * n + k, as the API numbers them
+        choice: dict[str, Any] = {"index": index}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": s["completion"], "refusal": None, "annotations": []}
+        else:
+            choice["text"] = s["completion"]
+        choice["logprobs"] = None
+        choice["finish_reason"] = s["finish_reason"]
+        choices.append(choice)
+    # a prompt is counted once per request (each list element's once), its samples' tokens all
+    firsts = [s for s in samples if s["sample_index"] == 0] or samples[:1]
+    prompt_tokens = sum(int(s["prompt_tokens"]) for s in firsts)
+    completion_tokens = sum(int(s["completion_tokens"]) for s in samples)
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": sum(int(s["cached_tokens"]) for s in firsts)}}
+    if chat:  # the chat API's breakdown; batchgen has no reasoning, audio or predicted tokens
+        usage["prompt_tokens_details"]["audio_tokens"] = 0
+        usage["completion_tokens_details"] = {"reasoning_tokens": 0, "audio_tokens": 0,
+                                              "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}
+    echoed = samples[0].get("model")
+    created = max((int(s[CREATED]) for s in samples if s.get(CREATED) is not None), default=int(time.time()))
+    body = {
+        "id": _rid("chatcmpl-" if chat else "cmpl-"),
+        "object": "chat.completion" if chat else "text_completion",
+        "created": created,
+        "model": echoed if isinstance(echoed, str) and echoed else model,
+        "choices": choices,
+        "usage": usage,
+        "system_fingerprint": fingerprint,
+    }
+    return {"id": _rid("batch_req_"), "custom_id": custom_id,
+            "response": {"status_code": 200, "request_id": _rid("req_"), "body": body}, "error": None}
+
+
+def error_line(row: Mapping[str, Any]) -> dict[str, Any]:
+    """A failed request: ``invalid_request`` when its line could not run as written (the
+    message names the line and field), ``generation_failed`` when it failed while generating."""
+    reason = str(row["reason"])
+    code = "generation_failed" if reason.startswith(GENERATION_FAILED) else "invalid_request"
+    custom_id = row.get("custom_id") or row.get("id")
+    return {"id": _rid("batch_req_"), "custom_id": custom_id, "response": None,
+            "error": {"code": code, "message": f"{row['location']}: {reason}"}}
+
+
+class OpenAIErrorWriter(AtomicWriter):
+    """The error file beside OpenAI output: one line per failed request (the first reason of a
+    request whose list prompt failed in several elements). No errors, no file; with ``overwrite``
+    an error file of an earlier run goes, as with the Parquet errors file."""
+
+    _allow_gzip = True
+
+    def __init__(self, path: str | os.PathLike[str], overwrite: bool = False) -> None:
+        super().__init__(path, overwrite)
+        self._overwrite = overwrite
+        self._lines: dict[Any, dict[str, Any]] = {}
+
+    def write(self, rows: Iterable[InvalidRow | Mapping[str, Any]]) -> None:
+        for r in rows:
+            line = error_line(r.to_row() if isinstance(r, InvalidRow) else r)
+            key = line["custom_id"] if line["custom_id"] is not None else ("line", len(self._lines))
+            self._lines.setdefault(key, line)
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None and not self._lines:
+            self._discard()
+            if self._overwrite and os.path.lexists(self.path):
+                os.unlink(self.path)
+            return
+        super().__exit__(exc_type, exc, tb)
+
+    def _finish(self) -> None:
+        self._file.write("".join(_dumps(x) + "\n" for x in self._lines.values()).encode("utf-8"))  # type: ignore[union-attr]
