@@ -14,7 +14,7 @@ import io
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Iterator, Sequence
+from typing import Any, BinaryIO, Iterable, Iterator, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -67,29 +67,36 @@ def read_jobs(paths: Sequence[str], defaults: GenerationDefaults, *, dataset: st
 
 def _generate(sources: list[_Source], defaults: GenerationDefaults,
               prompt_template: str | None, system: str | None) -> Iterator[Job | InvalidRow]:
+    return jobs_of_records((rec for source in sources for rec in _records(source)), defaults,
+                           prompt_template, system)
+
+
+def jobs_of_records(records: Iterable[Record], defaults: GenerationDefaults, prompt_template: str | None = None,
+                    system: str | None = None) -> Iterator[Job | InvalidRow]:
+    """A Job or InvalidRow per record, as read_jobs yields them (the Python API hands in-memory
+    rows here): ids default to the record number, a repeated id is an InvalidRow."""
     seen: set[str] = set()
     number = 0
-    for source in sources:
-        for location, record in _records(source):
-            default_id, number = number, number + 1
-            if isinstance(record, str):
-                yield InvalidRow(location, None, record)
+    for location, record in records:
+        default_id, number = number, number + 1
+        if isinstance(record, str):
+            yield InvalidRow(location, None, record)
+            continue
+        try:
+            jobs = Job.from_record(record, location, defaults, default_id,
+                                   prompt_template=prompt_template, system=system)
+        except JobValidationError as e:
+            yield InvalidRow.from_error(e)
+            continue
+        for job in jobs:  # one, or one per element of an OpenAI list prompt
+            # Keyed by str() because outputs with mixed id types store ids as strings.
+            key = str(job.id)
+            if key in seen:
+                yield InvalidRow(location, job.id, f"duplicate id {job.id!r}: an earlier "
+                                                   "job already uses it; ids must be unique")
                 continue
-            try:
-                jobs = Job.from_record(record, location, defaults, default_id,
-                                       prompt_template=prompt_template, system=system)
-            except JobValidationError as e:
-                yield InvalidRow.from_error(e)
-                continue
-            for job in jobs:  # one, or one per element of an OpenAI list prompt
-                # Keyed by str() because outputs with mixed id types store ids as strings.
-                key = str(job.id)
-                if key in seen:
-                    yield InvalidRow(location, job.id, f"duplicate id {job.id!r}: an earlier "
-                                                       "job already uses it; ids must be unique")
-                    continue
-                seen.add(key)
-                yield job
+            seen.add(key)
+            yield job
 
 
 def _resolve(path: str, split: str) -> list[_Source]:
@@ -300,4 +307,4 @@ def input_schema(paths: Sequence[str], *, dataset: str | None = None,
         return None  # conflicting part types: let the writer infer from values instead
 
 
-__all__ = ["read_jobs", "input_schema", "JSONL_SUFFIXES", "PARQUET_SUFFIXES"]
+__all__ = ["read_jobs", "jobs_of_records", "input_schema", "JSONL_SUFFIXES", "PARQUET_SUFFIXES"]

@@ -110,7 +110,13 @@ def read_all(inputs: list[str], options: RunOptions) -> tuple[dict[int, Job], di
 def read_checked(inputs: list[str], options: RunOptions) -> tuple[dict[int, Job], dict[int, InvalidRow], pa.Schema]:
     """The rows, the rows whose carried columns cannot be written, and the result schema."""
     jobs, invalid = read_all(inputs, options)
-    hint = input_schema(inputs, dataset=options.dataset, split=options.split)
+    return checked_rows(jobs, invalid, input_schema(inputs, dataset=options.dataset, split=options.split), options)
+
+
+def checked_rows(jobs: dict[int, Job], invalid: dict[int, InvalidRow], hint: pa.Schema | None,
+                 options: RunOptions) -> tuple[dict[int, Job], dict[int, InvalidRow], pa.Schema]:
+    """Rows read (from files, or in memory by the Python API) and the types of typed inputs: the
+    rows whose carried columns cannot be written move to `invalid`; and the result schema."""
     extra_schema = infer_extra_schema((j.extra for j in jobs.values()), hint)
     for order, bad in check_extras(jobs, extra_schema).items():
         invalid[order] = bad
@@ -157,6 +163,13 @@ def check_inputs(inputs: list[str], options: RunOptions) -> Checked:
     _, source = model_source(options.model)
     config = load_config(options.model, options.trust_remote_code)
     tokenizer = Tokenizer.load(source, trust_remote_code=options.trust_remote_code)
+    return tokenized(jobs, invalid, schema, tokenizer, config, options)
+
+
+def tokenized(jobs: dict[int, Job], invalid: dict[int, InvalidRow], schema: pa.Schema, tokenizer: Tokenizer,
+              config: Any, options: RunOptions) -> Checked:
+    """Checked rows made requests with the model's tokenizer and config; what cannot run joins
+    `invalid` (the Python API calls this with the model it holds)."""
     default = options.defaults.constraint
     if default is not None:  # a bad default fails once, before any row
         from pipeline.grammar import GrammarError

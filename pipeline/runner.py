@@ -191,34 +191,42 @@ class _Run:
                             "rerun the same command to resume")
 
         table = store.results()
-        rows = table.to_pylist()
         errors = store.errors()
-        sharded = self.options.shard is not None
-        if fmt == "openai":  # what only that writer reads: the request each row belongs to
-            for r in rows + errors:
-                if r[ORDER] in jobs:
-                    r.update(openai_fields(jobs[r[ORDER]]))
-            rows = whole_requests(rows, errors)
-        for r in rows:
-            if not sharded:
-                del r[ORDER]  # kept in shard outputs: `batchgen merge` restores input order with it
-        schema = table.schema if sharded else self.checked.schema
-        with open_result_writer(self.output, schema, fmt, overwrite=True, model=self.model_name,
-                                fingerprint=self.fingerprint()) as w:
-            w.write(rows)
-            _fault("final-write")
-        with open_error_writer(errors_path(self.output, fmt), fmt, overwrite=True) as ew:
-            ew.write(errors)
+        sharded = self.options.shard is not None  # shard outputs keep the input position for `batchgen merge`
+        write_results(self.output, fmt, table.schema if sharded else self.checked.schema, table.to_pylist(), errors,
+                      jobs, self.model_name, fingerprint(self.model, self.model_name), keep_order=sharded)
         about = {"attention_path": engine.attention_path, "output": self.output,
                  "errors_file": errors_path(self.output, fmt) if errors else None, "resumed_jobs": len(done)}
         return JobCounts.of(table, len(errors)), committer.work(), about
 
 
-    def fingerprint(self) -> str:
-        """OpenAI's system_fingerprint: what produced the output (engine version, model, precision)."""
-        from pipeline import __version__
+def write_results(output: str, fmt: str, schema, rows: list[dict[str, Any]], errors: list[dict[str, Any]],
+                  jobs: dict[int, Job], model_name: str, fingerprint: str, keep_order: bool = False) -> None:
+    """The output and its errors file from result rows and error rows (each with its input
+    position, in input order); the CLI's runner and the Python API both write through here."""
+    from pipeline.parts import ORDER
 
-        return f"batchgen-{__version__}:{self.model_name}:{next(self.model.parameters()).dtype}".replace("torch.", "")
+    if fmt == "openai":  # what only that writer reads: the request each row belongs to
+        for r in rows + errors:
+            if r.get(ORDER) in jobs:
+                r.update(openai_fields(jobs[r[ORDER]]))
+        rows = whole_requests(rows, errors)
+    if not keep_order:
+        for r in rows:
+            del r[ORDER]
+    with open_result_writer(output, schema, fmt, overwrite=True, model=model_name, fingerprint=fingerprint) as w:
+        w.write(rows)
+        _fault("final-write")
+    with open_error_writer(errors_path(output, fmt), fmt, overwrite=True) as ew:
+        ew.write(errors)
+
+
+def fingerprint(model: Any, model_name: str) -> str:
+    """OpenAI's system_fingerprint: what produced the output (engine version, model, precision)."""
+    from pipeline import __version__
+
+    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    return f"batchgen-{__version__}:{model_name}:{dtype}"
 
 
 class _Committer:

@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jobs.readers import read_jobs
+from jobs.params import RESERVED
 from jobs.schema import JOB_KEYS, GenerationDefaults, InvalidRow, Job, JobError
 
 DEFAULTS = GenerationDefaults(max_new_tokens=16)
@@ -290,7 +291,8 @@ _json_values = st.recursive(
     | st.dictionaries(st.text(_NO_NEWLINE, max_size=8), inner, max_size=4),
     max_leaves=10)
 # Real key names make the junk reach field validation, not just the JSON parser.
-_keys = st.sampled_from(JOB_KEYS + ("custom_id", "body", "url", "method")) | st.text(_NO_NEWLINE, max_size=8)
+_keys = (st.sampled_from(JOB_KEYS + tuple(sorted(RESERVED)) + ("custom_id", "body", "url", "method"))
+         | st.text(_NO_NEWLINE, max_size=8))
 _junk = st.one_of(
     st.text(_NO_NEWLINE, max_size=40).map(str.encode),
     st.binary(max_size=40).map(lambda b: b.replace(b"\n", b"").replace(b"\r", b"")),

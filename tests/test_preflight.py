@@ -193,6 +193,13 @@ BAD_ROWS = [
     '{"prompt": ""}',
     "{broken",
     json.dumps({"prompt": "word " * 600}),
+    # generation parameters: unsupported, a constraint that does not compile, a token id outside
+    # the vocabulary, two constraints, an unknown response_format
+    '{"prompt": "x", "logprobs": true}',
+    '{"prompt": "x", "regex": "(["}',
+    '{"prompt": "x", "logit_bias": {"100000": 5}}',
+    '{"prompt": "x", "regex": "a", "choice": ["a"]}',
+    '{"prompt": "x", "response_format": {"type": "yaml"}}',
 ]
 
 
@@ -204,6 +211,9 @@ def _good_row(draw):
                           st.lists(st.integers(0, 3), max_size=2), st.fixed_dictionaries({"k": st.integers(0, 2)})))
     if meta is not None:
         row["meta"] = meta  # mixed types across rows: written as JSON text, never a failure
+    if draw(st.booleans()):
+        row.update(draw(st.sampled_from([{"choice": ["yes", "no"]}, {"regex": "[a-c]+"}, {"repetition_penalty": 1.2},
+                                         {"logit_bias": {"5": 2}}])))
     return json.dumps(row)
 
 

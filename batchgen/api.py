@@ -1,0 +1,169 @@
+"""`batchgen.generate` and `batchgen.Engine`: the CLI's validation, engine and result rows, called
+from Python with jobs and results in the caller's type (batchgen/convert.py).
+
+Results come back in input order: each job's rows (one per sample), exactly the rows the CLI's
+output holds, plus an ``error`` column; a job that cannot run, or fails while generating, is one
+row in its place with its ``id``, the ``error`` ("location: reason", as in the CLI's errors file)
+and nulls elsewhere. Nothing is written unless ``output`` is given: then the output and its errors
+file are written as the CLI writes them (for resumable runs, use the CLI).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pyarrow as pa
+
+from batchgen.convert import ERROR, Source, results_as, source_of
+from jobs import GenerationDefaults, InvalidRow, Job, JobError, Location
+from jobs.checks import Checker
+from jobs.params import CONSTRAINTS, PARAMS, constraint, split_fields
+from jobs.writers import CREATED
+
+# keyword options besides the generation parameters (jobs/params.py: PARAMS, CONSTRAINTS, aliases)
+RUN_OPTIONS = ("prompt_template", "system", "min_shared_tokens", "max_batch_tokens", "output_format", "overwrite",
+               "on_error")
+LOAD_OPTIONS = ("device", "dtype", "trust_remote_code", "threads")
+
+
+def generate(jobs: Any, model: str | None = None, *, output: str | None = None, progress: bool = False,
+             **options: Any) -> Any:
+    """Generate for every job; results in input order, in the type of `jobs`.
+
+    `jobs`: a list of dicts, a pandas DataFrame, a `datasets.Dataset`, or file paths (JSONL,
+    Parquet, directories, OpenAI Batch files; results then come back as a list of dicts). `model`:
+    a Hugging Face id or local directory (None: the embedded default model), loaded for this call;
+    keep one loaded with `Engine`. `options`: generation defaults by their job-field names
+    (max_new_tokens, temperature, top_p, top_k, seed, stop, n, repetition_penalty,
+    presence_penalty, frequency_penalty, min_tokens, logit_bias, stop_token_ids, json_schema,
+    regex, choice, response_format), run options (prompt_template, system, min_shared_tokens,
+    max_batch_tokens, output_format, overwrite, on_error) and loading options (device, dtype,
+    trust_remote_code, threads). `output`: also write the results and errors file there.
+    """
+    load = {k: options.pop(k) for k in LOAD_OPTIONS if k in options}
+    return Engine.load(model, **load).generate(jobs, output=output, progress=progress, **options)
+
+
+class Engine:
+    """A loaded model and its tokenizer, for repeated `generate` calls."""
+
+    def __init__(self, model: Any, tokenizer: Any, *, name: str | None = None) -> None:
+        from pipeline.tokenize import Tokenizer
+
+        self.model = model.eval()
+        self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer(tokenizer)
+        # what OpenAI output reports as the model: the name it was loaded by
+        self.name = name or getattr(model.config, "_name_or_path", None) or type(model).__name__
+
+    @classmethod
+    def load(cls, model: str | None = None, *, device: str = "auto", dtype: str = "auto",
+             trust_remote_code: bool = False, threads: int | None = None) -> "Engine":
+        """Load a model (a Hugging Face id or local directory; None: the embedded default model)."""
+        from pipeline.model import DEFAULT_MODEL, load_model
+        from pipeline.tokenize import Tokenizer
+
+        if threads is not None:  # torch's threads are the process's: changed only when asked
+            from pipeline.kernels import set_threads
+
+            set_threads(threads)
+        loaded, source = load_model(model, device, dtype, trust_remote_code)
+        return cls(loaded, Tokenizer.load(source, trust_remote_code=trust_remote_code), name=model or DEFAULT_MODEL)
+
+    def generate(self, jobs: Any, *, output: str | None = None, progress: bool = False, **options: Any) -> Any:
+        """As `batchgen.generate`, with this engine's model (loading options do not apply)."""
+        from pipeline.preflight import check_output, tokenized
+        from pipeline.runner import fingerprint, write_results
+
+        opts = run_options(options)
+        source = source_of(jobs)
+        if output is not None:  # a bad path fails before any work, as in the CLI
+            check_output(output, opts.output_format, opts.overwrite)
+        checked = tokenized(*self._read(source, opts), self.tokenizer, self.model.config, opts)
+        if opts.on_error == "fail" and checked.invalid:
+            listing = "\n".join(str(v) for v in list(checked.invalid.values())[:50])
+            raise JobError(f"{len(checked.invalid)} job(s) cannot run (on_error='fail'); nothing was generated:\n"
+                           f"{listing}")
+        rows, errors = self._run(checked, opts, progress)
+        if output is not None:
+            write_results(output, opts.output_format, checked.schema, [dict(r) for r in rows],
+                          [dict(e) for e in errors], checked.jobs, self.name, fingerprint(self.model, self.name))
+        schema = pa.schema([f for f in checked.schema if f.name != CREATED])
+        return results_as(source, _in_order(rows, errors, checked, schema), schema)
+
+    def _read(self, source: Source, opts: Any) -> tuple[dict[int, Job], dict[int, InvalidRow], pa.Schema]:
+        from jobs.readers import jobs_of_records
+        from pipeline.preflight import checked_rows, read_checked
+
+        if source.kind == "files":
+            return read_checked(source.paths, opts)
+        jobs: dict[int, Job] = {}
+        invalid: dict[int, InvalidRow] = {}
+        for order, item in enumerate(jobs_of_records(source.records, opts.defaults, opts.prompt_template,
+                                                     opts.system)):
+            (jobs if isinstance(item, Job) else invalid)[order] = item
+        return checked_rows(jobs, invalid, source.hint, opts)
+
+    def _run(self, checked: Any, opts: Any, progress: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Result rows and error rows, each with its input position, as the CLI's runner makes them."""
+        from tqdm.auto import tqdm
+
+        from pipeline.engine import Engine as Core
+        from pipeline.parts import ORDER
+        from pipeline.runner import _eos_ids, job_rows
+
+        jobs = checked.jobs
+        core = Core(self.model, eos_token_ids=_eos_ids(self.model, self.tokenizer),
+                    min_shared_tokens=opts.min_shared_tokens, max_batch_tokens=opts.max_batch_tokens)
+        rows: list[dict[str, Any]] = []
+        errors = [{**inv.to_row(), ORDER: o} for o, inv in checked.invalid.items()]
+        samples: dict[int, list] = {}
+        with tqdm(total=len(checked.requests), disable=not progress, unit="job") as bar:
+            for c in core.run(checked.requests):
+                samples.setdefault(c.key, []).append(c)
+                if len(samples[c.key]) == jobs[c.key].n:
+                    done, failed = job_rows(c.key, jobs[c.key], samples.pop(c.key), self.tokenizer)
+                    rows += done
+                    errors += failed
+                    bar.update(1)
+        # input order, as the runner's committed parts give them back (job_rows orders samples)
+        return sorted(rows, key=lambda r: r[ORDER]), sorted(errors, key=lambda e: e[ORDER])
+
+
+def run_options(options: dict[str, Any]) -> Any:
+    """RunOptions from keyword options: generation parameters are checked as a job's fields are
+    (location "options"), so an unsupported one is refused, not ignored."""
+    from pipeline.runner import RunOptions
+
+    unknown = sorted(k for k in options if k not in RUN_OPTIONS and not _is_param(k))
+    if unknown:
+        raise TypeError(f"generate() got unexpected keyword argument(s): {', '.join(unknown)}")
+    check = Checker(Location("options"))
+    params, spelled = split_fields(check, {k: v for k, v in options.items() if k not in RUN_OPTIONS})
+    rule = constraint(check, params, spelled) if any(params.get(c) is not None for c in CONSTRAINTS) else None
+    given = {k: params[k] for k in PARAMS if k in params}
+    given.setdefault("seed", 0)  # the CLI's --seed default: the same jobs give the same samples
+    defaults = GenerationDefaults(**given, constraint=rule)
+    return RunOptions(defaults=defaults, **{k: options[k] for k in RUN_OPTIONS if k in options})
+
+
+def _is_param(name: str) -> bool:
+    from jobs.params import RESERVED
+
+    return name in RESERVED
+
+
+def _in_order(rows: list[dict[str, Any]], errors: list[dict[str, Any]], checked: Any,
+              schema: pa.Schema) -> list[dict[str, Any]]:
+    """Every input position's rows: its samples, or one row saying why it failed."""
+    from pipeline.parts import ORDER
+
+    by_order: dict[int, list[dict[str, Any]]] = {}
+    for r in rows:
+        by_order.setdefault(r[ORDER], []).append({**r, ERROR: None})
+    ints = pa.types.is_integer(schema.field("id").type)
+    for e in errors:
+        o = e[ORDER]
+        job_id = checked.jobs[o].id if o in checked.jobs else checked.invalid[o].job_id
+        if job_id is not None and ints != isinstance(job_id, int):
+            job_id = None if ints else str(job_id)  # an id of the other type (its row is refused anyway)
+        by_order.setdefault(o, [{"id": job_id, ERROR: f"{e['location']}: {e['reason']}"}])
+    return [r for o in sorted(by_order) for r in by_order[o]]
