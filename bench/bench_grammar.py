@@ -50,7 +50,6 @@ class LLGuidance:
 
         self.ll = llguidance
         self.tok = llguidance.hf.from_tokenizer(hf, n_vocab=vocab)
-        self.executor = llguidance.LLExecutor()
 
     def compile(self, schema: dict):
         grammar = self.ll.LLMatcher.grammar_from_json_schema(json.dumps(schema))
@@ -63,7 +62,8 @@ class LLGuidance:
     def fill(self, matchers, bitmask) -> None:
         import llguidance.torch as lt
 
-        lt.fill_next_token_bitmask_par(self.executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+        for i, m in enumerate(matchers):  # serial, as the engine fills them (see pipeline/grammar.py)
+            lt.fill_next_token_bitmask(m, bitmask, i)
 
     def accept(self, m, token: int) -> None:
         m.consume_token(token)

@@ -8,8 +8,11 @@ decode step of tens to hundreds.
 
 One `Grammars` per tokenizer compiles each distinct constraint once; every sample gets its own
 `Matcher` (a copy of the compiled one). `allowed_tokens` fills the masks of all constrained rows
-of a step in one parallel call. Constraints apply to generated tokens only: prompts and their
-shared prefixes are untouched.
+of a step into one bitmask, one row after the other on the calling thread: llguidance's parallel
+fill keeps a thread pool that competes with torch's threads for the cores, and made the model's
+forward up to 5x slower on a 2-core machine (BENCHMARKS.md), while a serial fill of 32 rows costs a
+few milliseconds. Constraints apply to generated tokens only: prompts and their shared prefixes
+are untouched.
 """
 from __future__ import annotations
 
@@ -151,20 +154,14 @@ def _ll_tokenizer(hf: Any) -> Any:
     return llguidance.LLTokenizer(json.dumps(spec), eos_token=hf.eos_token_id)
 
 
-_executor = None
-
-
 def allowed_tokens(matchers: Sequence[Matcher], vocab: int) -> torch.Tensor:
-    """(R, vocab) bool: the tokens each matcher allows next, filled in one parallel call."""
-    import llguidance
+    """(R, vocab) bool: the tokens each matcher allows next."""
     import llguidance.torch as lt
 
-    global _executor
-    if _executor is None:
-        _executor = llguidance.LLExecutor()
     words = (matchers[0].n_vocab + 31) // 32  # one tokenizer per run: one mask width
     bitmask = torch.zeros((len(matchers), words), dtype=torch.int32)
-    lt.fill_next_token_bitmask_par(_executor, [(m.ll, i) for i, m in enumerate(matchers)], bitmask)
+    for i, m in enumerate(matchers):
+        lt.fill_next_token_bitmask(m.ll, bitmask, i)
     bits = ((bitmask.unsqueeze(-1) >> _SHIFTS) & 1).view(len(matchers), words * 32).bool()
     if bits.shape[1] >= vocab:
         return bits[:, :vocab]

@@ -96,4 +96,7 @@ def _grammar(logits: torch.Tensor, rows: Sequence[RowState]) -> None:
     broken = [k for k, i in enumerate(which) if rows[i].matcher.error is not None]
     if broken:
         allowed[broken] = False
-    logits[which] = logits[which].masked_fill(~allowed, NEG_INF)
+    if len(which) == len(rows):  # every row constrained: in place, no copies of the rows
+        logits.masked_fill_(~allowed, NEG_INF)
+    else:
+        logits[which] = logits[which].masked_fill(~allowed, NEG_INF)
