@@ -6,6 +6,9 @@ The schema (an array of at least 50 objects) cannot complete within T tokens, so
 decode every row for exactly T steps, the constrained rows through JSON's structure, keys,
 strings and numbers. Decode time = the run's wall time minus a 1-token run's (the same prefill).
 Both systems run in turns in one process (`--repeat` each, median), since this VM's speed drifts.
+Since that drift can exceed the difference, the time spent choosing tokens (the engine's one
+batched `sample` call per step: processors, masks, argmax) is also timed on its own: its increase
+over the free rows' is the constraint's cost, whatever the forward's speed at that moment.
 
     PYTHONPATH=. python -m bench.bench_constrained --rows 32 --new 64 --repeat 3
 """
@@ -47,13 +50,29 @@ def main() -> None:
                for i in range(args.rows)]
     factory = tok.grammars.factory(Constraint("json_schema", json.dumps(SCHEMA)))
 
+    import pipeline.engine as core
+
+    choosing = [0.0]
+    plain_sample = core.sample
+
+    def timed_sample(logits, rows):
+        t = time.perf_counter()
+        out = plain_sample(logits, rows)
+        choosing[0] += time.perf_counter() - t
+        return out
+
+    core.sample = timed_sample
+
     def run(constrained: bool, new: int) -> float:
         reqs = [Request(i, x, SamplingParams(max_new_tokens=new), grammar=factory if constrained else None)
                 for i, x in enumerate(prompts)]
         engine = Engine(model, eos_token_ids=[], max_batch_tokens=args.rows * (len(max(prompts, key=len)) + new))
+        choosing[0] = 0.0
         t = time.perf_counter()
         done = list(engine.run(reqs))
         wall = time.perf_counter() - t
+        if new > 1:
+            sampling[name_of(constrained)].append(choosing[0])
         assert len(done) == args.rows and all(len(c.token_ids) == new for c in done), "rows ended early"
         assert engine.stats.batches == 1
         if constrained and new > 1:
@@ -61,7 +80,12 @@ def main() -> None:
             assert text.startswith("[{"), text
         return wall
 
+    def name_of(constrained: bool) -> str:
+        return "constrained" if constrained else "free"
+
+    sampling: dict[str, list[float]] = {"free": [], "constrained": []}
     run(True, 2)  # warm-up: compiles the grammar, builds llguidance's tokenizer
+    sampling["constrained"].clear()
     walls: dict[str, list[float]] = {"free": [], "constrained": []}
     prefill: dict[str, list[float]] = {"free": [], "constrained": []}
     for _ in range(args.repeat):
@@ -71,11 +95,14 @@ def main() -> None:
     decode = {k: statistics.median(w) - statistics.median(prefill[k]) for k, w in walls.items()}
     print(f"B={args.rows} rows, {args.new} new tokens, float32, {torch.get_num_threads()} threads, "
           f"median of {args.repeat}")
-    print("| rows | decode s (free) | decode s (JSON Schema) | ms / step free | ms / step constrained | overhead |")
-    print("|---:|---:|---:|---:|---:|---:|")
     steps = args.new - 1
-    print(f"| {args.rows} | {decode['free']:.2f} | {decode['constrained']:.2f} | {decode['free'] / steps * 1e3:.1f} | "
-          f"{decode['constrained'] / steps * 1e3:.1f} | {decode['constrained'] / decode['free'] - 1:+.1%} |")
+    pick = {k: statistics.median(v) / args.new * 1e3 for k, v in sampling.items()}  # ms per step
+    print("| rows | ms / step free | ms / step JSON Schema | wall overhead | choosing ms / step free | "
+          "choosing ms / step JSON Schema | its cost / free step |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"| {args.rows} | {decode['free'] / steps * 1e3:.1f} | {decode['constrained'] / steps * 1e3:.1f} | "
+          f"{decode['constrained'] / decode['free'] - 1:+.1%} | {pick['free']:.2f} | {pick['constrained']:.2f} | "
+          f"{(pick['constrained'] - pick['free']) / (decode['free'] / steps * 1e3):+.1%} |")
 
 
 if __name__ == "__main__":

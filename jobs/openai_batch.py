@@ -148,4 +148,5 @@ class OpenAIErrorWriter(AtomicWriter):
         super().__exit__(exc_type, exc, tb)
 
     def _finish(self) -> None:
-        self._file.write("".join(_dumps(x) + "\n" for x in self._lines.values()).encode("utf-8"))  # type: ignore[union-attr]
+        text = "".join(_dumps(x) + "\n" for x in self._lines.values())
+        self._file.write(text.encode("utf-8"))  # type: ignore[union-attr]

@@ -61,7 +61,8 @@ UNSUPPORTED: dict[str, str] = {
     "prompt_logprobs": _LOGPROBS, "truncate_prompt_tokens": "prompts are never truncated",
     "bad_words": "use logit_bias", "allowed_token_ids": "use logit_bias", "logits_processors": "not supported",
     "guided_grammar": _GRAMMAR, "guided_decoding_backend": "batchgen uses llguidance",
-    "guided_whitespace_pattern": "JSON is compact", "structured_outputs": _GRAMMAR, "guided_json_object": _GRAMMAR,
+    "guided_whitespace_pattern": "JSON is compact", "structured_outputs": _GRAMMAR,
+    "guided_json_object": 'use response_format {"type": "json_object"}',
     "lora_request": "no adapters", "lora": "no adapters (merge it into the model)", "lora_name": "no adapters",
     "priority": "batchgen orders by shared prefix", "detokenize": "not supported",
     # transformers

@@ -258,5 +258,6 @@ def write_summary(path: str | os.PathLike[str], summary: Mapping[str, Any]) -> N
 from .openai_batch import OpenAIBatchWriter, OpenAIErrorWriter  # noqa: E402
 
 __all__ = ["result_schema", "id_type_for", "infer_extra_schema", "ParquetWriter", "JsonlWriter",
-           "OpenAIBatchWriter", "OpenAIErrorWriter", "ErrorWriter", "CREATED", "open_error_writer", "open_result_writer", "errors_path", "summary_path",
-           "write_summary", "write_table", "conform_rows", "remove_stale_temps", "AtomicWriter", "RESULT_COLUMNS", "ERROR_SCHEMA", "FORMATS"]
+           "OpenAIBatchWriter", "OpenAIErrorWriter", "ErrorWriter", "CREATED", "open_error_writer",
+           "open_result_writer", "errors_path", "summary_path", "write_summary", "write_table", "conform_rows",
+           "remove_stale_temps", "AtomicWriter", "RESULT_COLUMNS", "ERROR_SCHEMA", "FORMATS"]

@@ -209,3 +209,27 @@ def test_write_summary_atomic(tmp_path: Path) -> None:
     write_summary(path, {"jobs": 4})
     assert json.loads(path.read_text()) == {"jobs": 4}
     assert os.listdir(tmp_path) == ["summary.json"]
+
+
+def test_openai_error_lines_and_whole_requests(tmp_path: Path) -> None:
+    from jobs.openai_batch import GENERATION_FAILED, OpenAIErrorWriter, whole_requests
+
+    rows = [{**result("c#0", 0), "custom_id": "c", "prompt_index": 0},
+            {**result("c#1", 0), "custom_id": "c", "prompt_index": 1},
+            {**result("d", 0), "custom_id": "d", "prompt_index": None}]
+    errors = [{"id": "c#1", "custom_id": "c", "location": "b.jsonl:1", "reason": GENERATION_FAILED + "out of memory"},
+              {"id": "c#2", "custom_id": "c", "location": "b.jsonl:1", "reason": GENERATION_FAILED + "dead end"},
+              {"id": None, "location": "b.jsonl:4", "reason": "malformed JSON: x"}]
+    assert [r["id"] for r in whole_requests(rows, errors)] == ["d"]  # a request fails whole
+    path = tmp_path / "out.jsonl.errors.jsonl"
+    with OpenAIErrorWriter(path) as w:
+        w.write(errors)
+        w.write([InvalidRow(Location("b.jsonl", line=5), "e", "field 'body.tools' is ...")])
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [(x["custom_id"], x["error"]["code"]) for x in lines] == [
+        ("c", "generation_failed"), (None, "invalid_request"), ("e", "invalid_request")]
+    assert lines[0]["error"]["message"] == "b.jsonl:1: generation failed: out of memory"
+    assert all(x["response"] is None and x["id"].startswith("batch_req_") for x in lines)
+    with OpenAIErrorWriter(path, overwrite=True):
+        pass
+    assert not path.exists()  # no errors this run: the earlier run's error file goes
