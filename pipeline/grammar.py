@@ -17,6 +17,7 @@ are untouched.
 from __future__ import annotations
 
 import json
+import re
 from collections import OrderedDict
 from functools import lru_cache
 from typing import Any, Sequence
@@ -138,9 +139,10 @@ def _ll_tokenizer(hf: Any) -> Any:
 
     try:
         return llguidance.hf.from_tokenizer(hf)
-    except ValueError as e:
+    except Exception as e:  # noqa: BLE001 - whatever llguidance says, the tokenizer is not usable as is
         if "decoder type" not in str(e):
-            raise GrammarError(f"constrained decoding needs a fast (Rust) tokenizer: {e}") from None
+            raise GrammarError(f"constrained decoding cannot use this tokenizer ({_first_line(str(e))}); "
+                               "it needs a fast (Rust) tokenizer") from None
     # A Metaspace decoder (sentencepiece-style tokenizers converted by transformers) is not one
     # llguidance reads; the equivalent Replace/ByteFallback/Fuse/Strip chain is.
     spec = json.loads(hf.backend_tokenizer.to_str())
@@ -151,7 +153,10 @@ def _ll_tokenizer(hf: Any) -> Any:
     spec["decoder"] = {"type": "Sequence", "decoders": [
         {"type": "Replace", "pattern": {"String": rep}, "content": " "}, {"type": "ByteFallback"},
         {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]}
-    return llguidance.LLTokenizer(json.dumps(spec), eos_token=hf.eos_token_id)
+    try:
+        return llguidance.LLTokenizer(json.dumps(spec), eos_token=hf.eos_token_id)
+    except Exception as e:  # noqa: BLE001
+        raise GrammarError(f"constrained decoding cannot use this tokenizer ({_first_line(str(e))})") from None
 
 
 def allowed_tokens(matchers: Sequence[Matcher], vocab: int) -> torch.Tensor:
@@ -170,4 +175,9 @@ def allowed_tokens(matchers: Sequence[Matcher], vocab: int) -> torch.Tensor:
 
 
 def _first_line(message: str) -> str:
-    return " ".join(message.strip().split("\n")[:2]).strip()
+    """llguidance's message on one line: its first line, and the parser's "error:" line if any
+    (the rest echoes the grammar with carets)."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()] or ["unknown error"]
+    head = re.sub(r"^at \d+\(\d+\): ", "", lines[0])
+    detail = next((line[len("error:"):].strip() for line in lines[1:] if line.startswith("error:")), None)
+    return f"{head} {detail}" if detail else head
