@@ -27,7 +27,7 @@ from pipeline.kv import LayerShape, PrefixKV, RowKV
 from pipeline.prefix_tree import PrefixTree
 from pipeline.sampling import RowState, row_state, sample
 from pipeline.schedule import Plan, Row, plan, tree_of
-from pipeline.step import Decode, Segment, Step, build
+from pipeline.step import Decode, Segment, StaticDecode, Step, build
 from pipeline.types import Completion, Request, RunStats
 
 
@@ -76,6 +76,7 @@ class Engine:
         step_tokens: int = 2048,
         cascade: bool = True,
         join: bool = True,
+        static_decode: bool | None = None,
     ) -> None:
         self.model = model
         self.device = next(model.parameters()).device
@@ -87,6 +88,9 @@ class Engine:
         self.step_tokens = step_tokens  # tokens per forward; halves on out-of-memory
         self.cascade = cascade  # rows read shared prefixes once per step; else each row copies its prefix
         self.join = join  # rows planned next take the slots of finished rows (continuous batching)
+        # decode steps on static shapes (capturable as a CUDA graph); on a CPU the dynamic ones,
+        # which read each run of slots only as far as its longest row, are faster
+        self.static_decode = self.device.type == "cuda" if static_decode is None else static_decode
         self.attention_path = "cascade" if cascade else "copy"
         self.layers = layer_shapes(model)
         self.linears = kernels.fast_linears(model)  # float32 on CPU: oneDNN's GEMM, not MKL's
@@ -131,6 +135,7 @@ class Engine:
         """Run rows through `slots` slots of `capacity` own tokens until the queue is empty. Yields
         completions; returns True if stopped."""
         kv = RowKV(self.layers, slots, capacity, self.dtype, self.device)
+        static = StaticDecode(kv, self.device) if self.static_decode else None
         self.stats.batches += 1
         self.stats.cascade_batches += any(r.anchor is not None for r in queue)
         filling: list[Fill] = []
@@ -143,14 +148,14 @@ class Engine:
             if self.join or not busy:
                 admitted = self._admit(queue, kv, filling, limit)
                 self.stats.admitted_rows += admitted if busy else 0  # joined rows in flight
-            step, keep, done = self._layout(running, filling, kv)
+            step, keep, done = self._layout(running, filling, kv, static)
             try:
                 logits = self.forward(step, keep)  # (decoding rows + fills done, V)
             except torch.OutOfMemoryError:
                 self.stats.oom_splits += 1
                 limit = yield from self._shrink(queue, kv, filling, running, limit, step.tokens - step.n_dec)
                 continue
-            self._commit(step, kv, filling)
+            self._commit(step, kv, filling, running)
             # a fill's samples share its last logits
             index = list(range(len(running))) + [len(running) + i for i, f in enumerate(done) for _ in f.slots]
             running += self._fork(done, kv)
@@ -183,9 +188,14 @@ class Engine:
             filling.append(Fill(row, self._requests[row.key], slots))
         return sum(len(r.samples) for r in rows)
 
-    def _layout(self, running: list[Live], filling: list[Fill], kv: RowKV) -> tuple[Step, list[int], list[Fill]]:
+    def _layout(self, running: list[Live], filling: list[Fill], kv: RowKV,
+                static: StaticDecode | None) -> tuple[Step, list[int], list[Fill]]:
         """This step: a token per decoding row, then suffix chunks, oldest fill first, up to
         step_tokens in all. Also the tokens whose logits are wanted, and the fills it completes."""
+        decode = [Decode(r.slot, r.row.anchored, self._prefixes[r.row.anchor] if r.row.anchor is not None else None)
+                  for r in running]
+        if static is not None and not filling:  # a decode step: token i is slot i's
+            return static.build(decode, [r.tokens[-1] for r in running]), [r.slot for r in running], []
         budget = max(1, self.step_tokens - len(running))
         chunks, done = [], []
         for f in filling:
@@ -197,8 +207,6 @@ class Engine:
             budget -= len(chunk)
             if f.fed + len(chunk) == len(f.suffix):
                 done.append(f)
-        decode = [Decode(r.slot, r.row.anchored, self._prefixes[r.row.anchor] if r.row.anchor is not None else None)
-                  for r in running]
         step = build(decode, [r.tokens[-1] for r in running], chunks, kv, self.device)
         last = {seg.index: seg.t1 - 1 for seg, _ in chunks}
         return step, list(range(len(running))) + [last[f.slots[0]] for f in done], done
@@ -211,18 +219,18 @@ class Engine:
                              logits_to_keep=index, **{attention.KWARG: step})
         return out.logits[0].float()
 
-    def _commit(self, step: Step, kv: RowKV, filling: list[Fill]) -> None:
+    def _commit(self, step: Step, kv: RowKV, filling: list[Fill], running: list[Live]) -> None:
         """The forward succeeded: what it wrote now counts; fills whose suffix is in leave `filling`."""
-        for slot in (step.dec_slots.tolist() if step.n_dec else ()):
-            kv.lens[slot] += 1
+        for r in running:
+            kv.lens[r.slot] += 1
         fed = {s.index: s.t1 - s.t0 for s in step.segments}
         for f in filling:
             n = fed.get(f.slots[0], 0)
             kv.lens[f.slots[0]] += n
             f.fed += n
         filling[:] = [f for f in filling if f.fed < len(f.suffix)]
-        self.stats.prefill_tokens += step.tokens - step.n_dec
-        self.stats.decode_steps += step.n_dec > 0
+        self.stats.prefill_tokens += sum(s.t1 - s.t0 for s in step.segments)
+        self.stats.decode_steps += bool(running)
 
     def _fork(self, done: list[Fill], kv: RowKV) -> list[Live]:
         """Fills whose suffix is in: each sample gets a slot holding the same keys and values."""
