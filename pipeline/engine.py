@@ -28,7 +28,10 @@ from pipeline.prefix_tree import PrefixTree
 from pipeline.sampling import RowState, row_state, sample
 from pipeline.schedule import Plan, Row, plan, tree_of
 from pipeline.step import Decode, Segment, StaticDecode, Step, build
-from pipeline.types import Completion, Request, RunStats
+from pipeline.types import Completion, Request, RunStats, TokenLogprob
+
+
+SCORED_ROWS = 512  # scored prompt positions per forward: their logits (rows x vocabulary) are held together
 
 
 class EngineError(Exception):
@@ -37,16 +40,46 @@ class EngineError(Exception):
 
 @dataclass
 class Fill:
-    """A row prefilling its suffix into its first slot; its other samples' slots wait for the fork."""
+    """A row prefilling its suffix into its first slot; its other samples' slots wait for the fork.
+    A row that scores its prompt collects the logprob of each scored token as its logits go by."""
 
     row: Row
     request: Request
     slots: list[int]
     fed: int = 0  # suffix tokens already fed
+    scores: list[float] = field(default_factory=list)
+    greedy: list[bool] = field(default_factory=list)
 
     @property
     def suffix(self) -> list[int]:
         return self.request.prompt_ids[self.row.cached :]
+
+    @property
+    def generates(self) -> bool:
+        return self.request.params.max_new_tokens > 0
+
+    def scored(self, start: int, end: int) -> range:
+        """Positions in [start, end) whose logits score the next prompt token."""
+        first = self.request.score_from
+        if first is None:
+            return range(0)
+        lo, hi = max(start, first - 1), min(end, len(self.request.prompt_ids) - 1)
+        return range(lo, max(lo, hi))
+
+
+@dataclass
+class Wanted:
+    """Which logits a step computes, in order: one per decoding row, one per fill it completes
+    that goes on to generate (its last prompt token's), then one per scored prompt token."""
+
+    decode: int = 0
+    done: list[Fill] = field(default_factory=list)
+    scored: list[tuple[Fill, int]] = field(default_factory=list)  # (fill, the token its logits score)
+    keep: list[int] = field(default_factory=list)  # token indices, in that order
+
+    @property
+    def first(self) -> list[Fill]:
+        return [f for f in self.done if f.generates]
 
 
 @dataclass
@@ -58,6 +91,8 @@ class Live:
     sample: int
     slot: int
     state: RowState  # how its tokens are chosen, and the tokens so far
+    logprobs: list[TokenLogprob] | None = None  # when the request asks for them
+    prompt: Fill | None = None  # its fill, when it scored its prompt too (echo)
 
     @property
     def tokens(self) -> list[int]:
@@ -102,7 +137,8 @@ class Engine:
         return list(self.run(requests))
 
     def plan(self, requests: Sequence[Request]) -> Plan:
-        tree, shapes = tree_of((r.key, r.prompt_ids, r.params.max_new_tokens, r.params.n) for r in requests)
+        tree, shapes = tree_of((r.key, r.prompt_ids[: r.shared_len], len(r.prompt_ids), r.params.max_new_tokens,
+                                r.params.n) for r in requests)
         return plan(tree, shapes, min_shared_tokens=self.min_shared_tokens, max_batch_tokens=self.max_batch_tokens,
                     cascade=self.cascade)
 
@@ -148,17 +184,22 @@ class Engine:
             if self.join or not busy:
                 admitted = self._admit(queue, kv, filling, limit)
                 self.stats.admitted_rows += admitted if busy else 0  # joined rows in flight
-            step, keep, done = self._layout(running, filling, kv, static)
+            step, want = self._layout(running, filling, kv, static)
             try:
-                logits = self.forward(step, keep)  # (decoding rows + fills done, V)
+                logits = self.forward(step, want.keep)  # (want.keep, V)
             except torch.OutOfMemoryError:
                 self.stats.oom_splits += 1
                 limit = yield from self._shrink(queue, kv, filling, running, limit, step.tokens - step.n_dec)
                 continue
             self._commit(step, kv, filling, running)
+            first = want.first
+            self._score(logits[want.decode + len(first) :], want.scored)
+            for f in want.done:
+                if not f.generates:  # a scoring row is done once its prompt is in
+                    yield self._scored(f, kv)
             # a fill's samples share its last logits
-            index = list(range(len(running))) + [len(running) + i for i, f in enumerate(done) for _ in f.slots]
-            running += self._fork(done, kv)
+            index = list(range(want.decode)) + [want.decode + i for i, f in enumerate(first) for _ in f.slots]
+            running += self._fork(first, kv)
             yield from self._sample(logits[index], running, kv)
         return False
 
@@ -189,27 +230,41 @@ class Engine:
         return sum(len(r.samples) for r in rows)
 
     def _layout(self, running: list[Live], filling: list[Fill], kv: RowKV,
-                static: StaticDecode | None) -> tuple[Step, list[int], list[Fill]]:
+                static: StaticDecode | None) -> tuple[Step, Wanted]:
         """This step: a token per decoding row, then suffix chunks, oldest fill first, up to
-        step_tokens in all. Also the tokens whose logits are wanted, and the fills it completes."""
+        step_tokens tokens and SCORED_ROWS scored positions in all; and the logits it wants."""
         decode = [Decode(r.slot, r.row.anchored, self._prefixes[r.row.anchor] if r.row.anchor is not None else None)
                   for r in running]
         if static is not None and not filling:  # a decode step: token i is slot i's
-            return static.build(decode, [r.tokens[-1] for r in running]), [r.slot for r in running], []
-        budget = max(1, self.step_tokens - len(running))
-        chunks, done = [], []
+            step = static.build(decode, [r.tokens[-1] for r in running])
+            return step, Wanted(len(running), keep=[r.slot for r in running])
+        budget, room = max(1, self.step_tokens - len(running)), SCORED_ROWS
+        chunks, want, scoring = [], Wanted(len(running)), []
         for f in filling:
+            start = f.row.cached + f.fed
+            n = min(budget, len(f.suffix) - f.fed)
+            scored = f.scored(start, start + n)
+            if len(scored) > room:  # its logits would not fit: this step scores only what does
+                n = scored.start - start + room
+                scored = f.scored(start, start + n)
+            if n <= 0:
+                continue
+            anchor = self._prefixes[f.row.anchor] if f.row.anchor is not None else None
+            seg = Segment(0, 0, kv.k, kv.v, f.slots[0], kv.lens[f.slots[0]], f.row.anchored, anchor)
+            chunks.append((seg, f.suffix[f.fed : f.fed + n]))
+            scoring.append((f, seg, start, scored))
+            budget, room = budget - n, room - len(scored)
+            if f.fed + n == len(f.suffix):
+                want.done.append(f)
             if budget <= 0:
                 break
-            chunk = f.suffix[f.fed : f.fed + budget]
-            anchor = self._prefixes[f.row.anchor] if f.row.anchor is not None else None
-            chunks.append((Segment(0, 0, kv.k, kv.v, f.slots[0], kv.lens[f.slots[0]], f.row.anchored, anchor), chunk))
-            budget -= len(chunk)
-            if f.fed + len(chunk) == len(f.suffix):
-                done.append(f)
         step = build(decode, [r.tokens[-1] for r in running], chunks, kv, self.device)
         last = {seg.index: seg.t1 - 1 for seg, _ in chunks}
-        return step, list(range(len(running))) + [last[f.slots[0]] for f in done], done
+        want.keep = list(range(len(running))) + [last[f.slots[0]] for f in want.first]
+        for f, seg, start, scored in scoring:
+            want.keep += [seg.t0 + p - start for p in scored]
+            want.scored += [(f, f.request.prompt_ids[p + 1]) for p in scored]
+        return step, want
 
     def forward(self, step: Step, keep: list[int]) -> torch.Tensor:
         """One forward over the step's flat tokens: the logits (N, V) at the token indices `keep`."""
@@ -232,6 +287,27 @@ class Engine:
         self.stats.prefill_tokens += sum(s.t1 - s.t0 for s in step.segments)
         self.stats.decode_steps += bool(running)
 
+    def _score(self, logits: torch.Tensor, scored: list[tuple[Fill, int]]) -> None:
+        """Each scored prompt token's logprob given all before it, and whether it was the argmax."""
+        if not scored:
+            return
+        logprobs = torch.log_softmax(logits.float(), dim=-1)  # (N, V)
+        targets = torch.tensor([t for _, t in scored], device=logprobs.device)
+        chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+        greedy = (logprobs.argmax(dim=-1) == targets).tolist()
+        for (f, _), lp, g in zip(scored, chosen, greedy):
+            f.scores.append(lp)
+            f.greedy.append(g)
+
+    def _scored(self, f: Fill, kv: RowKV) -> Completion:
+        """A scoring row is done: its slot frees and its prefixes drop a reference."""
+        for slot in f.slots:
+            kv.free(slot)
+        self._release(f.row, len(f.row.samples))
+        self.stats.cached_tokens += f.row.cached
+        return Completion(f.request.key, f.row.samples.start, [], "scored", len(f.request.prompt_ids), f.row.cached,
+                          prompt_logprobs=f.scores, prompt_greedy=f.greedy)
+
     def _fork(self, done: list[Fill], kv: RowKV) -> list[Live]:
         """Fills whose suffix is in: each sample gets a slot holding the same keys and values."""
         out = []
@@ -241,13 +317,16 @@ class Engine:
             q = f.request
             seed = q.params.seed if q.params.seed is not None else self.default_seed
             for s, slot in zip(f.row.samples, f.slots):
-                out.append(Live(f.row, q, s, slot, row_state(q.params, seed, s, self.device)))
+                out.append(Live(f.row, q, s, slot, row_state(q.params, seed, s, self.device),
+                                [] if q.params.logprobs is not None else None, f if f.scores else None))
         return out
 
     def _sample(self, logits: torch.Tensor, running: list[Live], kv: RowKV) -> Iterator[Completion]:
         """The next token of every running row (logits (len(running), V), in order); finished rows leave."""
         finite = torch.isfinite(logits).all(dim=-1).tolist()
-        tokens = sample(logits, [r.state for r in running]).tolist()
+        chosen = sample(logits, [r.state for r in running])  # (B,)
+        self._logprobs(logits, chosen, running)
+        tokens = chosen.tolist()
         keep = []
         for r, tok, ok in zip(running, tokens, finite):
             if not ok:
@@ -260,6 +339,23 @@ class Engine:
             else:
                 keep.append(r)
         running[:] = keep
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, chosen: torch.Tensor, running: list[Live]) -> None:
+        """For the rows that ask: the chosen token's logprob and the top alternatives, under the
+        unprocessed distribution (the model's logits as they are)."""
+        rows = [i for i, r in enumerate(running) if r.logprobs is not None]
+        if not rows:
+            return
+        index = torch.tensor(rows, device=logits.device)
+        logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)  # (R, V)
+        mine = logprobs.gather(1, chosen.index_select(0, index)[:, None])[:, 0].tolist()
+        k = max(running[i].request.params.logprobs for i in rows)
+        top_v, top_i = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+        for j, i in enumerate(rows):
+            r, n = running[i], running[i].request.params.logprobs
+            top = list(zip(top_i[j, :n].tolist(), top_v[j, :n].tolist()))
+            r.logprobs.append(TokenLogprob(int(chosen[i]), mine[j], top))
 
     def _finish_reason(self, row: Live, token: int) -> str | None:
         if token in self.eos:
@@ -278,7 +374,9 @@ class Engine:
         self.stats.completion_tokens += len(r.tokens)
         if r.sample == 0:  # once per job, and not again if an out-of-memory retry reruns it
             self.stats.cached_tokens += r.row.cached
-        return Completion(r.request.key, r.sample, r.tokens, reason, len(r.request.prompt_ids), r.row.cached, error)
+        return Completion(r.request.key, r.sample, r.tokens, reason, len(r.request.prompt_ids), r.row.cached, error,
+                          logprobs=r.logprobs, prompt_logprobs=r.prompt.scores if r.prompt else None,
+                          prompt_greedy=r.prompt.greedy if r.prompt else None)
 
     def _release(self, row: Row, count: int) -> None:
         if row.prefix is None:

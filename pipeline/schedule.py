@@ -85,15 +85,16 @@ class Plan:
                 + sum(self.shapes[r.key].prompt_len - r.cached for r in self.rows))
 
 
-def tree_of(jobs: Iterable[tuple[Hashable, Sequence[int], int, int]]) -> tuple[PrefixTree, dict[Hashable, JobShape]]:
-    """The tree the engine plans over, from (key, prompt ids, max new tokens, n) per job: each
-    prompt minus its last token (that token's logits start generation), weighted by its samples."""
+def tree_of(jobs: Iterable[tuple[Hashable, Sequence[int], int, int, int]]) -> tuple[PrefixTree, dict[Hashable, JobShape]]:
+    """The tree the engine plans over, from (key, shareable ids, prompt length, max new tokens, n)
+    per job: the ids a shared prefix may hold are the prompt minus its last token (whose logits
+    start generation), or less for a job that scores its prompt; weighted by the job's samples."""
     tree, shapes = PrefixTree(), {}
-    for key, ids, max_new, n in jobs:
-        if not ids:
+    for key, shared, prompt_len, max_new, n in jobs:
+        if not prompt_len:
             raise ValueError(f"request {key!r} has an empty prompt")
-        tree.insert(key, ids[:-1], weight=n)
-        shapes[key] = JobShape(len(ids), max_new, n)
+        tree.insert(key, shared, weight=n)
+        shapes[key] = JobShape(prompt_len, max_new, n)
     return tree, shapes
 
 

@@ -19,6 +19,7 @@ class SamplingParams:
     top_k: int = 0  # 0 means off
     seed: int | None = None
     n: int = 1
+    logprobs: int | None = None  # report each new token's logprob and this many alternatives; None: off
 
     @property
     def greedy(self) -> bool:
@@ -33,6 +34,26 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     stop: StopCheck | None = None
+    # score the prompt's tokens from this index on: the logprob of each given all before it
+    # (scoring jobs: the continuations; echo: from 1); with max_new_tokens 0 nothing is generated
+    score_from: int | None = None
+
+    @property
+    def shared_len(self) -> int:
+        """Prompt tokens a shared prefix may hold for this request: all but the last (whose logits
+        start generation), and none from the first position whose logits it scores with."""
+        n = len(self.prompt_ids) - 1
+        return n if self.score_from is None else max(0, min(n, self.score_from - 1))
+
+
+@dataclass
+class TokenLogprob:
+    """A generated token's logprob under the model's unprocessed distribution (before temperature,
+    top-k/p or penalties), and the most likely alternatives there, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -46,6 +67,9 @@ class Completion:
     prompt_tokens: int
     cached_tokens: int  # prompt tokens reused from a shared prefix, not computed for this job
     error: str | None = None  # set when the job failed alone during generation
+    logprobs: list[TokenLogprob] | None = None  # per generated token, when the request asked
+    prompt_logprobs: list[float] | None = None  # per scored prompt token (score_from on)
+    prompt_greedy: list[bool] | None = None  # whether each scored prompt token was the argmax there
 
 
 @dataclass

@@ -23,12 +23,12 @@ def tok():
 def test_greedy_equals_uncached_generate(arch, tok):
     model = make_model(arch)
     reqs = edge_case_requests(tok)
-    # a small budget: more jobs than one batch holds, and groups split across batches
+    # a small budget: a few slots, which rows planned next keep joining as others finish
     engine = Engine(model, eos_token_ids=EOS, min_shared_tokens=4, max_batch_tokens=250)
     got = {}
     for c in engine.run(reqs):
         got[(c.key, c.sample_index)] = c
-    assert engine.stats.batches > 1 and engine.stats.batches + engine.stats.admitted_rows > 3
+    assert engine.stats.admitted_rows > 3
     # the fast path (shared-prefix attention) runs on every architecture, sliding windows and
     # soft-capping included
     assert engine.stats.cascade_batches > 0
@@ -212,7 +212,7 @@ def test_bfloat16_greedy_equals_bfloat16_uncached_generate(arch, tok):
     reqs = edge_case_requests(tok)
     engine = Engine(model, eos_token_ids=EOS, min_shared_tokens=4, max_batch_tokens=250)
     got = {(c.key, c.sample_index): c.token_ids for c in engine.run(reqs)}
-    assert engine.stats.cascade_batches > 0 and engine.stats.batches > 1
+    assert engine.stats.cascade_batches > 0 and engine.stats.admitted_rows > 3
     equal = 0
     for r in reqs:
         want = reference_generate(model, r, EOS)
