@@ -52,7 +52,7 @@ class Fill:
 
     @property
     def suffix(self) -> list[int]:
-        return self.request.prompt_ids[self.row.cached :]
+        return self.request.prompt_ids[self.row.cached : self.request.fed_len]
 
     @property
     def generates(self) -> bool:
@@ -137,7 +137,7 @@ class Engine:
         return list(self.run(requests))
 
     def plan(self, requests: Sequence[Request]) -> Plan:
-        tree, shapes = tree_of((r.key, r.prompt_ids[: r.shared_len], len(r.prompt_ids), r.params.max_new_tokens,
+        tree, shapes = tree_of((r.key, r.prompt_ids[: r.shared_len], r.fed_len, r.params.max_new_tokens,
                                 r.params.n) for r in requests)
         return plan(tree, shapes, min_shared_tokens=self.min_shared_tokens, max_batch_tokens=self.max_batch_tokens,
                     cascade=self.cascade)

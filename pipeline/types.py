@@ -39,6 +39,12 @@ class Request:
     score_from: int | None = None
 
     @property
+    def fed_len(self) -> int:
+        """Prompt tokens run through the model: all, or all but the last when nothing is generated
+        (a scored token's logprob comes from the logits before it)."""
+        return len(self.prompt_ids) - (self.params.max_new_tokens == 0 and self.score_from is not None)
+
+    @property
     def shared_len(self) -> int:
         """Prompt tokens a shared prefix may hold for this request: all but the last (whose logits
         start generation), and none from the first position whose logits it scores with."""
