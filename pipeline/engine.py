@@ -17,86 +17,23 @@ above zero: one mechanism for every prefix's lifetime.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
 from pipeline import attention, kernels
-from pipeline.kv import LayerShape, PrefixKV, RowKV
+from pipeline.attention import EngineError, layer_shapes  # noqa: F401  (EngineError: part of the engine's API)
+from pipeline.kv import PrefixKV, RowKV
 from pipeline.prefix_tree import PrefixTree
-from pipeline.sampling import RowState, row_state, sample
+from pipeline.rows import Fill, Live, Wanted
+from pipeline.sampling import row_state, sample
 from pipeline.schedule import Plan, Row, plan, tree_of
 from pipeline.step import Decode, Segment, StaticDecode, Step, build
 from pipeline.types import Completion, Request, RunStats, TokenLogprob
 
 
 SCORED_ROWS = 512  # scored prompt positions per forward: their logits (rows x vocabulary) are held together
-
-
-class EngineError(Exception):
-    """The model cannot run on this engine; the message says why."""
-
-
-@dataclass
-class Fill:
-    """A row prefilling its suffix into its first slot; its other samples' slots wait for the fork.
-    A row that scores its prompt collects the logprob of each scored token as its logits go by."""
-
-    row: Row
-    request: Request
-    slots: list[int]
-    fed: int = 0  # suffix tokens already fed
-    scores: list[float] = field(default_factory=list)
-    greedy: list[bool] = field(default_factory=list)
-
-    @property
-    def suffix(self) -> list[int]:
-        return self.request.prompt_ids[self.row.cached : self.request.fed_len]
-
-    @property
-    def generates(self) -> bool:
-        return self.request.params.max_new_tokens > 0
-
-    def scored(self, start: int, end: int) -> range:
-        """Positions in [start, end) whose logits score the next prompt token."""
-        first = self.request.score_from
-        if first is None:
-            return range(0)
-        lo, hi = max(start, first - 1), min(end, len(self.request.prompt_ids) - 1)
-        return range(lo, max(lo, hi))
-
-
-@dataclass
-class Wanted:
-    """Which logits a step computes, in order: one per decoding row, one per fill it completes
-    that goes on to generate (its last prompt token's), then one per scored prompt token."""
-
-    decode: int = 0
-    done: list[Fill] = field(default_factory=list)
-    scored: list[tuple[Fill, int]] = field(default_factory=list)  # (fill, the token its logits score)
-    keep: list[int] = field(default_factory=list)  # token indices, in that order
-
-    @property
-    def first(self) -> list[Fill]:
-        return [f for f in self.done if f.generates]
-
-
-@dataclass
-class Live:
-    """One sample decoding in its slot."""
-
-    row: Row
-    request: Request
-    sample: int
-    slot: int
-    state: RowState  # how its tokens are chosen, and the tokens so far
-    logprobs: list[TokenLogprob] | None = None  # when the request asks for them
-    prompt: Fill | None = None  # its fill, when it scored its prompt too (echo)
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.state.tokens
 
 
 class Engine:
@@ -469,29 +406,6 @@ class Engine:
         running[:] = [r for r in running if r.slot not in gone]
         filling[:] = [f for f in filling if f.slots[0] not in gone]
         return max(1, used)
-
-
-def layer_shapes(model: torch.nn.Module) -> list[LayerShape]:
-    """Per layer, the key/value heads and sizes, read off one probe forward of one token; it also
-    checks that every layer's attention reaches batchgen's attention function."""
-    seen: dict[int, LayerShape] = {}
-
-    def probe(module, query, key, value, *args, **kwargs):
-        seen[module.layer_idx] = LayerShape(key.shape[1], key.shape[-1], value.shape[-1])
-        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
-
-    layers = getattr(model.config, "num_hidden_layers", None)
-    device = next(model.parameters()).device
-    try:
-        with attention.probing(model, probe), torch.inference_mode():
-            model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
-                  position_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False, logits_to_keep=1)
-    except Exception as e:  # noqa: BLE001 - any failure means the same: this model is not supported
-        raise EngineError(f"{type(model).__name__}: its attention cannot run through batchgen's ({e})") from e
-    if not seen or (layers is not None and sorted(seen) != list(range(layers))):
-        raise EngineError(f"{type(model).__name__}: its attention layers do not all go through transformers' "
-                          "attention interface with a layer index, which batchgen needs")
-    return [seen[i] for i in sorted(seen)]
 
 
 def _release_memory(device: torch.device) -> None:
