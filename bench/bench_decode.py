@@ -34,18 +34,19 @@ def run_engine(model, ps, cascade: bool) -> dict:
 
     engine = Engine(model, eos_token_ids=[], min_shared_tokens=16, max_batch_tokens=10**9, cascade=cascade)
     steps = []
-    real = engine.decode_step
+    real = engine.forward
 
-    def timed(*a, **kw):
+    def timed(step, keep):
         t = time.perf_counter()
-        out = real(*a, **kw)
-        steps.append(time.perf_counter() - t)
+        out = real(step, keep)
+        if step.n_dec == step.tokens:  # a decode step: one token per row, no prefill beside it
+            steps.append(time.perf_counter() - t)
         return out
 
-    engine.decode_step = timed
+    engine.forward = timed
     t = time.perf_counter()
     engine.generate([Request(i, x, SamplingParams(max_new_tokens=NEW)) for i, x in enumerate(ps)])
-    return {"wall": time.perf_counter() - t, "steps": steps, "path": engine.attention_path if cascade else "copy"}
+    return {"wall": time.perf_counter() - t, "steps": steps, "path": engine.attention_path}
 
 
 def run_generate(model, ps) -> dict:

@@ -26,9 +26,16 @@ from typing import Iterator
 import torch
 from transformers import AttentionInterface
 
+from pipeline.kv import LayerShape
 from pipeline.step import Step
 
 NAME = "batchgen"
+
+
+class EngineError(Exception):
+    """The model cannot run on this engine; the message says why."""
+
+
 KWARG = "batchgen_step"
 
 
@@ -212,6 +219,29 @@ def probing(model: torch.nn.Module, fn) -> Iterator[None]:
         yield
     finally:
         config._attn_implementation = previous
+
+
+def layer_shapes(model: torch.nn.Module) -> list[LayerShape]:
+    """Per layer, the key/value heads and sizes, read off one probe forward of one token; it also
+    checks that every layer's attention reaches batchgen's attention function."""
+    seen: dict[int, LayerShape] = {}
+
+    def probe(module, query, key, value, *args, **kwargs):
+        seen[module.layer_idx] = LayerShape(key.shape[1], key.shape[-1], value.shape[-1])
+        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
+
+    layers = getattr(model.config, "num_hidden_layers", None)
+    device = next(model.parameters()).device
+    try:
+        with probing(model, probe), torch.inference_mode():
+            model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
+                  position_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False, logits_to_keep=1)
+    except Exception as e:  # noqa: BLE001 - any failure means the same: this model is not supported
+        raise EngineError(f"{type(model).__name__}: its attention cannot run through batchgen's ({e})") from e
+    if not seen or (layers is not None and sorted(seen) != list(range(layers))):
+        raise EngineError(f"{type(model).__name__}: its attention layers do not all go through transformers' "
+                          "attention interface with a layer index, which batchgen needs")
+    return [seen[i] for i in sorted(seen)]
 
 
 AttentionInterface.register(NAME, attention)

@@ -17,51 +17,23 @@ above zero: one mechanism for every prefix's lifetime.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
 from pipeline import attention, kernels
-from pipeline.kv import LayerShape, PrefixKV, RowKV
+from pipeline.attention import EngineError, layer_shapes  # noqa: F401  (EngineError: part of the engine's API)
+from pipeline.kv import PrefixKV, RowKV
 from pipeline.prefix_tree import PrefixTree
-from pipeline.sampling import RowState, row_state, sample
+from pipeline.rows import Fill, Live, Wanted
+from pipeline.sampling import row_state, sample
 from pipeline.schedule import Plan, Row, plan, tree_of
-from pipeline.step import Decode, Segment, Step, build
-from pipeline.types import Completion, Request, RunStats
+from pipeline.step import Decode, Segment, StaticDecode, Step, build
+from pipeline.types import Completion, Request, RunStats, TokenLogprob
 
 
-class EngineError(Exception):
-    """The model cannot run on this engine; the message says why."""
-
-
-@dataclass
-class Fill:
-    """A row prefilling its suffix into its first slot; its other samples' slots wait for the fork."""
-
-    row: Row
-    request: Request
-    slots: list[int]
-    fed: int = 0  # suffix tokens already fed
-
-    @property
-    def suffix(self) -> list[int]:
-        return self.request.prompt_ids[self.row.cached :]
-
-
-@dataclass
-class Live:
-    """One sample decoding in its slot."""
-
-    row: Row
-    request: Request
-    sample: int
-    slot: int
-    state: RowState  # how its tokens are chosen, and the tokens so far
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.state.tokens
+SCORED_ROWS = 512  # scored prompt positions per forward: their logits (rows x vocabulary) are held together
 
 
 class Engine:
@@ -76,6 +48,7 @@ class Engine:
         step_tokens: int = 2048,
         cascade: bool = True,
         join: bool = True,
+        static_decode: bool | None = None,
     ) -> None:
         self.model = model
         self.device = next(model.parameters()).device
@@ -87,6 +60,9 @@ class Engine:
         self.step_tokens = step_tokens  # tokens per forward; halves on out-of-memory
         self.cascade = cascade  # rows read shared prefixes once per step; else each row copies its prefix
         self.join = join  # rows planned next take the slots of finished rows (continuous batching)
+        # decode steps on static shapes (capturable as a CUDA graph); on a CPU the dynamic ones,
+        # which read each run of slots only as far as its longest row, are faster
+        self.static_decode = self.device.type == "cuda" if static_decode is None else static_decode
         self.attention_path = "cascade" if cascade else "copy"
         self.layers = layer_shapes(model)
         self.linears = kernels.fast_linears(model)  # float32 on CPU: oneDNN's GEMM, not MKL's
@@ -98,7 +74,8 @@ class Engine:
         return list(self.run(requests))
 
     def plan(self, requests: Sequence[Request]) -> Plan:
-        tree, shapes = tree_of((r.key, r.prompt_ids, r.params.max_new_tokens, r.params.n) for r in requests)
+        tree, shapes = tree_of((r.key, r.prompt_ids[: r.shared_len], r.fed_len, r.params.max_new_tokens,
+                                r.params.n) for r in requests)
         return plan(tree, shapes, min_shared_tokens=self.min_shared_tokens, max_batch_tokens=self.max_batch_tokens,
                     cascade=self.cascade)
 
@@ -131,6 +108,7 @@ class Engine:
         """Run rows through `slots` slots of `capacity` own tokens until the queue is empty. Yields
         completions; returns True if stopped."""
         kv = RowKV(self.layers, slots, capacity, self.dtype, self.device)
+        static = StaticDecode(kv, self.device) if self.static_decode else None
         self.stats.batches += 1
         self.stats.cascade_batches += any(r.anchor is not None for r in queue)
         filling: list[Fill] = []
@@ -143,17 +121,22 @@ class Engine:
             if self.join or not busy:
                 admitted = self._admit(queue, kv, filling, limit)
                 self.stats.admitted_rows += admitted if busy else 0  # joined rows in flight
-            step, keep, done = self._layout(running, filling, kv)
+            step, want = self._layout(running, filling, kv, static)
             try:
-                logits = self.forward(step, keep)  # (decoding rows + fills done, V)
+                logits = self.forward(step, want.keep)  # (want.keep, V)
             except torch.OutOfMemoryError:
                 self.stats.oom_splits += 1
                 limit = yield from self._shrink(queue, kv, filling, running, limit, step.tokens - step.n_dec)
                 continue
-            self._commit(step, kv, filling)
+            self._commit(step, kv, filling, running)
+            first = want.first
+            self._score(logits[want.decode + len(first) :], want.scored)
+            for f in want.done:
+                if not f.generates:  # a scoring row is done once its prompt is in
+                    yield self._scored(f, kv)
             # a fill's samples share its last logits
-            index = list(range(len(running))) + [len(running) + i for i, f in enumerate(done) for _ in f.slots]
-            running += self._fork(done, kv)
+            index = list(range(want.decode)) + [want.decode + i for i, f in enumerate(first) for _ in f.slots]
+            running += self._fork(first, kv)
             yield from self._sample(logits[index], running, kv)
         return False
 
@@ -183,25 +166,42 @@ class Engine:
             filling.append(Fill(row, self._requests[row.key], slots))
         return sum(len(r.samples) for r in rows)
 
-    def _layout(self, running: list[Live], filling: list[Fill], kv: RowKV) -> tuple[Step, list[int], list[Fill]]:
+    def _layout(self, running: list[Live], filling: list[Fill], kv: RowKV,
+                static: StaticDecode | None) -> tuple[Step, Wanted]:
         """This step: a token per decoding row, then suffix chunks, oldest fill first, up to
-        step_tokens in all. Also the tokens whose logits are wanted, and the fills it completes."""
-        budget = max(1, self.step_tokens - len(running))
-        chunks, done = [], []
-        for f in filling:
-            if budget <= 0:
-                break
-            chunk = f.suffix[f.fed : f.fed + budget]
-            anchor = self._prefixes[f.row.anchor] if f.row.anchor is not None else None
-            chunks.append((Segment(0, 0, kv.k, kv.v, f.slots[0], kv.lens[f.slots[0]], f.row.anchored, anchor), chunk))
-            budget -= len(chunk)
-            if f.fed + len(chunk) == len(f.suffix):
-                done.append(f)
+        step_tokens tokens and SCORED_ROWS scored positions in all; and the logits it wants."""
         decode = [Decode(r.slot, r.row.anchored, self._prefixes[r.row.anchor] if r.row.anchor is not None else None)
                   for r in running]
+        if static is not None and not filling:  # a decode step: token i is slot i's
+            step = static.build(decode, [r.tokens[-1] for r in running])
+            return step, Wanted(len(running), keep=[r.slot for r in running])
+        budget, room = max(1, self.step_tokens - len(running)), SCORED_ROWS
+        chunks, want, scoring = [], Wanted(len(running)), []
+        for f in filling:
+            start = f.row.cached + f.fed
+            n = min(budget, len(f.suffix) - f.fed)
+            scored = f.scored(start, start + n)
+            if len(scored) > room:  # its logits would not fit: this step scores only what does
+                n = scored.start - start + room
+                scored = f.scored(start, start + n)
+            if n <= 0:
+                continue
+            anchor = self._prefixes[f.row.anchor] if f.row.anchor is not None else None
+            seg = Segment(0, 0, kv.k, kv.v, f.slots[0], kv.lens[f.slots[0]], f.row.anchored, anchor)
+            chunks.append((seg, f.suffix[f.fed : f.fed + n]))
+            scoring.append((f, seg, start, scored))
+            budget, room = budget - n, room - len(scored)
+            if f.fed + n == len(f.suffix):
+                want.done.append(f)
+            if budget <= 0:
+                break
         step = build(decode, [r.tokens[-1] for r in running], chunks, kv, self.device)
         last = {seg.index: seg.t1 - 1 for seg, _ in chunks}
-        return step, list(range(len(running))) + [last[f.slots[0]] for f in done], done
+        want.keep = list(range(len(running))) + [last[f.slots[0]] for f in want.first]
+        for f, seg, start, scored in scoring:
+            want.keep += [seg.t0 + p - start for p in scored]
+            want.scored += [(f, f.request.prompt_ids[p + 1]) for p in scored]
+        return step, want
 
     def forward(self, step: Step, keep: list[int]) -> torch.Tensor:
         """One forward over the step's flat tokens: the logits (N, V) at the token indices `keep`."""
@@ -211,18 +211,39 @@ class Engine:
                              logits_to_keep=index, **{attention.KWARG: step})
         return out.logits[0].float()
 
-    def _commit(self, step: Step, kv: RowKV, filling: list[Fill]) -> None:
+    def _commit(self, step: Step, kv: RowKV, filling: list[Fill], running: list[Live]) -> None:
         """The forward succeeded: what it wrote now counts; fills whose suffix is in leave `filling`."""
-        for slot in (step.dec_slots.tolist() if step.n_dec else ()):
-            kv.lens[slot] += 1
+        for r in running:
+            kv.lens[r.slot] += 1
         fed = {s.index: s.t1 - s.t0 for s in step.segments}
         for f in filling:
             n = fed.get(f.slots[0], 0)
             kv.lens[f.slots[0]] += n
             f.fed += n
         filling[:] = [f for f in filling if f.fed < len(f.suffix)]
-        self.stats.prefill_tokens += step.tokens - step.n_dec
-        self.stats.decode_steps += step.n_dec > 0
+        self.stats.prefill_tokens += sum(s.t1 - s.t0 for s in step.segments)
+        self.stats.decode_steps += bool(running)
+
+    def _score(self, logits: torch.Tensor, scored: list[tuple[Fill, int]]) -> None:
+        """Each scored prompt token's logprob given all before it, and whether it was the argmax."""
+        if not scored:
+            return
+        logprobs = torch.log_softmax(logits.float(), dim=-1)  # (N, V)
+        targets = torch.tensor([t for _, t in scored], device=logprobs.device)
+        chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+        greedy = (logprobs.argmax(dim=-1) == targets).tolist()
+        for (f, _), lp, g in zip(scored, chosen, greedy):
+            f.scores.append(lp)
+            f.greedy.append(g)
+
+    def _scored(self, f: Fill, kv: RowKV) -> Completion:
+        """A scoring row is done: its slot frees and its prefixes drop a reference."""
+        for slot in f.slots:
+            kv.free(slot)
+        self._release(f.row, len(f.row.samples))
+        self.stats.cached_tokens += f.row.cached
+        return Completion(f.request.key, f.row.samples.start, [], "scored", len(f.request.prompt_ids), f.row.cached,
+                          prompt_logprobs=f.scores, prompt_greedy=f.greedy)
 
     def _fork(self, done: list[Fill], kv: RowKV) -> list[Live]:
         """Fills whose suffix is in: each sample gets a slot holding the same keys and values."""
@@ -233,19 +254,22 @@ class Engine:
             q = f.request
             seed = q.params.seed if q.params.seed is not None else self.default_seed
             for s, slot in zip(f.row.samples, f.slots):
-                out.append(Live(f.row, q, s, slot, row_state(q.params, seed, s, self.device, q, self.eos)))
+                out.append(Live(f.row, q, s, slot, row_state(q.params, seed, s, self.device, q, self.eos),
+                                [] if q.params.logprobs is not None else None, f if f.scores else None))
         return out
 
     def _sample(self, logits: torch.Tensor, running: list[Live], kv: RowKV) -> Iterator[Completion]:
         """The next token of every running row (logits (len(running), V), in order); finished rows leave."""
         finite = torch.isfinite(logits).all(dim=-1).tolist()
-        tokens = sample(logits, [r.state for r in running]).tolist()
+        chosen = sample(logits, [r.state for r in running])  # (B,)
+        self._logprobs(logits, chosen, running)
+        tokens = chosen.tolist()
         keep = []
         for r, tok, ok in zip(running, tokens, finite):
             if not ok:
                 yield self._finish(r, kv, "error", "non-finite logits")
                 continue
-            if tok < 0:  # no token can continue it (a grammar's dead end): it fails alone
+            if r.state.error is not None:  # no token can continue it (a grammar's dead end): it fails alone
                 yield self._finish(r, kv, "error", r.state.error)
                 continue
             r.state.accept(tok)
@@ -255,6 +279,23 @@ class Engine:
             else:
                 keep.append(r)
         running[:] = keep
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, chosen: torch.Tensor, running: list[Live]) -> None:
+        """For the rows that ask: the chosen token's logprob and the top alternatives, under the
+        unprocessed distribution (the model's logits as they are)."""
+        rows = [i for i, r in enumerate(running) if r.logprobs is not None]
+        if not rows:
+            return
+        index = torch.tensor(rows, device=logits.device)
+        logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)  # (R, V)
+        mine = logprobs.gather(1, chosen.index_select(0, index)[:, None])[:, 0].tolist()
+        k = max(running[i].request.params.logprobs for i in rows)
+        top_v, top_i = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+        for j, i in enumerate(rows):
+            r, n = running[i], running[i].request.params.logprobs
+            top = list(zip(top_i[j, :n].tolist(), top_v[j, :n].tolist()))
+            r.logprobs.append(TokenLogprob(int(chosen[i]), mine[j], top))
 
     def _finish_reason(self, row: Live, token: int) -> str | None:
         if token in self.eos or token in row.request.params.stop_token_ids or row.state.finished:
@@ -273,7 +314,9 @@ class Engine:
         self.stats.completion_tokens += len(r.tokens)
         if r.sample == 0:  # once per job, and not again if an out-of-memory retry reruns it
             self.stats.cached_tokens += r.row.cached
-        return Completion(r.request.key, r.sample, r.tokens, reason, len(r.request.prompt_ids), r.row.cached, error)
+        return Completion(r.request.key, r.sample, r.tokens, reason, len(r.request.prompt_ids), r.row.cached, error,
+                          logprobs=r.logprobs, prompt_logprobs=r.prompt.scores if r.prompt else None,
+                          prompt_greedy=r.prompt.greedy if r.prompt else None)
 
     def _release(self, row: Row, count: int) -> None:
         if row.prefix is None:
@@ -366,29 +409,6 @@ class Engine:
         running[:] = [r for r in running if r.slot not in gone]
         filling[:] = [f for f in filling if f.slots[0] not in gone]
         return max(1, used)
-
-
-def layer_shapes(model: torch.nn.Module) -> list[LayerShape]:
-    """Per layer, the key/value heads and sizes, read off one probe forward of one token; it also
-    checks that every layer's attention reaches batchgen's attention function."""
-    seen: dict[int, LayerShape] = {}
-
-    def probe(module, query, key, value, *args, **kwargs):
-        seen[module.layer_idx] = LayerShape(key.shape[1], key.shape[-1], value.shape[-1])
-        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
-
-    layers = getattr(model.config, "num_hidden_layers", None)
-    device = next(model.parameters()).device
-    try:
-        with attention.probing(model, probe), torch.inference_mode():
-            model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
-                  position_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False, logits_to_keep=1)
-    except Exception as e:  # noqa: BLE001 - any failure means the same: this model is not supported
-        raise EngineError(f"{type(model).__name__}: its attention cannot run through batchgen's ({e})") from e
-    if not seen or (layers is not None and sorted(seen) != list(range(layers))):
-        raise EngineError(f"{type(model).__name__}: its attention layers do not all go through transformers' "
-                          "attention interface with a layer index, which batchgen needs")
-    return [seen[i] for i in sorted(seen)]
 
 
 def _release_memory(device: torch.device) -> None:

@@ -34,15 +34,15 @@ def available_cpus() -> int:
     return max(1, min(cpus, math.ceil(quota))) if quota else max(1, cpus)
 
 
-def _cgroup_quota() -> float | None:
+def _cgroup_quota(root: str = "/sys/fs/cgroup") -> float | None:
     try:
-        with open("/sys/fs/cgroup/cpu.max") as f:  # v2: "max 100000" or "200000 100000"
+        with open(f"{root}/cpu.max") as f:  # v2: "max 100000" or "200000 100000"
             limit, period = f.read().split()[:2]
             return None if limit == "max" else int(limit) / int(period)
     except (OSError, ValueError):
         pass
     try:
-        with open("/sys/fs/cgroup/cpu/cpu.cfs_quota_us") as q, open("/sys/fs/cgroup/cpu/cpu.cfs_period_us") as p:
+        with open(f"{root}/cpu/cpu.cfs_quota_us") as q, open(f"{root}/cpu/cpu.cfs_period_us") as p:
             limit, period = int(q.read()), int(p.read())
             return None if limit <= 0 else limit / period
     except (OSError, ValueError):

@@ -37,7 +37,7 @@ def summarize(prompts: Sequence[list[int]], max_new: Sequence[int], ns: Sequence
               decode=None) -> dict[str, Any]:
     """Pure: the plan's numbers for tokenized prompts: the engine runs exactly this plan (the same
     prefixes, rows and batches), whatever lengths the outputs turn out to have."""
-    tree, shapes = tree_of((i, ids, max_new[i], ns[i]) for i, ids in enumerate(prompts))
+    tree, shapes = tree_of((i, ids[:-1], len(ids), max_new[i], ns[i]) for i, ids in enumerate(prompts))
     full = PrefixTree()
     for i, ids in enumerate(prompts):
         full.insert(i, ids)

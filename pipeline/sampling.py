@@ -105,11 +105,11 @@ def _processed(row: RowState) -> bool:
 
 def sample(logits: torch.Tensor, rows: list[RowState]) -> torch.Tensor:
     """The next token of each row: logits (B, V) -> token ids (B,). A row that no token can continue
-    (its grammar, bias and min_tokens exclude them all) gets -1 and its `error` says why. The
-    logits are processed in place."""
+    (its grammar, bias and min_tokens exclude them all) gets its `error` set (and token 0, which
+    it never takes). The caller's logits are left as they are (logprobs are reported from them)."""
     dead: list[int] = []
     if any(_processed(r) for r in rows):
-        process(logits, rows)
+        logits = process(logits.clone(), rows)
         dead = (~torch.isfinite(logits).any(dim=-1)).nonzero().flatten().tolist()
     tokens = logits.argmax(dim=-1)  # (B,) greedy for every row; sampled rows overwrite below
     for r, row in enumerate(rows):
@@ -120,7 +120,7 @@ def sample(logits: torch.Tensor, rows: list[RowState]) -> torch.Tensor:
         probs = torch.softmax(warped, dim=-1)
         tokens[r] = torch.multinomial(probs, 1, generator=row.generator)[0, 0]
     for r in dead:
-        tokens[r] = -1
+        tokens[r] = 0
         row = rows[r]
         if row.matcher is None:
             row.error = f"after {len(row.tokens)} tokens no token is left: logit_bias and min_tokens exclude them all"

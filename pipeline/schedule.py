@@ -15,7 +15,8 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, replace
 from typing import Hashable, Iterable, Mapping, Sequence
 
 from pipeline.prefix_tree import Node, PrefixTree
@@ -84,15 +85,16 @@ class Plan:
                 + sum(self.shapes[r.key].prompt_len - r.cached for r in self.rows))
 
 
-def tree_of(jobs: Iterable[tuple[Hashable, Sequence[int], int, int]]) -> tuple[PrefixTree, dict[Hashable, JobShape]]:
-    """The tree the engine plans over, from (key, prompt ids, max new tokens, n) per job: each
-    prompt minus its last token (that token's logits start generation), weighted by its samples."""
+def tree_of(jobs: Iterable[tuple[Hashable, Sequence[int], int, int, int]]) -> tuple[PrefixTree, dict[Hashable, JobShape]]:
+    """The tree the engine plans over, from (key, shareable ids, prompt length, max new tokens, n)
+    per job: the ids a shared prefix may hold are the prompt minus its last token (whose logits
+    start generation), or less for a job that scores its prompt; weighted by the job's samples."""
     tree, shapes = PrefixTree(), {}
-    for key, ids, max_new, n in jobs:
-        if not ids:
+    for key, shared, prompt_len, max_new, n in jobs:
+        if not prompt_len:
             raise ValueError(f"request {key!r} has an empty prompt")
-        tree.insert(key, ids[:-1], weight=n)
-        shapes[key] = JobShape(len(ids), max_new, n)
+        tree.insert(key, shared, weight=n)
+        shapes[key] = JobShape(prompt_len, max_new, n)
     return tree, shapes
 
 
@@ -151,19 +153,13 @@ def plan(
             above = node
         for key in node.keys:
             anchor = _anchor(above, cached) if cascade else None
-            shape = jobs[key]
-            extent = shape.prompt_len - (anchor.depth if anchor else 0) + shape.max_new_tokens
-            # an n too large for one batch is split: each part re-runs only the job's suffix
-            per_batch = max(1, min(max_slots, max_batch_tokens // _round(max(1, extent))))
-            for first in range(0, shape.n, per_batch):
-                rows.append(Row(key, range(first, min(shape.n, first + per_batch)),
-                                ids[above] if above else None, above.depth if above else 0,
-                                ids[anchor] if anchor else None, anchor.depth if anchor else 0))
+            rows.append(Row(key, range(jobs[key].n), ids[above] if above else None, above.depth if above else 0,
+                            ids[anchor] if anchor else None, anchor.depth if anchor else 0))
         # heaviest first; pushed in reverse so the heaviest pops first
         for child in sorted(node.children.values(), key=lambda c: c.size):
             stack.append((child, above))
     out = Plan(prefixes, nodes, rows, [], jobs)
-    out.batches = batch_shapes(rows, out.extent, max_batch_tokens, max_slots)
+    out.rows, out.batches = batch_shapes(rows, out.extent, max_batch_tokens, max_slots)
     return out
 
 
@@ -188,32 +184,38 @@ def _representative(node: Node) -> Hashable:
     return node.keys[0]
 
 
-def batch_shapes(rows: Sequence[Row], extent, budget: int, max_slots: int = 256) -> list[BatchShape]:
+def batch_shapes(rows: Sequence[Row], extent, budget: int, max_slots: int = 256) -> tuple[list[Row], list[BatchShape]]:
     """Cut the row order into batches. A batch's slot capacity covers the rows that will fill it
-    about twice over; its slot count is what the budget allows. It then takes every following row
-    that fits, as slots free, and ends at the first row that does not."""
-    out: list[BatchShape] = []
-    i = 0
-    while i < len(rows):
-        capacity = _round(extent(rows[i]))
+    about twice over; its slot count is what the budget allows (one at least). It then takes
+    every following row that fits, as slots free, and ends at the first row that does not. A
+    request with more samples than the batch has slots runs in parts, each re-running only its
+    suffix. Returns the rows (parts split) and the batches."""
+    todo, out, shapes = deque(rows), [], []
+    while todo:
+        capacity = _round(extent(todo[0]))
         while True:
             slots = max(1, min(max_slots, budget // capacity))
-            j, seen = i, 0
-            while j < len(rows) and seen < 2 * slots:
-                seen += len(rows[j].samples)
-                j += 1
-            wider = _round(max(extent(r) for r in rows[i:j]))
+            ahead, seen = [], 0
+            for r in todo:
+                if seen >= 2 * slots:
+                    break
+                ahead.append(r)
+                seen += len(r.samples)
+            wider = _round(max(extent(r) for r in ahead))
             if wider <= capacity:
                 break
             capacity = wider
-        end, samples = i, 0
-        while end < len(rows) and extent(rows[end]) <= capacity and len(rows[end].samples) <= slots:
-            samples += len(rows[end].samples)
-            end += 1
-        end = max(end, i + 1)  # a row wider than the budget still runs, alone
-        out.append(BatchShape(i, end, min(slots, max(samples, len(rows[i].samples))), capacity))
-        i = end
-    return out
+        start, samples = len(out), 0
+        while todo and extent(todo[0]) <= capacity:
+            row = todo.popleft()
+            if len(row.samples) > slots:
+                cut = row.samples.start + slots
+                todo.appendleft(replace(row, samples=range(cut, row.samples.stop)))
+                row = replace(row, samples=range(row.samples.start, cut))
+            out.append(row)
+            samples += len(row.samples)
+        shapes.append(BatchShape(start, len(out), min(slots, samples), capacity))
+    return out, shapes
 
 
 def _round(n: int) -> int:

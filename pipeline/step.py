@@ -79,7 +79,7 @@ class Step:
     contiguous: bool  # decode slots are exactly 0..n_dec-1
     hi: int  # decode attention spans slots [0, hi)
     dec_runs: list[tuple[int, int, int]]  # (first slot, end slot, own keys to read) per own-part call
-    dec_lens: torch.Tensor | None  # (hi,) own keys per slot after this step's write (1 for idle slots)
+    dec_lens: torch.Tensor | None  # (hi,) own keys per slot after this step's write (1 for idle slots), on the device
     store_tokens: torch.Tensor | slice  # tokens whose keys/values go to row slots ...
     store_slots: torch.Tensor  # ... their slots
     store_at: torch.Tensor  # ... and own indices
@@ -104,15 +104,17 @@ class Step:
                 s.v[layer][s.index, :, s.offset : s.offset + s.t1 - s.t0] = v[:, s.t0 : s.t1]
 
     def own_mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
-        """Decode rows' own keys: (hi, 1, 1, L) additive; an idle slot sees its key 0 (finite, unused)."""
+        """Decode rows' own keys: (hi, 1, 1, L) additive, from the lengths on the device; an idle
+        slot sees its key 0 (finite, unused)."""
         key = ("own", window, dtype)
         if key not in self._masks:
-            lens = self.dec_lens.cpu()
-            j = torch.arange(int(lens.max()))[None]  # (1, L)
-            allow = j < lens[:, None]
+            lens = self.dec_lens[:, None]  # (hi, 1)
+            j = torch.arange(max(span for _, _, span in self.dec_runs), device=lens.device)[None]  # (1, L)
+            allow = j < lens
             if window is not None:
-                allow &= (lens[:, None] - 1 - j) < window
-            self._masks[key] = _additive(allow, dtype, self.input_ids.device)[:, None, None]
+                allow &= (lens - 1 - j) < window
+            mask = torch.zeros(allow.shape, dtype=dtype, device=lens.device).masked_fill_(~allow, float("-inf"))
+            self._masks[key] = mask[:, None, None]
         return self._masks[key]
 
     def segment_mask(self, i: int, window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -218,7 +220,7 @@ def build(decode: list[Decode], decode_ids: list[int], segments: list[tuple[Segm
         contiguous=slots == list(range(len(slots))),
         hi=hi,
         dec_runs=[(a, min(a + DECODE_RUN, hi), max(dec_lens[a : a + DECODE_RUN])) for a in range(0, hi, DECODE_RUN)],
-        dec_lens=torch.tensor(dec_lens, dtype=torch.long) if decode else None,
+        dec_lens=torch.tensor(dec_lens, dtype=torch.long, device=device) if decode else None,
         store_tokens=slice(None) if everything else torch.tensor(store_tokens, dtype=torch.long, device=device),
         store_slots=torch.tensor(store_slots, dtype=torch.long, device=device),
         store_at=torch.tensor(store_at, dtype=torch.long, device=device),
@@ -248,3 +250,47 @@ def _batches(fresh: list[Segment], device: torch.device) -> list[Batch]:
         real = torch.tensor([i * longest + p for i, s in enumerate(part) for p in range(s.t1 - s.t0)], dtype=torch.long)
         out.append(Batch(gather.to(device), real.to(device), gather.flatten()[real].to(device)))
     return out
+
+
+class StaticDecode:
+    """Decode steps on static shapes, for a CUDA graph or torch.compile(mode="reduce-overhead") to
+    capture: every slot of a bucket (1, 2, 4, ... slots) feeds a token (idle ones a dummy that
+    writes into their own free slot), own keys are read to the full capacity under a mask made
+    on the device from the slots' lengths, and token ids, positions and write indices live in
+    preallocated device buffers that each step refills in place. Group membership (which slots
+    read which prefix) changes only when rows join or leave."""
+
+    def __init__(self, kv: RowKV, device: torch.device) -> None:
+        self.kv = kv
+        n = kv.slots
+        self.ids = torch.zeros(1, n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(1, n, dtype=torch.long, device=device)
+        self.at = torch.zeros(n, dtype=torch.long, device=device)  # write index = length before the step
+        self.lens = torch.ones(n, dtype=torch.long, device=device)  # own keys after the step's write
+        self.slots = torch.arange(n, device=device)
+        self.buckets = sorted({min(1 << i, n) for i in range(n.bit_length() + 1)})
+
+    def bucket(self, hi: int) -> int:
+        return next(b for b in self.buckets if b >= hi)
+
+    def build(self, decode: list[Decode], decode_ids: list[int]) -> Step:
+        size = self.bucket(max(d.slot for d in decode) + 1)
+        ids, pos, at = [0] * size, [0] * size, [0] * size
+        members: dict[int, tuple[PrefixKV, list[int]]] = {}
+        for d, token in zip(decode, decode_ids):
+            n = self.kv.lens[d.slot]
+            ids[d.slot], pos[d.slot], at[d.slot] = token, d.base + n, n
+            if d.anchor is not None:
+                members.setdefault(id(d.anchor), (d.anchor, []))[1].append(d.slot)
+        device = self.ids.device
+        self.ids[0, :size].copy_(torch.tensor(ids))
+        self.positions[0, :size].copy_(torch.tensor(pos))
+        self.at[:size].copy_(torch.tensor(at))
+        torch.add(self.at[:size], 1, out=self.lens[:size])
+        groups = [Group(p, torch.tensor(index, device=device), torch.tensor(index).apply_(lambda s: pos[s]))
+                  for p, index in members.values()]
+        return Step(
+            input_ids=self.ids[:, :size], positions=self.positions[:, :size], kv=self.kv, n_dec=size,
+            dec_slots=self.slots[:size], contiguous=True, hi=size, dec_runs=[(0, size, self.kv.capacity)],
+            dec_lens=self.lens[:size], store_tokens=slice(None), store_slots=self.slots[:size],
+            store_at=self.at[:size], segments=[], continuing=[], batches=[], groups=groups)

@@ -54,6 +54,17 @@ class Tokenizer:
     def encode_prompt(self, prompt: str) -> list[int]:
         return list(self.hf(prompt)["input_ids"])
 
+    def encode_pair(self, context: str, continuation: str, add_special_tokens: bool = True) -> tuple[list[int], list[int]]:
+        """A scoring pair tokenized as lm-eval-harness does: the context's trailing spaces move into
+        the continuation, context + continuation is encoded whole and split at the context's
+        length (so a leading space is the continuation's, as the tokenizer would merge it)."""
+        spaces = len(context) - len(context.rstrip())
+        if spaces:
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        whole = list(self.hf(context + continuation, add_special_tokens=add_special_tokens)["input_ids"])
+        head = list(self.hf(context, add_special_tokens=add_special_tokens)["input_ids"])
+        return whole[: len(head)], whole[len(head) :]
+
     def encode_messages(self, messages: Sequence[dict[str, str]]) -> list[int]:
         if not self.has_chat_template:
             raise TokenizerError("this model's tokenizer has no chat template: give jobs a 'prompt' instead of 'messages'")

@@ -31,6 +31,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI's (generated tokens only), 0 is off
     min_tokens: int = 0  # EOS and stop_token_ids are held back until this many new tokens
     stop_token_ids: tuple[int, ...] = ()  # more tokens that end a sample, like EOS
+    logprobs: int | None = None  # report each new token's logprob and this many alternatives; None: off
 
     @property
     def greedy(self) -> bool:
@@ -50,6 +51,32 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     stop: StopCheck | None = None
     grammar: MatcherFactory | None = None  # a constrained request: its samples' tokens follow a grammar
+    # score the prompt's tokens from this index on: the logprob of each given all before it
+    # (scoring jobs: the continuations; echo: from 1); with max_new_tokens 0 nothing is generated
+    score_from: int | None = None
+
+    @property
+    def fed_len(self) -> int:
+        """Prompt tokens run through the model: all, or all but the last when nothing is generated
+        (a scored token's logprob comes from the logits before it)."""
+        return len(self.prompt_ids) - (self.params.max_new_tokens == 0 and self.score_from is not None)
+
+    @property
+    def shared_len(self) -> int:
+        """Prompt tokens a shared prefix may hold for this request: all but the last (whose logits
+        start generation), and none from the first position whose logits it scores with."""
+        n = len(self.prompt_ids) - 1
+        return n if self.score_from is None else max(0, min(n, self.score_from - 1))
+
+
+@dataclass
+class TokenLogprob:
+    """A generated token's logprob under the model's unprocessed distribution (before temperature,
+    top-k/p or penalties), and the most likely alternatives there, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -63,6 +90,9 @@ class Completion:
     prompt_tokens: int
     cached_tokens: int  # prompt tokens reused from a shared prefix, not computed for this job
     error: str | None = None  # set when the job failed alone during generation
+    logprobs: list[TokenLogprob] | None = None  # per generated token, when the request asked
+    prompt_logprobs: list[float] | None = None  # per scored prompt token (score_from on)
+    prompt_greedy: list[bool] | None = None  # whether each scored prompt token was the argmax there
 
 
 @dataclass

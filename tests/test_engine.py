@@ -23,12 +23,12 @@ def tok():
 def test_greedy_equals_uncached_generate(arch, tok):
     model = make_model(arch)
     reqs = edge_case_requests(tok)
-    # a small budget: more jobs than one batch holds, and groups split across batches
+    # a small budget: a few slots, which rows planned next keep joining as others finish
     engine = Engine(model, eos_token_ids=EOS, min_shared_tokens=4, max_batch_tokens=250)
     got = {}
     for c in engine.run(reqs):
         got[(c.key, c.sample_index)] = c
-    assert engine.stats.batches > 1 and engine.stats.batches + engine.stats.admitted_rows > 3
+    assert engine.stats.admitted_rows > 3
     # the fast path (shared-prefix attention) runs on every architecture, sliding windows and
     # soft-capping included
     assert engine.stats.cascade_batches > 0
@@ -186,3 +186,53 @@ def test_half_precision_runs_both_attention_paths(tok, dtype):
 
 def r_len(reqs, key):
     return next(r.params.max_new_tokens for r in reqs if r.key == key)
+
+
+def _bf16_tie(model, prompt, want, got) -> bool:
+    """At the first token where got and want part, are the two tokens tied in the reference's own
+    bfloat16 logits (within two units in the last place at that magnitude)?"""
+    i = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    if i is None:  # one is a prefix of the other: an EOS chosen on one side only is a tie too
+        i = min(len(got), len(want))
+        if i >= len(want) or i >= len(got):
+            return False
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + want[:i]])).logits[0, -1].float()
+    a, b = logits[want[i]].item(), logits[got[i]].item()
+    ulp = 2.0 ** (torch.frexp(torch.tensor(max(abs(a), abs(b)))).exponent.item() - 8)  # bfloat16: 8-bit significand
+    return abs(a - b) <= 2 * ulp
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma2"])
+def test_bfloat16_greedy_equals_bfloat16_uncached_generate(arch, tok):
+    """In bfloat16 the engine's and plain generate's kernels round differently, so greedy choices
+    between logits tied at bfloat16 precision may go either way. Every row equals uncached
+    generate token for token, or parts from it exactly where the reference's own logits are tied."""
+    model = make_model(arch, dtype=torch.bfloat16)
+    reqs = edge_case_requests(tok)
+    engine = Engine(model, eos_token_ids=EOS, min_shared_tokens=4, max_batch_tokens=250)
+    got = {(c.key, c.sample_index): c.token_ids for c in engine.run(reqs)}
+    assert engine.stats.cascade_batches > 0 and engine.stats.admitted_rows > 3
+    equal = 0
+    for r in reqs:
+        want = reference_generate(model, r, EOS)
+        for s in range(r.params.n):
+            if got[(r.key, s)] == want:
+                equal += 1
+            else:
+                assert _bf16_tie(model, r.prompt_ids, want, got[(r.key, s)]), f"{arch}: job {r.key} sample {s}"
+    assert equal >= len(got) * 2 // 3
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2", "gpt2"])
+def test_static_decode_steps_equal_uncached_generate(arch, tok):
+    """Decode steps on static shapes (every slot of a bucket, full-capacity reads, device buffers:
+    what a CUDA graph captures) give the same text as the dynamic steps and plain generate."""
+    model = make_model(arch)
+    reqs = edge_case_requests(tok)
+    engine = Engine(model, eos_token_ids=EOS, min_shared_tokens=4, max_batch_tokens=250, static_decode=True)
+    got = {(c.key, c.sample_index): c.token_ids for c in engine.run(reqs)}
+    for r in reqs:
+        want = reference_generate(model, r, EOS)
+        for s in range(r.params.n):
+            assert got[(r.key, s)] == want, f"{arch}: job {r.key} sample {s}"

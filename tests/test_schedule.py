@@ -7,7 +7,7 @@ from pipeline.schedule import COPY_LIMIT, plan, tree_of
 
 
 def build(prompts, new=4, n=None, **kw):
-    tree, shapes = tree_of((i, p, new, (n or {}).get(i, 1)) for i, p in enumerate(prompts))
+    tree, shapes = tree_of((i, p[:-1], len(p), new, (n or {}).get(i, 1)) for i, p in enumerate(prompts))
     return plan(tree, shapes, **kw)
 
 

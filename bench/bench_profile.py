@@ -1,0 +1,169 @@
+"""Where batchgen's time goes, against the weight-matmul floor, on a real-text workload.
+
+Runs the engine in-process on a `bench/corpus.py` job file with the embedded model and splits each
+forward's wall time into weight matmuls (the linear layers), attention (batchgen's attention
+function) and the rest (norms, rotary embeddings, activations, sampling, Python). The floor of a
+phase is its weight-matmul FLOPs (2 x tokens x linear parameters, plus 2 x logit rows x vocab x
+hidden for the LM head) at the linear rate measured in the same process at the same shapes:
+what the phase would cost if it were nothing but weight matmuls at full speed.
+
+Then it counts the kernels (ATen ops that compute; views excluded) of one decode step, dynamic
+and static (`Engine(static_decode=True)`, the shapes a CUDA graph can capture).
+
+    python -m bench.bench_profile --workload fewshot --dtype float32
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections import defaultdict
+
+import torch
+
+VIEWS = {"aten::view", "aten::reshape", "aten::transpose", "aten::slice", "aten::select", "aten::as_strided",
+         "aten::unsqueeze", "aten::squeeze", "aten::expand", "aten::t", "aten::permute", "aten::alias",
+         "aten::_unsafe_view", "aten::detach", "aten::lift_fresh", "aten::empty", "aten::empty_strided",
+         "aten::contiguous", "aten::_reshape_alias", "aten::split", "aten::chunk", "aten::narrow",
+         "aten::result_type", "aten::resolve_conj", "aten::resolve_neg", "aten::is_nonzero", "aten::item",
+         "aten::_local_scalar_dense", "aten::to", "aten::_to_copy", "aten::unbind", "aten::expand_as",
+         "aten::view_as", "aten::empty_like", "aten::matmul", "aten::linear", "aten::dropout"}
+
+
+def linear_rate(dtype: torch.dtype, m: int, model) -> float:
+    """GFLOP/s of the model's own linear layers at M rows (oneDNN for float32 on CPU, as the engine)."""
+    from pipeline import kernels
+
+    layers = [l for l in model.modules() if isinstance(l, torch.nn.Linear)][:7] or []
+    x = {l.in_features: torch.randn(1, m, l.in_features, dtype=dtype) for l in layers}
+    fast = kernels.fast_linears(model)
+    flops = sum(2 * m * l.in_features * l.out_features for l in layers)
+    with torch.inference_mode(), kernels.linears_on_onednn(fast):
+        for _ in range(2):
+            for l in layers:
+                l(x[l.in_features])
+        t = time.perf_counter()
+        for _ in range(5):
+            for l in layers:
+                l(x[l.in_features])
+    return flops * 5 / (time.perf_counter() - t) / 1e9
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", default="fewshot", choices=["fewshot", "system_prompt"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    from transformers import AutoTokenizer
+
+    from bench import corpus
+    from pipeline import attention, kernels
+    from pipeline.engine import Engine
+    from pipeline.model import load_model
+    from pipeline.types import Request, SamplingParams
+
+    model, source = load_model(None, "cpu", args.dtype)
+    tok = AutoTokenizer.from_pretrained(source)
+    rows = corpus.WORKLOADS[args.workload](max_new_tokens=args.max_new_tokens)
+    reqs = [Request(i, tok(r["prompt"]).input_ids, SamplingParams(max_new_tokens=args.max_new_tokens))
+            for i, r in enumerate(rows)]
+    config = model.config
+    linear_params = sum(l.in_features * l.out_features for n, l in model.named_modules()
+                        if isinstance(l, torch.nn.Linear) and "lm_head" not in n)
+    head_flops = 2 * config.vocab_size * config.hidden_size
+
+    Engine(model, eos_token_ids=[]).generate(reqs[:2])  # warm-up: kernels, probes, allocator
+    engine = Engine(model, eos_token_ids=[])
+    phases = defaultdict(lambda: defaultdict(float))
+    timer = {"attention": 0.0, "linear": 0.0}
+    real_attention, real_onednn, real_linear = attention.attention, kernels._onednn_linear, torch.nn.Linear.forward
+
+    def timing(fn, key):  # perf_counter around every call: light enough for a decode step's 200 linears
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            out = fn(*a, **kw)
+            timer[key] += time.perf_counter() - t
+            return out
+        return timed
+
+    attention.AttentionInterface.register(attention.NAME, timing(real_attention, "attention"))
+    kernels._onednn_linear = timing(real_onednn, "linear")
+    torch.nn.Linear.forward = timing(real_linear, "linear")
+    real_forward = engine.forward
+
+    def forward(step, keep):
+        phase = "prefill" if step.n_dec == 0 else ("decode" if step.n_dec == step.tokens else "mixed")
+        timer["attention"] = timer["linear"] = 0.0
+        t = time.perf_counter()
+        out = real_forward(step, keep)
+        ph = phases[phase]
+        ph["wall"] += time.perf_counter() - t
+        ph["forwards"] += 1
+        ph["tokens"] += step.tokens
+        ph["attention"] += timer["attention"]
+        ph["linear_measured"] += timer["linear"]
+        ph["flops"] += 2 * linear_params * step.tokens + head_flops * len(keep)
+        return out
+
+    engine.forward = forward
+    t = time.perf_counter()
+    engine.generate(reqs)
+    total = time.perf_counter() - t
+    attention.AttentionInterface.register(attention.NAME, real_attention)
+    kernels._onednn_linear, torch.nn.Linear.forward = real_onednn, real_linear
+    rates = {m: linear_rate(model.dtype, m, model) for m in (64, 2048)}
+
+    print(f"## {args.workload}, {args.dtype}, {args.threads} threads: {len(reqs)} jobs, prefill "
+          f"{engine.stats.prefill_tokens} tokens, {engine.stats.completion_tokens} new tokens, {total:.1f} s in the engine")
+    print(f"linear rate here: {rates[2048]:.0f} GFLOP/s at 2048 rows, {rates[64]:.0f} at 64 rows (oneDNN for float32)\n")
+    print("| phase | forwards | tokens | wall s | linear s | attention s | other s | matmul floor s | wall / floor |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    report = {"total_s": total, "rates": rates, "phases": {}}
+    for name in ("prefill", "mixed", "decode"):
+        ph = phases.get(name)
+        if not ph:
+            continue
+        rate = rates[64] if name == "decode" else rates[2048]
+        floor = ph["flops"] / rate / 1e9
+        other = ph["wall"] - ph["linear_measured"] - ph["attention"]
+        print(f"| {name} | {ph['forwards']:.0f} | {ph['tokens']:.0f} | {ph['wall']:.2f} | {ph['linear_measured']:.2f} | "
+              f"{ph['attention']:.2f} | {other:.2f} | {floor:.2f} | {ph['wall'] / floor:.2f} |")
+        report["phases"][name] = {**ph, "floor_s": floor}
+    report["kernels_per_decode_step"] = {mode: kernels_per_decode_step(model, reqs, mode == "static")
+                                         for mode in ("dynamic", "static")}
+    print(f"\nkernels per decode step (32 rows): {report['kernels_per_decode_step']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+def kernels_per_decode_step(model, reqs, static: bool) -> int:
+    """ATen ops that compute (no views) in one decode step of 32 rows."""
+    from pipeline.engine import Engine
+
+    engine = Engine(model, eos_token_ids=[], static_decode=static)
+    counts = []
+    real = engine.forward
+
+    def forward(step, keep):
+        if step.n_dec != step.tokens or counts:
+            return real(step, keep)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out = real(step, keep)
+        counts.append(sum(e.count for e in prof.key_averages() if e.key.startswith(("aten::", "mkldnn::"))
+                          and e.key not in VIEWS))
+        return out
+
+    engine.forward = forward
+    engine.generate(reqs[:32])
+    return counts[0]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

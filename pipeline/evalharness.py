@@ -1,0 +1,149 @@
+"""lm-evaluation-harness backend: `--model batchgen`, on batchgen's engine.
+
+lm-eval hands a model whole lists of requests; this backend gives each list to one engine run,
+so a few-shot header shared by every question of a subject (and each question's context shared
+by its four choices) is prefilled once, and results come back in request order. Tokenization is
+lm-eval's own (`TemplateLM`: the context's trailing spaces move into the continuation, the pair is
+encoded whole and split, an empty context becomes the prefix token), and truncation and rolling
+windows are those of its `hf` backend, so both score the same tokens.
+
+lm-eval 0.4.13 finds models only in its built-in table, not through entry points: importing this
+module registers `batchgen`, and the `batchgen-lm-eval` command (lm-eval's own command line, run
+after that import) accepts every `lm_eval` option:
+
+    batchgen-lm-eval --model batchgen --model_args pretrained=DIR,dtype=float32 --tasks TASK --include_path TASKS_DIR
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import lm_eval.models  # noqa: F401  lm-eval's own table first: it fills it only while the registry is empty
+from lm_eval import utils as lm_utils
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.models.utils import _add_special_kwargs, has_bos_prefix
+
+from pipeline.types import Request, SamplingParams
+
+
+@register_model("batchgen")
+class BatchgenLM(TemplateLM):
+    def __init__(self, pretrained: str | None = None, dtype: str = "auto", device: str = "auto",
+                 max_batch_tokens: int = 65536, min_shared_tokens: int = 16, max_length: int | None = None,
+                 trust_remote_code: bool = False, add_bos_token: bool | None = None, batch_size: Any = None,
+                 threads: int | None = None, **unused: Any) -> None:
+        super().__init__()
+        from pipeline.engine import Engine
+        from pipeline.kernels import set_threads
+        from pipeline.model import load_model
+        from pipeline.preflight import context_window
+        from pipeline.tokenize import Tokenizer
+
+        if unused:
+            raise ValueError(f"batchgen model_args: unknown {sorted(unused)}")
+        import torch
+
+        if str(device).startswith("cuda") and not torch.cuda.is_available():
+            device = "auto"  # lm-eval passes cuda:0 by default; its hf backend then picks what there is too
+        set_threads(threads)
+        model, source = load_model(pretrained, device, str(dtype), bool(trust_remote_code))
+        self.tok = Tokenizer.load(source, trust_remote_code=bool(trust_remote_code))
+        eos = model.generation_config.eos_token_id
+        eos = list(eos) if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else self.tok.eos_token_ids)
+        self.engine = Engine(model, eos_token_ids=eos, min_shared_tokens=int(min_shared_tokens),
+                             max_batch_tokens=int(max_batch_tokens))
+        self.add_bos_token = None if add_bos_token is None else str(add_bos_token).lower() in ("1", "true", "yes")
+        self._max_length = int(max_length) if max_length else (context_window(model.config) or 2048)
+        self.source = source
+
+    # -- what TemplateLM asks for -----------------------------------------------------------
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tok.hf.eos_token_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        bos = self.tok.hf.bos_token_id
+        return bos if bos is not None else self.tok.hf.eos_token_id
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.source.replace("/", "__")
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
+        """As the hf backend: the tokenizer's own special tokens unless told, none before a BOS already there."""
+        special = _add_special_kwargs(add_special_tokens, self.add_bos_token)
+        if add_special_tokens is None and has_bos_prefix(string, self.tok.hf.decode(self.prefix_token_id)):
+            special["add_special_tokens"] = False
+        return list(self.tok.hf.encode(string, **special))
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return self.tok.hf.apply_chat_template(chat_history, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
+        """((context, continuation), context ids, continuation ids) each: (sum of the continuation's
+        logprobs, whether greedy decoding would have produced it)."""
+        pairs = [(ctx, cont) for _, ctx, cont in requests]
+        return [(sum(lp), all(greedy)) for lp, greedy in self._score(pairs)]
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Each text's whole logprob, in disjoint windows of the context length (as the hf backend)."""
+        windows, owner = [], []
+        for i, request in enumerate(requests):
+            tokens = self.tok_encode(request.args[0])
+            for pair in map(lm_utils.make_disjoint_window, lm_utils.get_rolling_token_windows(
+                    token_list=tokens, prefix_token=self.prefix_token_id, max_seq_len=self.max_length, context_len=1)):
+                windows.append(pair)
+                owner.append(i)
+        totals = [0.0] * len(requests)
+        for i, (lp, _) in zip(owner, self._score(windows)):
+            totals[i] += sum(lp)
+        return totals
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        reqs, stops = [], []
+        for i, request in enumerate(requests):
+            context, gen_kwargs = request.args
+            kwargs = dict(gen_kwargs)
+            until = kwargs.pop("until", None) or []
+            until = [until] if isinstance(until, str) else list(until)
+            max_gen = int(kwargs.pop("max_gen_toks", 256))
+            temperature = float(kwargs.pop("temperature", 0.0) or 0.0) if kwargs.pop("do_sample", False) else 0.0
+            ids = self.tok_encode(context)[-(self.max_length - max_gen) :]
+            params = SamplingParams(max_new_tokens=max_gen, temperature=temperature, seed=0)
+            reqs.append(Request(i, ids or [self.prefix_token_id], params, stop=self.tok.stop_check(until)))
+            stops.append(until)
+        out = [""] * len(reqs)
+        for c in self.engine.run(reqs):
+            text = self.tok.decode(c.token_ids)
+            for stop in stops[c.key]:
+                if stop:
+                    text = text.split(stop)[0]
+            out[c.key] = text
+        return out
+
+    def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[list[float], list[bool]]]:
+        """Per (context ids, continuation ids): the continuation tokens' logprobs and argmax flags,
+        all pairs in one engine run. Left-truncated to the context length as the hf backend does."""
+        reqs = []
+        for i, (ctx, cont) in enumerate(pairs):
+            full = (ctx + cont)[-(self.max_length + 1) :]
+            reqs.append(Request(i, full, SamplingParams(max_new_tokens=0), score_from=len(full) - len(cont)))
+        out: list[Any] = [None] * len(reqs)
+        for c in self.engine.run(reqs):
+            if c.error:
+                raise RuntimeError(f"scoring request {c.key} failed: {c.error}")
+            out[c.key] = (c.prompt_logprobs, c.prompt_greedy)
+        return out
+
+
+def main() -> None:
+    """`batchgen-lm-eval`: lm-eval's command line with the batchgen model registered."""
+    from lm_eval.__main__ import cli_evaluate
+
+    cli_evaluate()
