@@ -96,6 +96,20 @@ def tree_of(jobs: Iterable[tuple[Hashable, Sequence[int], int, int]]) -> tuple[P
     return tree, shapes
 
 
+def tree_of_sorted(jobs: Iterable[tuple[Hashable, Sequence[int], int, int, int]]
+                   ) -> tuple[PrefixTree, dict[Hashable, JobShape]]:
+    """`tree_of` for jobs in sorted order, each with the LCP of its sequence (prompt minus last
+    token) with the one before it (`prefix_index`): the same tree as `tree_of` in that order, built
+    without comparing tokens."""
+    tree, shapes = PrefixTree(), {}
+    for key, ids, max_new, n, common in jobs:
+        if not ids:
+            raise ValueError(f"request {key!r} has an empty prompt")
+        tree.insert_next(key, ids[:-1], common, weight=n)
+        shapes[key] = JobShape(len(ids), max_new, n)
+    return tree, shapes
+
+
 def shared_nodes(tree: PrefixTree, min_shared_tokens: int) -> set[Node]:
     """Prefixes worth caching: read by two or more rows and at least min_shared_tokens long."""
     return {
