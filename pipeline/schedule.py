@@ -118,23 +118,6 @@ def shared_nodes(tree: PrefixTree, min_shared_tokens: int) -> set[Node]:
     }
 
 
-def top_groups(prompts: Mapping[Hashable, Sequence[int]], min_shared_tokens: int) -> dict[Hashable, Node | None]:
-    """Each job's top shared prefix (a cached node with no cached ancestor), or None: the unit that
-    must stay on one machine so that no prefix is prefilled twice."""
-    tree = PrefixTree()
-    for key, ids in prompts.items():
-        tree.insert(key, list(ids[:-1]))  # the tree the engine builds
-    shared = shared_nodes(tree, min_shared_tokens)
-    out: dict[Hashable, Node | None] = {}
-    for key in prompts:
-        node, top = tree.node_of(key), None
-        while node is not None:
-            top = node if node in shared else top
-            node = node.parent
-        out[key] = top
-    return out
-
-
 def plan(
     tree: PrefixTree,
     jobs: Mapping[Hashable, JobShape],

@@ -1,4 +1,10 @@
-"""Batch tokenization gives exactly the ids of one-at-a-time tokenization."""
+"""Batch tokenization gives exactly the ids of one-at-a-time tokenization, and `validate`/`plan`
+load the tokenizer without importing torch."""
+import json
+import subprocess
+import sys
+
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from pipeline.tokenize import Tokenizer
@@ -24,3 +30,16 @@ def test_a_tokenizer_without_chat_template_fails_only_the_chat_jobs():
     hf.chat_template = None
     got = Tokenizer(hf).encode_many(["hello", None], [None, [{"role": "user", "content": "hi"}]])
     assert got[0] == TOK.encode_prompt("hello") and "no chat template" in str(got[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["validate", "plan"])
+def test_validate_and_plan_never_import_torch(tmp_path, model_dir, command):
+    src = tmp_path / "jobs.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"Shared words for all of them. Job {i}"}) + "\n" for i in range(5)))
+    code = ("import sys, runpy; sys.argv = ['batchgen', %r, %r, '--model', %r]\n"
+            "try:\n    runpy.run_module('pipeline', run_name='__main__')\n"
+            "except SystemExit as e:\n    assert not e.code, e.code\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\nprint('ok')") % (command, str(src), str(model_dir))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
