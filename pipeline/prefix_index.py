@@ -123,9 +123,10 @@ class IndexBuilder:
         del runs
         tails = np.frombuffer(merged.tails, dtype=self.dtype).astype(self.dtype.newbyteorder("="))
         ends = np.frombuffer(merged.ends, dtype=np.int64) // self.width
-        return PrefixIndex(np.frombuffer(merged.jobs, dtype=np.int64), np.asarray(merged.lcp, dtype=np.int64),
-                           tails, ends, np.asarray(self._lengths, dtype=np.int64),
-                           np.asarray(self._weights, dtype=np.int64), np.asarray(self._max_new, dtype=np.int64))
+        # 4 bytes a job each (positions and offsets into the tails stay 8): a million jobs, ~30 MB
+        return PrefixIndex(np.asarray(merged.jobs, dtype=np.int32), np.asarray(merged.lcp, dtype=np.int32),
+                           tails, ends, np.asarray(self._lengths, dtype=np.int32),
+                           np.asarray(self._weights, dtype=np.int32), np.asarray(self._max_new, dtype=np.int32))
 
 
 @dataclass

@@ -93,7 +93,7 @@ def assign_shards(index: PrefixIndex, shards: int, min_shared: int) -> np.ndarra
     group's earliest job, then the lowest shard), so every shard computes the same assignment."""
     positions = np.arange(len(index))
     jobs, held = index.subset(positions)
-    lengths = index.lengths[jobs]
+    lengths = index.lengths[jobs].astype(np.int64)
     u = units(held, lengths, index.weights[jobs], min_shared)
     out = np.zeros(len(index), dtype=np.int64)
     if not len(u):
