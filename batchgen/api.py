@@ -70,7 +70,8 @@ class Engine:
 
     def generate(self, jobs: Any, *, output: str | None = None, progress: bool = False, **options: Any) -> Any:
         """As `batchgen.generate`, with this engine's model (loading options do not apply)."""
-        from pipeline.preflight import check_output, tokenized
+        from pipeline.inmemory import tokenized
+        from pipeline.preflight import check_output
         from pipeline.runner import fingerprint, write_results
 
         opts = run_options(options)
@@ -91,7 +92,8 @@ class Engine:
 
     def _read(self, source: Source, opts: Any) -> tuple[dict[int, Job], dict[int, InvalidRow], pa.Schema]:
         from jobs.readers import jobs_of_records
-        from pipeline.preflight import checked_rows, read_checked
+        from pipeline.inmemory import checked_rows
+        from pipeline.preflight import read_checked
 
         if source.kind == "files":
             return read_checked(source.paths, opts)

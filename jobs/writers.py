@@ -63,25 +63,62 @@ def infer_extra_schema(extras: Iterable[Mapping[str, Any]],
     else from the values. A column whose values Arrow cannot unify (a dict in one
     JSONL row, a string in the next) becomes a string column of JSON text.
     """
-    columns: dict[str, list[Any]] = {}
-    count = 0
+    inference = ExtraSchema(hint)
+    chunk: list[Mapping[str, Any]] = []
     for extra in extras:
-        for name in extra:
-            columns.setdefault(name, [None] * count)
-        for name, values in columns.items():
-            values.append(extra.get(name))
-        count += 1
-    out = []
-    for name, values in columns.items():
-        if hint is not None and name in hint.names:
-            out.append(hint.field(name))
-            continue
-        try:
-            dtype = pa.array(values).type
-        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
-            dtype = pa.string()
-        out.append(pa.field(name, pa.string() if pa.types.is_null(dtype) else dtype))
-    return pa.schema(out)
+        chunk.append(extra)
+        if len(chunk) >= ExtraSchema.CHUNK:
+            inference.update(chunk)
+            chunk = []
+    inference.update(chunk)
+    return inference.schema()
+
+
+class ExtraSchema:
+    """`infer_extra_schema` over a stream of rows, chunk by chunk, with the same result.
+
+    Arrow infers a column's type from all its values as a join (ints and floats give double,
+    structs merge their fields, a conflict fails), so one chunk of values per distinct chunk type
+    holds everything the whole column would tell: the kept chunks are inferred together at the end.
+    """
+
+    CHUNK = 4096
+
+    def __init__(self, hint: pa.Schema | None = None) -> None:
+        self.hint = hint
+        self._names: dict[str, None] = {}  # first-seen order
+        self._kept: dict[str, dict[Any, list[Any]]] = {}  # column -> chunk type -> that chunk's values
+
+    def update(self, extras: Sequence[Mapping[str, Any]]) -> None:
+        for extra in extras:
+            for name in extra:
+                self._names.setdefault(name, None)
+        hinted = self.hint.names if self.hint is not None else ()
+        for name in self._names:
+            if name in hinted:
+                continue
+            values = [e.get(name) for e in extras]
+            if not values:
+                continue
+            try:
+                key: Any = pa.array(values).type
+            except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+                key = "conflict"
+            self._kept.setdefault(name, {}).setdefault(key, values)
+
+    def schema(self) -> pa.Schema:
+        out = []
+        for name in self._names:
+            if self.hint is not None and name in self.hint.names:
+                out.append(self.hint.field(name))
+                continue
+            values = [v for chunk in self._kept.get(name, {}).values() for v in chunk]
+            try:
+                dtype = pa.array(values).type
+            except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+                dtype = pa.string()
+            out.append(pa.field(name, pa.string() if pa.types.is_null(dtype) else dtype))
+        return pa.schema(out)
 
 
 def _json_default(value: Any) -> Any:
@@ -140,6 +177,12 @@ class ParquetWriter(AtomicWriter):
         self._buffer.extend(conform_rows(rows, self.schema))
         if len(self._buffer) >= _ROW_GROUP_ROWS:
             self._flush()
+
+    def write_table(self, table: pa.Table) -> None:
+        """Rows already in this writer's schema (a committed part's), as Arrow: no Python rows."""
+        self._flush()
+        self._pq.write_table(table.select(self.schema.names).cast(self.schema),  # type: ignore[union-attr]
+                             row_group_size=_ROW_GROUP_ROWS * 8)
 
     def _flush(self) -> None:
         if self._buffer:
@@ -216,14 +259,20 @@ class ErrorWriter(AtomicWriter):
     def __init__(self, path: str | os.PathLike[str], overwrite: bool = False) -> None:
         super().__init__(path, overwrite)
         self._overwrite = overwrite
-        self._rows: list[dict[str, Any]] = []
+        self._tables: list[pa.Table] = []  # held as Arrow: a run may refuse a million rows
 
     def write(self, rows: Iterable[InvalidRow | Mapping[str, Any]]) -> None:
-        for r in rows:
-            self._rows.append(r.to_row() if isinstance(r, InvalidRow) else dict(r))
+        rows = [r.to_row() if isinstance(r, InvalidRow) else dict(r) for r in rows]
+        if rows:
+            self._tables.append(pa.Table.from_pylist(rows, schema=ERROR_SCHEMA))
+
+    def write_table(self, table: pa.Table) -> None:
+        """Error rows as Arrow (other columns, such as the input position, are dropped)."""
+        if table.num_rows:
+            self._tables.append(table.select(ERROR_SCHEMA.names).cast(ERROR_SCHEMA))
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None and not self._rows:
+        if exc_type is None and not self._tables:
             self._discard()  # nothing to report: do not create an empty errors file
             if self._overwrite and os.path.lexists(self.path):
                 os.unlink(self.path)
@@ -231,7 +280,7 @@ class ErrorWriter(AtomicWriter):
         super().__exit__(exc_type, exc, tb)
 
     def _finish(self) -> None:
-        pq.write_table(pa.Table.from_pylist(self._rows, schema=ERROR_SCHEMA), self._file)
+        pq.write_table(pa.concat_tables(self._tables), self._file)
 
 
 def open_error_writer(path: str | os.PathLike[str], fmt: str = "parquet", overwrite: bool = False) -> AtomicWriter:
@@ -259,5 +308,5 @@ from .openai_batch import OpenAIBatchWriter, OpenAIErrorWriter  # noqa: E402
 
 __all__ = ["result_schema", "id_type_for", "infer_extra_schema", "ParquetWriter", "JsonlWriter",
            "OpenAIBatchWriter", "OpenAIErrorWriter", "ErrorWriter", "CREATED", "open_error_writer",
-           "open_result_writer", "errors_path", "summary_path", "write_summary", "write_table", "conform_rows",
+           "open_result_writer", "errors_path", "summary_path", "write_summary", "write_table", "conform_rows", "ExtraSchema",
            "remove_stale_temps", "AtomicWriter", "RESULT_COLUMNS", "ERROR_SCHEMA", "FORMATS"]

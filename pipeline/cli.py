@@ -38,6 +38,15 @@ def _input_options(f):
     return f
 
 
+def _window_options(f):
+    f = click.option("--window-jobs", type=click.IntRange(min=1), default=65536, show_default=True,
+                     envvar="BATCHGEN_WINDOW_JOBS",
+                     help="Jobs the engine holds at once (whole prefix groups; a larger group is cut).")(f)
+    f = click.option("--window-tokens", type=click.IntRange(min=1), default=16_000_000, show_default=True,
+                     envvar="BATCHGEN_WINDOW_TOKENS", help="Prompt tokens the engine holds at once.")(f)
+    return f
+
+
 def _generation_options(f):
     opts = [
         click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True,
@@ -145,9 +154,10 @@ def main() -> None:
 @click.option("--threads", type=click.IntRange(min=1), default=None, envvar="BATCHGEN_THREADS",
               help="CPU threads [default: OMP_NUM_THREADS, else the cores this process may use "
                    "(affinity and cgroup quota)].")
+@_window_options
 def process(inputs, output, model, trust_remote_code, device, dtype, max_batch_tokens, min_shared_tokens,
             output_format, overwrite, on_error, shard, commit_every, engine, address, workers, gpus_per_worker,
-            progress_every, threads, dataset, split, prompt_template, system, **gen):
+            progress_every, threads, window_jobs, window_tokens, dataset, split, prompt_template, system, **gen):
     """Generate completions for every job in INPUTS and write them to OUTPUT in input order.
 
     INPUTS are JSONL (optionally .gz/.zst), Parquet, directories of part files, `datasets`
@@ -168,7 +178,8 @@ def process(inputs, output, model, trust_remote_code, device, dtype, max_batch_t
                          max_batch_tokens=max_batch_tokens, min_shared_tokens=min_shared_tokens,
                          output_format=output_format, overwrite=overwrite, prompt_template=prompt_template,
                          system=system, dataset=dataset, split=split, trust_remote_code=trust_remote_code,
-                         on_error=on_error, shard=shard, commit_every=commit_every, threads=threads)
+                         on_error=on_error, shard=shard, commit_every=commit_every, threads=threads,
+                         window_jobs=window_jobs, window_tokens=window_tokens)
     if engine == "ray":
         from pipeline.ray_runner import process_ray
 
@@ -205,19 +216,22 @@ def process(inputs, output, model, trust_remote_code, device, dtype, max_batch_t
               envvar="BATCHGEN_MAX_BATCH_TOKENS")
 @click.option("--top", type=int, default=10, show_default=True, help="How many groups to list.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@_window_options
 def plan(inputs, model, trust_remote_code, dataset, split, prompt_template, system, min_shared_tokens,
-         max_batch_tokens, top, as_json, **gen):
+         max_batch_tokens, top, as_json, window_jobs, window_tokens, **gen):
     """Show how INPUTS share prefixes and the predicted prefill saving (tokenizer only, no model)."""
     from pipeline.planning import describe
 
     report = _guard(describe, list(inputs), _guard(_defaults, gen), model=model, dataset=dataset, split=split,
                     prompt_template=prompt_template, system=system, min_shared_tokens=min_shared_tokens,
-                    max_batch_tokens=max_batch_tokens, top=top, trust_remote_code=trust_remote_code)
+                    max_batch_tokens=max_batch_tokens, top=top, trust_remote_code=trust_remote_code,
+                    window_jobs=window_jobs, window_tokens=window_tokens)
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
     click.echo(f"jobs: {report['jobs']} ({report['invalid']} invalid)   groups: {report['groups']}   "
-               f"shared prefixes: {report['shared_prefixes']}   batches: {report['batches']}")
+               f"shared prefixes: {report['shared_prefixes']}   batches: {report['batches']}   "
+               f"windows: {report['windows']}" + (f" ({report['split_groups']} groups cut)" if report['split_groups'] else ""))
     click.echo(f"prompt tokens: {report['prompt_tokens']}   prefill tokens: {report['prefill_tokens']}   "
                f"saving: {report['prefill_saving']:.1%}   (radix-tree bound: {report['lower_bound']})")
     if report["top_groups"]:
@@ -240,9 +254,9 @@ def validate(inputs, model, trust_remote_code, dataset, split, prompt_template, 
 
     options = RunOptions(model=model, defaults=_guard(_defaults, gen), prompt_template=prompt_template, system=system,
                          dataset=dataset, split=split, trust_remote_code=trust_remote_code)
-    checked = _guard(check_inputs, list(inputs), options)
-    for problem in checked.invalid.values():
-        click.echo(str(problem))
+    checked = _guard(check_inputs, list(inputs), options, purpose="validate")
+    for line in checked.invalid.lines():
+        click.echo(line)
     click.echo(f"{checked.total} jobs checked, {len(checked.invalid)} with problems", err=True)
     if checked.invalid:
         sys.exit(1)

@@ -8,6 +8,10 @@ load that afterwards (well under a second).
 Tokenizer loading at run time belongs to ``pipeline.tokenize``; this module only
 touches tokenizer classes during the one-time conversion, so that the converted
 directory is self-contained and ``load_model`` can hand its path to the tokenizer.
+
+torch and transformers' model classes are imported inside the functions that use them:
+finding the default model's directory, or a model's config, must not cost a torch import
+(`validate` and `plan` need the tokenizer and config only).
 """
 
 from __future__ import annotations
@@ -21,8 +25,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
@@ -87,7 +94,8 @@ def _chat_template_from_gguf(gguf_path: Path) -> str | None:
 def _convert(gguf_path: Path, out: Path) -> None:
     """De-quantize the GGUF into ``out`` as float32 safetensors + config + tokenizer."""
     # Tokenizer classes are imported here only: run-time tokenizer loading is not ours.
-    from transformers import AutoTokenizer, GenerationConfig
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     src_dir, name = str(gguf_path.parent), gguf_path.name
     gguf_model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
@@ -196,6 +204,8 @@ def _needs_repair(target: Path) -> bool:
 
 def resolve_device(device: str) -> torch.device:
     """``auto`` → cuda, else mps, else cpu; explicit names are checked for availability."""
+    import torch
+
     if device == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
@@ -221,22 +231,21 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16,
-}
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16"}
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """``auto`` → bf16 on CUDA when supported (fp16 otherwise), float32 elsewhere."""
+    import torch
+
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         # Half precision on CPU is slow and, for fp16, numerically fragile.
         return torch.float32
     try:
-        return _DTYPES[dtype]
+        return getattr(torch, _DTYPES[dtype])
     except KeyError:
         raise ValueError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16 or float16") from None
 
@@ -275,13 +284,17 @@ def model_source(name_or_path: str | None) -> tuple[str, str]:
     return name_or_path, name_or_path
 
 
-def load_config(name_or_path: str | None, trust_remote_code: bool = False):
-    """The model's config alone (no weights): what the checks before a run need of the model."""
-    from transformers import AutoConfig
+def load_config(name_or_path: str | None, trust_remote_code: bool = False, without_torch: bool = False):
+    """The model's config alone (no weights): what the checks before a run need of the model.
+    `without_torch`: for a process that never loads a model (`pipeline.tokenize.torch_hidden`)."""
+    from pipeline.tokenize import torch_hidden
 
     label, source = model_source(name_or_path)
     try:
-        return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+        with torch_hidden(without_torch):
+            from transformers import AutoConfig
+
+            return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         hint = ("it needs custom code: pass --trust-remote-code only if you trust that code"
                 if "trust_remote_code" in str(e) and not trust_remote_code
@@ -300,6 +313,8 @@ def load_model(
     Returns ``(model, tokenizer_source)``: the local directory or hub id the
     tokenizer should be loaded from (for the default model, the converted dir).
     """
+    from transformers import AutoModelForCausalLM
+
     label, source = model_source(name_or_path)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)

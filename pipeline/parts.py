@@ -14,14 +14,15 @@ import os
 import shutil
 from typing import Any, Iterable, Mapping
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobs import Job, JobError, write_summary
+from jobs import JobError, write_summary
 from jobs.schema import RESERVED_COLUMNS
 from jobs.writers import ERROR_SCHEMA, write_table
 
-ORDER = "_batchgen_order"  # a row's position in the input, so the final output keeps input order
+from pipeline.ordered import ORDER  # a row's position in the input, so the final output keeps input order
 MANIFEST = "manifest.json"
 ERROR_PART_SCHEMA = ERROR_SCHEMA.append(pa.field(ORDER, pa.int64()))
 assert ORDER in RESERVED_COLUMNS  # an input column of this name is refused row by row
@@ -37,13 +38,11 @@ def fingerprint(items: Iterable[Any], settings: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
-def job_set_key(jobs: Mapping[int, Job], settings: dict[str, Any]) -> str:
-    """What finished work belongs to: every job with its input position, and the settings. The
-    same for every shard of one command line (so `merge` can check they belong together), and
-    for the local and the Ray runner."""
-    return fingerprint(([o, j.id, j.prompt, j.messages, j.extra, j.generation(), j.custom_id, j.prompt_index]
-                        for o, j in sorted(jobs.items())),
-                       {k: v for k, v in settings.items() if k != "shard"})
+def job_set_key(digest: str, settings: dict[str, Any]) -> str:
+    """What finished work belongs to: the job set (`digest`: every job with its input position,
+    `preflight.job_digest`) and the settings. The same for every shard of one command line (so
+    `merge` can check they belong together), and for the local and the Ray runner."""
+    return fingerprint([digest], {k: v for k, v in settings.items() if k != "shard"})
 
 
 def may_resume(where: str, recorded: Mapping[str, Any] | None, key: str, overwrite: bool) -> bool:
@@ -125,13 +124,14 @@ class PartStore:
     def stats(self) -> dict[str, int]:
         return dict(self.manifest.get("stats", {}))
 
-    def done(self) -> set[int]:
-        """Input positions already committed, as results or as errors."""
-        orders: set[int] = set()
+    def done(self, positions: int) -> np.ndarray:
+        """For each of `positions` input positions: whether it is committed, as results or errors."""
+        done = np.zeros(positions, dtype=bool)
         for part in self.manifest["parts"]:
             for name in part["files"]:
-                orders.update(pq.read_table(os.path.join(self.dir, name), columns=[ORDER])[ORDER].to_pylist())
-        return orders
+                orders = pq.read_table(os.path.join(self.dir, name), columns=[ORDER])[ORDER].to_numpy()
+                done[orders[orders < positions]] = True
+        return done
 
     def commit(self, results: list[dict[str, Any]], errors: list[dict[str, Any]], stats: dict[str, int]) -> None:
         if not results and not errors:
@@ -147,16 +147,10 @@ class PartStore:
         write_summary(os.path.join(self.dir, MANIFEST), manifest)  # atomic: the commit point
         self.manifest = manifest
 
-    def results(self) -> pa.Table:
-        tables = [pq.read_table(os.path.join(self.dir, f), schema=self.schema)
-                  for part in self.manifest["parts"] for f in part["files"] if f.startswith("part-")]
-        table = pa.concat_tables(tables) if tables else self.schema.empty_table()
-        return table.sort_by(ORDER)
-
-    def errors(self) -> list[dict[str, Any]]:
-        rows = [r for part in self.manifest["parts"] for f in part["files"] if f.startswith("errors-")
-                for r in pq.read_table(os.path.join(self.dir, f)).to_pylist()]
-        return sorted(rows, key=lambda r: r[ORDER])
+    def files(self, stem: str) -> list[str]:
+        """The committed files of one kind ("part" results or "errors"), in commit order."""
+        return [os.path.join(self.dir, f) for part in self.manifest["parts"] for f in part["files"]
+                if f.startswith(stem + "-")]
 
     def close(self) -> None:
         """Release the output (idempotent): every way out of a run calls it."""

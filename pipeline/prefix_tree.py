@@ -46,6 +46,7 @@ class PrefixTree:
     def __init__(self) -> None:
         self.root = Node(tokens=[], depth=0)
         self._end: dict[Hashable, Node] = {}
+        self._last = self.root  # where the last sequence ended (insert_next starts from there)
 
     def __len__(self) -> int:
         return self.root.size
@@ -69,7 +70,31 @@ class PrefixTree:
             child.size += weight
             node, i = child, i + common
         node.keys.append(key)
-        self._end[key] = node
+        self._end[key] = self._last = node
+        return node
+
+    def insert_next(self, key: Hashable, seq: Sequence[int], common: int, weight: int = 1) -> Node:
+        """Add a sequence that shares exactly `common` tokens with the one inserted just before it
+        and no more with any earlier one (sequences in sorted order, with their longest-common-
+        prefix array): no token is compared, and the tree is the one `insert` builds from the same
+        sequences in the same order, node for node and child for child."""
+        if key in self._end:
+            raise KeyError(f"sequence {key!r} is already in the tree")
+        node = self._last if common > 0 else self.root
+        while node.parent is not None and node.start >= common:  # up to the edge that holds token `common`
+            node = node.parent
+        if node.depth > common:
+            node = self._split(node, common - node.start)
+        up = node
+        while up is not None:
+            up.size += weight
+            up = up.parent
+        if len(seq) > common:
+            leaf = Node(tokens=list(seq[common:]), depth=len(seq), parent=node, size=weight)
+            node.children[seq[common]] = leaf
+            node = leaf
+        node.keys.append(key)
+        self._end[key] = self._last = node
         return node
 
     def _split(self, child: Node, at: int) -> Node:
@@ -116,6 +141,8 @@ class PrefixTree:
 
 def _common_length(edge: list[int], seq: Sequence[int], offset: int) -> int:
     n = min(len(edge), len(seq) - offset)
+    if edge[:n] == seq[offset : offset + n]:  # one C-level comparison for a whole shared edge
+        return n
     k = 0
     while k < n and edge[k] == seq[offset + k]:
         k += 1

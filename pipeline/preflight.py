@@ -1,23 +1,33 @@
-"""Everything checked before generation, in one code path.
+"""Everything checked before generation, in one code path, streaming.
 
-`batchgen validate` calls `check_inputs`, and so does `batchgen process` before it loads the
-model: whatever `process` would refuse (a bad row, a column Arrow cannot write, a prompt that
-does not tokenize or does not fit the context window), `validate` reports first, with its
-location. `check_output` refuses a bad output path before any work is done.
+`batchgen validate` calls `check_inputs`, and so do `batchgen plan` and `batchgen process` (before
+it loads the model): whatever `process` would refuse (a bad row, a column Arrow cannot write, a
+prompt that does not tokenize or does not fit the context window), `validate` reports first,
+with its location. `check_output` refuses a bad output path before any work is done.
+
+Rows are read in chunks; each chunk is tokenized in one call of the fast tokenizer's batch
+encoder, in a thread, while the next chunk is read. What stays of a job is its prompt in the
+sorted prefix index (its tail only), a few numbers in arrays, and, for `process`, the job
+itself in a spool on disk: memory does not hold a million jobs as Python objects.
 """
 from __future__ import annotations
 
+import array
 import hashlib
+import json
 import os
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
+import numpy as np
 import pyarrow as pa
 
-from jobs import (InvalidRow, Job, JobError, id_type_for, infer_extra_schema, input_schema, read_jobs,
-                  result_schema)
-from jobs.writers import conform_rows
+from jobs import InvalidRow, Job, JobError, input_schema, read_jobs, result_schema
+from jobs.writers import ExtraSchema, conform_rows
+from pipeline.jobstore import JobSpool, Problems
+from pipeline.prefix_index import IndexBuilder, PrefixIndex
 from pipeline.tokenize import Tokenizer, TokenizerError
 from pipeline.types import Request, SamplingParams
 
@@ -28,22 +38,28 @@ _PARQUET_NAMES = (".parquet", ".pq")
 _LINE_NAMES = (".jsonl", ".json", ".ndjson", ".jsonl.gz", ".json.gz", ".ndjson.gz")
 _UNSUPPORTED_COMPRESSION = (".zst", ".zstd", ".bz2", ".xz", ".lz4")
 _EXTRAS_CHUNK = 4096  # rows per Arrow conversion when checking carried columns
+CHUNK_ROWS = 8192  # rows read, checked and tokenized together
 
 
 @dataclass
 class Checked:
-    """The input as a run sees it before generating."""
+    """The input as a run sees it before generating. Jobs that run are numbered in input order;
+    `orders[j]` is job j's input position."""
 
-    jobs: dict[int, Job]  # every row that is a valid job, by input position (the job set)
-    invalid: dict[int, InvalidRow]  # every row that cannot run, with where and why
-    requests: list[Request]  # the jobs that run, tokenized
+    total: int  # input rows: each is a job that runs or a row that cannot (in `invalid`)
+    invalid: Problems
+    orders: np.ndarray
+    index: PrefixIndex | None  # the jobs' prompts, sorted (`plan`, `process`)
+    spool: JobSpool | None  # the jobs themselves (`process`)
     schema: pa.Schema  # the result schema
     tokenizer: Tokenizer
+    digest: str | None  # the job set: every valid row with its position (`process`; see parts.job_set_key)
+    # refused elements of OpenAI list prompts: their request's custom_id (errors are per request)
+    custom_ids: dict[int, str]
 
-    @property
-    def total(self) -> int:
-        """Input rows: each is a job that runs or an invalid row (or both, if it fails to tokenize)."""
-        return len(self.jobs.keys() | self.invalid.keys())
+    def close(self) -> None:
+        if self.spool is not None:
+            self.spool.close()
 
 
 def check_output(output: str, fmt: str, overwrite: bool) -> None:
@@ -97,32 +113,58 @@ def _probe_writable(parent: str, output: str) -> None:
     os.unlink(probe)
 
 
-def read_all(inputs: list[str], options: RunOptions) -> tuple[dict[int, Job], dict[int, InvalidRow]]:
-    """Every input row by its position: a valid job or the reason it is not one."""
-    jobs: dict[int, Job] = {}
-    invalid: dict[int, InvalidRow] = {}
-    for order, item in enumerate(read_jobs(inputs, options.defaults, dataset=options.dataset, split=options.split,
-                                           prompt_template=options.prompt_template, system=options.system)):
-        (jobs if isinstance(item, Job) else invalid)[order] = item
-    return jobs, invalid
+class _Rows:
+    """Rows in chunks, in input order: (position, Job) that may run and (position, InvalidRow) that
+    cannot. A carried value is checked against the column types of typed inputs here, per chunk:
+    a column whose type is inferred from the values holds every one of them by construction."""
+
+    def __init__(self, inputs: list[str], options: RunOptions) -> None:
+        self.items = read_jobs(inputs, options.defaults, dataset=options.dataset, split=options.split,
+                               prompt_template=options.prompt_template, system=options.system)
+        self.hint = input_schema(inputs, dataset=options.dataset, split=options.split)
+        self.extras = ExtraSchema(self.hint)
+        self.all_int_ids = True
+        self.total = 0
+        self.created = options.output_format == "openai"  # each request's completion time, kept in the parts
+
+    def chunks(self) -> Iterator[tuple[dict[int, Job], list[tuple[int, InvalidRow]]]]:
+        jobs: dict[int, Job] = {}
+        bad: list[tuple[int, InvalidRow]] = []
+        for order, item in enumerate(self.items):
+            self.total = order + 1
+            if isinstance(item, Job):
+                jobs[order] = item
+            else:
+                bad.append((order, item))
+            if len(jobs) + len(bad) >= CHUNK_ROWS:
+                yield self._checked(jobs, bad)
+                jobs, bad = {}, []
+        yield self._checked(jobs, bad)
+
+    def _checked(self, jobs: dict[int, Job], bad: list[tuple[int, InvalidRow]]):
+        self.extras.update([j.extra for j in jobs.values()])  # every row's columns count, as before the check
+        if self.hint is not None:
+            typed = pa.schema([f for f in self.hint if any(f.name in j.extra for j in jobs.values())])
+            for order, problem in check_extras(jobs, typed).items():
+                bad.append((order, problem))
+                del jobs[order]
+        self.all_int_ids = self.all_int_ids and all(isinstance(j.id, int) for j in jobs.values())
+        return jobs, bad
+
+    def schema(self) -> pa.Schema:
+        return result_schema(self.extras.schema(), pa.int64() if self.all_int_ids else pa.string(), self.created)
 
 
 def read_checked(inputs: list[str], options: RunOptions) -> tuple[dict[int, Job], dict[int, InvalidRow], pa.Schema]:
-    """The rows, the rows whose carried columns cannot be written, and the result schema."""
-    jobs, invalid = read_all(inputs, options)
-    return checked_rows(jobs, invalid, input_schema(inputs, dataset=options.dataset, split=options.split), options)
-
-
-def checked_rows(jobs: dict[int, Job], invalid: dict[int, InvalidRow], hint: pa.Schema | None,
-                 options: RunOptions) -> tuple[dict[int, Job], dict[int, InvalidRow], pa.Schema]:
-    """Rows read (from files, or in memory by the Python API) and the types of typed inputs: the
-    rows whose carried columns cannot be written move to `invalid`; and the result schema."""
-    extra_schema = infer_extra_schema((j.extra for j in jobs.values()), hint)
-    for order, bad in check_extras(jobs, extra_schema).items():
-        invalid[order] = bad
-        del jobs[order]
-    created = options.output_format == "openai"  # each request's completion time, kept in the parts
-    return jobs, invalid, result_schema(extra_schema, id_type_for(j.id for j in jobs.values()), created)
+    """Every row at once (the Ray driver's and the Python API's input): the jobs, the rows whose
+    carried columns cannot be written, and the result schema."""
+    rows = _Rows(inputs, options)
+    jobs: dict[int, Job] = {}
+    invalid: dict[int, InvalidRow] = {}
+    for chunk, bad in rows.chunks():
+        jobs.update(chunk)
+        invalid.update(bad)
+    return jobs, invalid, rows.schema()
 
 
 def check_extras(jobs: Mapping[int, Job], extra_schema: pa.Schema) -> dict[int, InvalidRow]:
@@ -155,33 +197,91 @@ def check_extras(jobs: Mapping[int, Job], extra_schema: pa.Schema) -> dict[int, 
     return bad
 
 
-def check_inputs(inputs: list[str], options: RunOptions) -> Checked:
-    """Read, validate and tokenize every row, with the model's tokenizer and config (no weights)."""
+def check_inputs(inputs: list[str], options: RunOptions, purpose: str = "process") -> Checked:
+    """Read, validate and tokenize every row, with the model's tokenizer and config (no weights).
+    `purpose`: "validate" keeps only the problems, "plan" also the prompt index, "process" also the
+    jobs and the job set's digest. The first two never import torch (`tokenize.torch_hidden`)."""
     from pipeline.model import load_config, model_source
 
-    jobs, invalid, schema = read_checked(inputs, options)
+    light = purpose != "process"
     _, source = model_source(options.model)
-    config = load_config(options.model, options.trust_remote_code)
-    tokenizer = Tokenizer.load(source, trust_remote_code=options.trust_remote_code)
-    return tokenized(jobs, invalid, schema, tokenizer, config, options)
+    config = load_config(options.model, options.trust_remote_code, without_torch=light)
+    window, vocab = context_window(config), vocab_size(config)
+    tokenizer = Tokenizer.load(source, trust_remote_code=options.trust_remote_code, without_torch=light)
+    check_default_constraint(tokenizer, options)
+    rows = _Rows(list(inputs), options)
+    invalid = Problems()
+    index = IndexBuilder(tokenizer.vocab_size) if purpose != "validate" else None
+    spool = JobSpool() if purpose == "process" else None
+    digest = JobDigest() if purpose == "process" else None
+    orders = array.array("q")
+    custom_ids: dict[int, str] = {}
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="batchgen-tokenize") as pool:
+            pending = None
+            for jobs, bad in rows.chunks():
+                ahead = pool.submit(_tokenize, tokenizer, jobs)  # runs while the next chunk is read
+                if pending is not None:
+                    _keep(*pending, tokenizer, window, vocab, invalid, index, spool, digest, orders, custom_ids)
+                pending = (jobs, bad, ahead)
+            if pending is not None:
+                _keep(*pending, tokenizer, window, vocab, invalid, index, spool, digest, orders, custom_ids)
+    except BaseException:
+        if spool is not None:
+            spool.close()
+        raise
+    return Checked(rows.total, invalid, np.frombuffer(orders, dtype=np.int64), index.build() if index is not None else None,
+                   spool, rows.schema(), tokenizer, digest.hexdigest() if digest is not None else None, custom_ids)
 
 
-def tokenized(jobs: dict[int, Job], invalid: dict[int, InvalidRow], schema: pa.Schema, tokenizer: Tokenizer,
-              config: Any, options: RunOptions) -> Checked:
-    """Checked rows made requests with the model's tokenizer and config; what cannot run joins
-    `invalid` (the Python API calls this with the model it holds)."""
-    default = options.defaults.constraint
-    if default is not None:  # a bad default fails once, before any row
-        from pipeline.grammar import GrammarError
+def _tokenize(tokenizer: Tokenizer, jobs: Mapping[int, Job]) -> list[list[int] | TokenizerError]:
+    return tokenizer.encode_many([j.prompt for j in jobs.values()], [j.messages for j in jobs.values()])
 
-        try:
-            tokenizer.grammars.check(default)
-        except GrammarError as e:
-            raise JobError(f"--{(default.source or default.kind).replace('_', '-')}: cannot be used: {e}") from None
-    requests, bad = to_requests(jobs, tokenizer, context_window(config), options.defaults.seed,
-                                vocab_size(config))
-    invalid.update(bad)
-    return Checked(jobs, dict(sorted(invalid.items())), requests, schema, tokenizer)
+
+def _keep(jobs: dict[int, Job], bad: list[tuple[int, InvalidRow]], tokenized, tokenizer: Tokenizer,
+          window: int | None, vocab: int | None, invalid: Problems, index: IndexBuilder | None,
+          spool: JobSpool | None, digest: JobDigest | None, orders: array.array, custom_ids: dict[int, str]) -> None:
+    """One checked, tokenized chunk into what the run keeps."""
+    kept: list[tuple[int, Job, list[int]]] = []
+    for (order, job), ids in zip(jobs.items(), tokenized.result()):
+        if digest is not None:  # the job set: every job that may run, tokenizable or not
+            digest.add(order, job)
+        problem = InvalidRow(job.location, job.id, str(ids)) if isinstance(ids, TokenizerError) \
+            else prompt_problem(job, len(ids), window) or generation_error(job, tokenizer, vocab)
+        if problem is None:
+            kept.append((order, job, ids))
+            continue
+        bad.append((order, problem))
+        if job.prompt_index is not None:
+            custom_ids[order] = job.custom_id
+    invalid.add(bad)
+    orders.extend(o for o, _, _ in kept)
+    if index is not None:
+        index.add([ids for _, _, ids in kept], [j.n for _, j, _ in kept], [j.max_new_tokens for _, j, _ in kept])
+    if spool is not None:
+        spool.add([j for _, j, _ in kept])
+
+
+class JobDigest:
+    """A hash of the job set: every job that may run (tokenizable or not) with its input position,
+    prompt, parameters and carried columns, in input order (`parts.job_set_key` adds the settings)."""
+
+    def __init__(self) -> None:
+        self._hash = hashlib.blake2b(digest_size=16)
+
+    def add(self, order: int, job: Job) -> None:
+        item = [order, job.id, job.prompt, job.messages, job.extra, job.generation(), job.custom_id, job.prompt_index]
+        self._hash.update(json.dumps(item, sort_keys=True, default=str).encode() + b"\n")
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
+
+
+def job_digest(jobs: Mapping[int, Job]) -> str:
+    digest = JobDigest()
+    for order, job in sorted(jobs.items()):
+        digest.add(order, job)
+    return digest.hexdigest()
 
 
 def job_seed(run_seed: int | None, job_id: str | int) -> int:
@@ -205,35 +305,17 @@ def vocab_size(config: Any) -> int | None:
     return value if isinstance(value, int) and value > 0 else None
 
 
-def to_requests(jobs: Mapping[int, Job], tokenizer: Tokenizer, window: int | None,
-                run_seed: int | None, vocab: int | None = None) -> tuple[list[Request], dict[int, InvalidRow]]:
-    """Tokenize each job whole (keyed by its input position); a job that cannot run becomes an
-    error row, never a crash."""
-    requests, invalid = [], {}
-    for order, job in jobs.items():
-        try:
-            ids = tokenizer.encode_messages(job.messages) if job.is_chat else tokenizer.encode_prompt(job.prompt)
-        except TokenizerError as e:
-            invalid[order] = InvalidRow(job.location, job.id, str(e))
-            continue
-        made = make_request(order, job, ids, tokenizer, window, run_seed, vocab)
-        if isinstance(made, InvalidRow):
-            invalid[order] = made
-        else:
-            requests.append(made)
-    return requests, invalid
+def prompt_problem(job: Job, n_prompt: int, window: int | None) -> InvalidRow | None:
+    if not n_prompt:
+        return InvalidRow(job.location, job.id, "the prompt tokenizes to no tokens")
+    return length_error(job, n_prompt, window)
 
 
 def make_request(order: int, job: Job, ids: list[int], tokenizer: Tokenizer, window: int | None,
                  run_seed: int | None, vocab: int | None = None) -> Request | InvalidRow:
-    if not ids:
-        return InvalidRow(job.location, job.id, "the prompt tokenizes to no tokens")
-    too_long = length_error(job, len(ids), window)
-    if too_long is not None:
-        return too_long
-    bad = generation_error(job, tokenizer, vocab)
-    if bad is not None:
-        return bad
+    problem = prompt_problem(job, len(ids), window) or generation_error(job, tokenizer, vocab)
+    if problem is not None:
+        return problem
     # compiled once per distinct constraint (generation_error just did)
     grammar = tokenizer.grammars.factory(job.constraint) if job.constraint is not None else None
     params = SamplingParams(
@@ -243,6 +325,18 @@ def make_request(order: int, job: Job, ids: list[int], tokenizer: Tokenizer, win
         frequency_penalty=job.frequency_penalty, min_tokens=job.min_tokens, stop_token_ids=job.stop_token_ids,
     )
     return Request(order, ids, params, tokenizer.stop_check(job.stop), grammar)
+
+
+def check_default_constraint(tokenizer: Tokenizer, options: RunOptions) -> None:
+    """A bad default constraint (--json-schema and the like) fails once, before any row."""
+    default = options.defaults.constraint
+    if default is not None:
+        from pipeline.grammar import GrammarError
+
+        try:
+            tokenizer.grammars.check(default)
+        except GrammarError as e:
+            raise JobError(f"--{(default.source or default.kind).replace('_', '-')}: cannot be used: {e}") from None
 
 
 def generation_error(job: Job, tokenizer: Tokenizer, vocab: int | None = None) -> InvalidRow | None:

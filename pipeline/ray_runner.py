@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 
 from jobs import ErrorWriter, InvalidRow, JobError, write_summary
 from pipeline.parts import ERROR_PART_SCHEMA, ORDER, job_set_key, may_resume, write_part
-from pipeline.preflight import context_window, length_error, read_checked
+from pipeline.preflight import context_window, job_digest, length_error, read_checked
 from pipeline.runner import RunOptions, _eos_ids, job_rows, run_settings
 from pipeline.summary import JobCounts, add_work, run_summary, work_of
 
@@ -33,15 +33,20 @@ UNSHARED_BUCKETS = 64  # jobs that share no prefix are spread over this many gro
 
 
 def group_keys(prompts: dict[int, list[int]], min_shared_tokens: int, workers: int) -> dict[int, str]:
-    """Each job's group: a hash of its top shared prefix's tokens, or a bucket of unshared jobs."""
-    from pipeline.schedule import top_groups
+    """Each job's group: its top shared prefix (`windows.units`), or a bucket of unshared jobs."""
+    import numpy as np
 
+    from pipeline.prefix_index import PrefixIndex
+    from pipeline.windows import units
+
+    orders = list(prompts)
+    index = PrefixIndex.of([prompts[o] for o in orders])
+    jobs, held = index.subset(np.arange(len(index)))
+    found = units(held, index.lengths[jobs], index.weights[jobs], min_shared_tokens)
     keys = {}
-    for order, top in top_groups(prompts, min_shared_tokens).items():
-        if top is None:
-            keys[order] = f"unshared-{order % max(UNSHARED_BUCKETS, workers)}"
-        else:
-            keys[order] = hashlib.blake2b(repr(prompts[order][: top.depth]).encode(), digest_size=8).hexdigest()
+    for k, (start, end, grouped) in enumerate(zip(found.starts, found.ends, found.grouped)):
+        for j in jobs[start:end].tolist():
+            keys[orders[j]] = f"group-{k}" if grouped else f"unshared-{orders[j] % max(UNSHARED_BUCKETS, workers)}"
     return keys
 
 
@@ -154,7 +159,7 @@ def process_ray(inputs: Sequence[str], out_dir: str, options: RunOptions, *, add
         # where the actors run, `auto` resolves to their device: ask a task with their resources
         probe = ray.remote(num_cpus=0, num_gpus=gpus_per_worker or 0)(resolve_precision)
         settings = run_settings(options, model_name, ray.get(probe.remote(options.device, options.dtype)))
-        claim(out_dir, job_set_key(jobs, settings), settings, options.overwrite)
+        claim(out_dir, job_set_key(job_digest(jobs), settings), settings, options.overwrite)
         done = done_orders(out_dir)
         todo = [{"order": o, "prompt": j.prompt or "", "messages": json.dumps(j.messages) if j.messages else ""}
                 for o, j in jobs.items() if o not in done]

@@ -3,28 +3,37 @@
 Dicts exist only at the edges (job rows in, result rows out); everything between is dataclasses.
 Every input row ends exactly once in the output or in the errors file, also across crashes and
 reruns (parts.py), shards (sharding.py) and signals (signals.py: exit code 75, rerun to resume).
+
+Memory does not grow with the input: jobs wait as arrays, in the sorted prefix index and on disk
+(preflight.py), and the engine gets one window of whole prefix groups at a time (windows.py), so
+only that window's requests are Python objects. Finished jobs go to parts as they finish; the
+output is the parts' rows put back in input order by Arrow (ordered.py).
 """
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import signal
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Sequence
 
+import numpy as np
+import pyarrow as pa
+
 from jobs import (GenerationDefaults, InvalidRow, Job, JobError, errors_path, open_result_writer, summary_path,
                   write_summary)
 from jobs.openai_batch import GENERATION_FAILED, openai_fields, whole_requests
 from jobs.writers import CREATED, open_error_writer
 from jobs.atomic import remove_stale_temps
-from pipeline.preflight import Checked, check_inputs, check_output
-from pipeline.preflight import to_requests  # noqa: F401  (planning.py imports it from here)
+from pipeline.preflight import Checked, check_inputs, check_output, make_request
 from pipeline.progress import Progress
 from pipeline.signals import Preempted, StopOnSignal
 from pipeline.summary import JobCounts, add_work, run_summary, work_of
 from pipeline.tokenize import Tokenizer
-from pipeline.types import Completion, Request
+from pipeline.types import Completion, Request, RunStats
+from pipeline.windows import COLLECT_JOBS, WINDOW_JOBS, WINDOW_TOKENS
 
 
 @dataclass
@@ -47,6 +56,8 @@ class RunOptions:
     commit_every: int = 256  # jobs per committed part ...
     commit_seconds: float = 60.0  # ... or this long since the last commit, whichever first
     threads: int | None = None  # torch threads; None: one per core this process may use
+    window_jobs: int = WINDOW_JOBS  # jobs per engine call (whole prefix groups; see windows.py) ...
+    window_tokens: int = WINDOW_TOKENS  # ... and their prompt tokens
 
 
 def result_rows(job: Job, completions: list[Completion], tokenizer: Tokenizer) -> list[dict[str, Any]]:
@@ -94,7 +105,7 @@ def process(inputs: Sequence[str], output: str, options: RunOptions,
     """Run every valid job of `inputs`; write `output`, its errors file and its summary."""
     from pipeline.model import DEFAULT_MODEL, load_model, resolve_precision
     from pipeline.parts import PartStore, job_set_key, may_resume, read_manifest
-    from pipeline.sharding import assign, parse_shard
+    from pipeline.sharding import parse_shard
 
     started = time.monotonic()
     # from here on a SIGTERM exits 75: at once while nothing is written, between steps after
@@ -104,129 +115,200 @@ def process(inputs: Sequence[str], output: str, options: RunOptions,
             raise JobError("--shard writes Parquet shard outputs for `batchgen merge`; drop --output-format")
         check_output(output, options.output_format, options.overwrite)
         checked = check_inputs(list(inputs), options)
-        requests, invalid = checked.requests, checked.invalid
-        if shard is not None:
-            mine = assign({r.key: r.prompt_ids for r in requests}, shard[1], options.min_shared_tokens)
-            requests = [r for r in requests if mine[r.key] == shard[0]]
-            invalid = invalid if shard[0] == 0 else {}  # rows that cannot run: shard 0 reports them
-        if options.on_error == "fail" and invalid:
-            listing = "\n".join(str(v) for v in list(invalid.values())[:50])
-            more = f"\n... and {len(invalid) - 50} more" if len(invalid) > 50 else ""
-            raise JobError(f"{len(invalid)} job(s) cannot run (--on-error fail); nothing was generated:\n{listing}{more}")
-
-        model_name = options.model or DEFAULT_MODEL
-        settings = run_settings(options, model_name, resolve_precision(options.device, options.dtype))
-        job_set = job_set_key(checked.jobs, settings)
-        key = f"{job_set}:{options.shard}"
-        # refused before the model loads; checked again under the output's lock
-        may_resume(output + ".parts", read_manifest(output + ".parts"), key, options.overwrite)
-        from pipeline.kernels import set_threads
-
-        set_threads(options.threads)
-        model, _ = load_model(options.model, options.device, options.dtype, options.trust_remote_code)
-
-        stop.defer()  # writing starts: a signal now stops between steps, after committing
-        store = None
         try:
-            store = PartStore(output, key, settings, checked.schema, discard_mismatch=options.overwrite)
-            run = _Run(output, options, checked, store, model, model_name, stop)
-            counts, work, about = run.generate(requests, invalid, progress)
-            summary = run_summary(counts, work, started=started, model=model_name, options=options)
-            summary.update(about, job_set=job_set, shard=list(shard) if shard else None, jobs_total=checked.total,
-                           device_type=settings["device_type"], dtype=settings["dtype"])
-            write_summary(summary_path(output), summary)
-            store.remove()
-            return summary
-        except OSError as e:
-            raise _write_error(e, output, store) from e
+            mine = _mine(checked, options, shard)
+            report_invalid = shard is None or shard[0] == 0  # rows that cannot run: shard 0 reports them
+            model_name = options.model or DEFAULT_MODEL
+            settings = run_settings(options, model_name, resolve_precision(options.device, options.dtype))
+            job_set = job_set_key(checked.digest, settings)
+            key = f"{job_set}:{options.shard}"
+            # refused before the model loads; checked again under the output's lock
+            may_resume(output + ".parts", read_manifest(output + ".parts"), key, options.overwrite)
+            from pipeline.kernels import set_threads
+
+            set_threads(options.threads)
+            bound_kernel_caches()
+            model, _ = load_model(options.model, options.device, options.dtype, options.trust_remote_code)
+
+            stop.defer()  # writing starts: a signal now stops between steps, after committing
+            store = None
+            try:
+                store = PartStore(output, key, settings, checked.schema, discard_mismatch=options.overwrite)
+                run = _Run(output, options, checked, store, model, model_name, stop)
+                counts, work, about = run.generate(mine, report_invalid, progress)
+                summary = run_summary(counts, work, started=started, model=model_name, options=options)
+                summary.update(about, job_set=job_set, shard=list(shard) if shard else None, jobs_total=checked.total,
+                               device_type=settings["device_type"], dtype=settings["dtype"])
+                write_summary(summary_path(output), summary)
+                store.remove()
+                return summary
+            except OSError as e:
+                raise _write_error(e, output, store) from e
+            finally:
+                if store is not None:
+                    store.close()
         finally:
-            if store is not None:
-                store.close()
+            checked.close()
+
+
+def _mine(checked: Checked, options: RunOptions, shard: tuple[int, int] | None) -> np.ndarray:
+    """Which jobs this run generates (by job number): all, or its shard's whole prefix groups.
+    With --on-error fail, any row that cannot run stops the run here, before the model loads."""
+    from pipeline.windows import assign_shards
+
+    if options.on_error == "fail" and len(checked.invalid):
+        listing = "\n".join(checked.invalid.lines(limit=50))
+        more = f"\n... and {len(checked.invalid) - 50} more" if len(checked.invalid) > 50 else ""
+        raise JobError(f"{len(checked.invalid)} job(s) cannot run (--on-error fail); nothing was generated:\n"
+                       f"{listing}{more}")
+    if shard is None:
+        return np.ones(len(checked.orders), dtype=bool)
+    return assign_shards(checked.index, shard[1], options.min_shared_tokens) == shard[0]
 
 
 class _Run:
-    """The writing half of a run: generate the jobs not yet committed, commit them as they
-    finish, then write the output, the errors file and the summary's counts."""
+    """The writing half of a run: generate the jobs not yet committed, window by window, commit
+    them as they finish, then write the output, the errors file and the summary's counts."""
 
     def __init__(self, output: str, options: RunOptions, checked: Checked, store, model, model_name: str,
                  stop: StopOnSignal) -> None:
         self.output, self.options, self.checked, self.store, self.stop = output, options, checked, store, stop
         self.model, self.model_name = model, model_name
 
-    def generate(self, requests: list[Request], invalid: dict[int, InvalidRow],
+    def generate(self, mine: np.ndarray, report_invalid: bool,
                  progress: Callable[[Progress], None] | None) -> tuple[JobCounts, dict[str, int], dict[str, Any]]:
         """The output's job counts, the work of all runs, and what else the summary reports."""
         from pipeline.engine import Engine
-        from pipeline.parts import ORDER
 
-        jobs, tokenizer, store = self.checked.jobs, self.checked.tokenizer, self.store
-        done = store.done()
-        fmt = self.options.output_format
+        checked, store, options = self.checked, self.store, self.options
+        done = store.done(checked.total)
+        fmt = options.output_format
         remove_stale_temps([self.output, errors_path(self.output, fmt), summary_path(self.output)])  # we hold the lock
-        committer = _Committer(store, self.options, tokenizer)
-        committer.errors = [{**inv.to_row(), ORDER: o} for o, inv in invalid.items() if o not in done]
-        todo = [r for r in requests if r.key not in done]
-        engine = Engine(self.model, eos_token_ids=_eos_ids(self.model, tokenizer),
-                        min_shared_tokens=self.options.min_shared_tokens, max_batch_tokens=self.options.max_batch_tokens)
-        committer.engine = engine
-        pace = Progress(len(requests) - len(todo), len(requests), len(requests) - len(todo), 0, 0, 0, 0.0)
+        committer = _Committer(store, options, checked.tokenizer)
+        if report_invalid:
+            committer.commit_invalid(checked.invalid.table(), done)
+        todo = mine & ~done[checked.orders]
+        total = int(mine.sum())
+        pace = Progress(total - int(todo.sum()), total, total - int(todo.sum()), 0, 0, 0, 0.0)
         began = time.monotonic()
-        samples: dict[int, list[Completion]] = {}
-        for c in engine.run(todo, should_stop=self.stop.requested):
-            samples.setdefault(c.key, []).append(c)
-            pace.completion_tokens += len(c.token_ids)
-            if len(samples[c.key]) == jobs[c.key].n:
-                finished = samples.pop(c.key)
-                committer.add(c.key, jobs[c.key], finished)
-                first = next(s for s in finished if s.sample_index == 0)
-                pace.jobs_done += 1
-                pace.prompt_tokens += first.prompt_tokens
-                pace.cached_tokens += first.cached_tokens
-            if progress is not None:
-                pace.elapsed = time.monotonic() - began
-                progress(replace(pace))  # a snapshot: the reporter may keep it
+
+        def new_engine() -> Engine:
+            return Engine(self.model, eos_token_ids=_eos_ids(self.model, checked.tokenizer),
+                          min_shared_tokens=options.min_shared_tokens, max_batch_tokens=options.max_batch_tokens)
+
+        engine = None
+        for jobs, requests in self._windows(todo):
+            # an engine per window: nothing of the last window stays referenced while this one is built
+            engine = committer.engine = new_engine()
+            samples: dict[int, list[Completion]] = {}
+            # the window's requests live until it ends: collections need not walk them meanwhile
+            gc.freeze()
+            for c in engine.run(requests, should_stop=self.stop.requested):
+                samples.setdefault(c.key, []).append(c)
+                pace.completion_tokens += len(c.token_ids)
+                if len(samples[c.key]) == jobs[c.key].n:
+                    finished = samples.pop(c.key)
+                    committer.add(c.key, jobs[c.key], finished)
+                    first = next(s for s in finished if s.sample_index == 0)
+                    pace.jobs_done += 1
+                    pace.prompt_tokens += first.prompt_tokens
+                    pace.cached_tokens += first.cached_tokens
+                if progress is not None:
+                    pace.elapsed = time.monotonic() - began
+                    progress(replace(pace))  # a snapshot: the reporter may keep it
+            gc.unfreeze()
+            committer.engine = None
+            committer.finished.add(engine.stats)
+            if len(requests) >= COLLECT_JOBS:
+                del jobs, requests, samples
+                gc.collect()  # the window's tree (its nodes point at each other) goes before the next is built
+            if self.stop.requested():
+                break
         committer.flush()
         if self.stop.requested():
             raise Preempted(f"stopped by a signal; finished jobs are committed in {store.dir}; "
                             "rerun the same command to resume")
+        counts = self._write_output()
+        about = {"attention_path": (engine or new_engine()).attention_path, "output": self.output,
+                 "errors_file": errors_path(self.output, fmt) if counts.failed else None,
+                 "resumed_jobs": int(done.sum())}
+        return counts, committer.work(), about
 
-        table = store.results()
-        errors = store.errors()
-        sharded = self.options.shard is not None  # shard outputs keep the input position for `batchgen merge`
-        write_results(self.output, fmt, table.schema if sharded else self.checked.schema, table.to_pylist(), errors,
-                      jobs, self.model_name, fingerprint(self.model, self.model_name), keep_order=sharded)
-        about = {"attention_path": engine.attention_path, "output": self.output,
-                 "errors_file": errors_path(self.output, fmt) if errors else None, "resumed_jobs": len(done)}
-        return JobCounts.of(table, len(errors)), committer.work(), about
+    def _windows(self, todo: np.ndarray):
+        """(jobs by input position, requests in sorted order) per window of whole prefix groups."""
+        from pipeline.windows import windows
 
+        checked, options = self.checked, self.options
+        index = checked.index
+        positions = np.flatnonzero(todo[index.order])
+        numbers, held = index.subset(positions)
+        cuts = windows(held, index.lengths[numbers], options.min_shared_tokens, options.window_jobs,
+                       options.window_tokens)
+        prompts = index.prompts(positions)
+        for a, b in cuts:
+            window = [next(prompts) for _ in range(b - a)]
+            records = checked.spool.get(number for number, _ in window)
+            jobs: dict[int, Job] = {}
+            requests: list[Request] = []
+            for number, ids in window:
+                order = int(checked.orders[number])
+                jobs[order] = records[number]
+                requests.append(make_request(order, records[number], ids, checked.tokenizer, None,
+                                             options.defaults.seed))
+            yield jobs, requests
+            del jobs, requests, records, window
 
-def write_results(output: str, fmt: str, schema, rows: list[dict[str, Any]], errors: list[dict[str, Any]],
-                  jobs: dict[int, Job], model_name: str, fingerprint: str, keep_order: bool = False) -> None:
-    """The output and its errors file from result rows and error rows (each with its input
-    position, in input order); the CLI's runner and the Python API both write through here."""
-    from pipeline.parts import ORDER
+    def _write_output(self) -> JobCounts:
+        """The committed parts in input order, streamed into the output and the errors file."""
+        from pipeline.ordered import ORDER, in_order
+        from pipeline.parts import ERROR_PART_SCHEMA
 
-    if fmt == "openai":  # what only that writer reads: the request each row belongs to
-        for r in rows + errors:
-            if r.get(ORDER) in jobs:
-                r.update(openai_fields(jobs[r[ORDER]]))
-        rows = whole_requests(rows, errors)
-    if not keep_order:
-        for r in rows:
-            del r[ORDER]
-    with open_result_writer(output, schema, fmt, overwrite=True, model=model_name, fingerprint=fingerprint) as w:
-        w.write(rows)
-        _fault("final-write")
-    with open_error_writer(errors_path(output, fmt), fmt, overwrite=True) as ew:
-        ew.write(errors)
+        checked, store, fmt = self.checked, self.store, self.options.output_format
+        sharded = self.options.shard is not None
+        counts = JobCounts()
+        errors = lambda: in_order(store.files("errors"), ERROR_PART_SCHEMA, checked.total, store.dir)  # noqa: E731
+        # a request whose list prompt had one element fail is an error line only (the Batch API
+        # fails a request whole): their custom ids first, from the (small) errors
+        failed = {r.get("custom_id") or r["id"] for t in errors() for r in self._openai_rows(t)} if fmt == "openai" else set()
+        # shard outputs keep the input position: `batchgen merge` restores input order with it
+        schema = store.schema if sharded else checked.schema
+        with open_result_writer(self.output, schema, fmt, overwrite=True, model=self.model_name,
+                                fingerprint=fingerprint(self.model, self.model_name)) as w:
+            for table in in_order(store.files("part"), store.schema, checked.total, store.dir):
+                counts.add(table)
+                if fmt == "parquet":
+                    w.write_table(table)  # the writer keeps its schema's columns (ORDER: shards only)
+                elif fmt == "openai":
+                    w.write(whole_requests(self._openai_rows(table), [{"custom_id": c} for c in failed]))
+                else:
+                    w.write(table.drop_columns([ORDER]).to_pylist())  # one bucket of rows, for the line writer
+            _fault("final-write")
+        with open_error_writer(errors_path(self.output, fmt), fmt, overwrite=True) as ew:
+            for table in errors():
+                counts.add_failed(table.num_rows)
+                if fmt == "openai":
+                    ew.write(self._openai_rows(table))
+                else:
+                    ew.write_table(table)
+        return counts
 
+    def _openai_rows(self, table: pa.Table) -> list[dict[str, Any]]:
+        """A bucket's rows with what only the OpenAI writers read: the request each belongs to."""
+        from pipeline.ordered import ORDER
 
-def fingerprint(model: Any, model_name: str) -> str:
-    """OpenAI's system_fingerprint: what produced the output (engine version, model, precision)."""
-    from pipeline import __version__
-
-    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-    return f"batchgen-{__version__}:{model_name}:{dtype}"
+        checked = self.checked
+        orders = table.column(ORDER).to_numpy()
+        numbers = np.minimum(np.searchsorted(checked.orders, orders), max(len(checked.orders) - 1, 0))
+        ran = (checked.orders[numbers] == orders) if len(checked.orders) else np.zeros(len(orders), dtype=bool)
+        jobs = checked.spool.get(sorted(set(numbers[ran].tolist())))
+        out = []
+        for r, n, o, is_job in zip(table.to_pylist(), numbers.tolist(), orders.tolist(), ran.tolist()):
+            if is_job:
+                r.update(openai_fields(jobs[n]))
+            elif o in checked.custom_ids:  # a refused element of a list prompt: its request's id
+                r["custom_id"] = checked.custom_ids[o]
+            out.append(r)
+        return out
 
 
 class _Committer:
@@ -236,7 +318,8 @@ class _Committer:
     def __init__(self, store, options: RunOptions, tokenizer: Tokenizer) -> None:
         self.store, self.options, self.tokenizer = store, options, tokenizer
         self.base = add_work(store.stats)
-        self.engine = None
+        self.finished = RunStats()  # the work of this run's finished windows
+        self.engine = None  # the window's engine, while it runs
         self.results: list[dict[str, Any]] = []
         self.errors: list[dict[str, Any]] = []
         self.jobs = 0
@@ -250,14 +333,63 @@ class _Committer:
         if self.jobs >= self.options.commit_every or time.monotonic() - self.last >= self.options.commit_seconds:
             self.flush()
 
+    def commit_invalid(self, invalid, done: np.ndarray, chunk: int = 65536) -> None:
+        """The rows that cannot run and are not committed yet, as error parts, before generating."""
+        from pipeline.parts import ORDER
+
+        if invalid.num_rows:
+            invalid = invalid.filter(pa.array(~done[invalid.column("order").to_numpy()]))
+        for start in range(0, invalid.num_rows, chunk):
+            rows = invalid.slice(start, chunk).rename_columns([ORDER, "id", "location", "reason"]).to_pylist()
+            self.store.commit([], rows, self.work())
+            _fault("after-commit")
+
     def work(self) -> dict[str, int]:
-        return add_work(self.base, work_of(self.engine.stats)) if self.engine is not None else dict(self.base)
+        current = work_of(self.engine.stats) if self.engine is not None else {}
+        return add_work(self.base, work_of(self.finished), current)
 
     def flush(self) -> None:
         if self.results or self.errors:
             self.store.commit(self.results, self.errors, self.work())
             _fault("after-commit")
         self.results, self.errors, self.jobs, self.last = [], [], 0, time.monotonic()
+
+
+def write_results(output: str, fmt: str, schema, rows: list[dict[str, Any]], errors: list[dict[str, Any]],
+                  jobs: dict[int, Job], model_name: str, fingerprint: str) -> None:
+    """The output and its errors file from result rows and error rows held in memory (each with its
+    input position, in input order): the Python API's writer (a run streams, `_Run._write_output`)."""
+    from pipeline.parts import ORDER
+
+    if fmt == "openai":  # what only that writer reads: the request each row belongs to
+        for r in rows + errors:
+            if r.get(ORDER) in jobs:
+                r.update(openai_fields(jobs[r[ORDER]]))
+        rows = whole_requests(rows, errors)
+    for r in rows:
+        del r[ORDER]
+    with open_result_writer(output, schema, fmt, overwrite=True, model=model_name, fingerprint=fingerprint) as w:
+        w.write(rows)
+    with open_error_writer(errors_path(output, fmt), fmt, overwrite=True) as ew:
+        ew.write(errors)
+
+
+def fingerprint(model: Any, model_name: str) -> str:
+    """OpenAI's system_fingerprint: what produced the output (engine version, model, precision)."""
+    from pipeline import __version__
+
+    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    return f"batchgen-{__version__}:{model_name}:{dtype}"
+
+
+def bound_kernel_caches(entries: int = 128) -> None:
+    """torch's oneDNN kernels cache a primitive per distinct shape (and ideep its buffers), up to
+    1,024 each, and the engine's forwards have a new token count nearly every step: over a run of
+    a million jobs those caches alone grew RSS by hundreds of MB, steadily. 128 entries each keep
+    memory flat at the same speed (measured: BENCHMARKS.md). Read at oneDNN's first call, so set
+    before the model runs; values in the environment win."""
+    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        os.environ.setdefault(name, str(entries))
 
 
 def _write_error(e: OSError, output: str, store) -> JobError:

@@ -98,29 +98,26 @@ def tree_of(jobs: Iterable[tuple[Hashable, Sequence[int], int, int, int]]) -> tu
     return tree, shapes
 
 
+def tree_of_sorted(jobs: Iterable[tuple[Hashable, Sequence[int], int, int, int]]
+                   ) -> tuple[PrefixTree, dict[Hashable, JobShape]]:
+    """`tree_of` for jobs in sorted order, each with the LCP of its sequence (prompt minus last
+    token) with the one before it (`prefix_index`): the same tree as `tree_of` in that order, built
+    without comparing tokens."""
+    tree, shapes = PrefixTree(), {}
+    for key, ids, max_new, n, common in jobs:
+        if not ids:
+            raise ValueError(f"request {key!r} has an empty prompt")
+        tree.insert_next(key, ids[:-1], common, weight=n)
+        shapes[key] = JobShape(len(ids), max_new, n)
+    return tree, shapes
+
+
 def shared_nodes(tree: PrefixTree, min_shared_tokens: int) -> set[Node]:
     """Prefixes worth caching: read by two or more rows and at least min_shared_tokens long."""
     return {
         n for n in tree.nodes()
         if n is not tree.root and n.size >= 2 and n.depth >= max(1, min_shared_tokens)
     }
-
-
-def top_groups(prompts: Mapping[Hashable, Sequence[int]], min_shared_tokens: int) -> dict[Hashable, Node | None]:
-    """Each job's top shared prefix (a cached node with no cached ancestor), or None: the unit that
-    must stay on one machine so that no prefix is prefilled twice."""
-    tree = PrefixTree()
-    for key, ids in prompts.items():
-        tree.insert(key, list(ids[:-1]))  # the tree the engine builds
-    shared = shared_nodes(tree, min_shared_tokens)
-    out: dict[Hashable, Node | None] = {}
-    for key in prompts:
-        node, top = tree.node_of(key), None
-        while node is not None:
-            top = node if node in shared else top
-            node = node.parent
-        out[key] = top
-    return out
 
 
 def plan(

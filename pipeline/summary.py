@@ -39,14 +39,28 @@ class JobCounts:
     @classmethod
     def of(cls, results: pa.Table, failed: int) -> "JobCounts":
         """From the committed result rows (one per sample) and the number of error rows."""
+        counts = cls()
+        counts.add(results)
+        counts.add_failed(failed)
+        return counts
+
+    def add(self, results: pa.Table) -> None:
+        """More committed result rows: the output is counted as it is written, a batch at a time."""
         first = results.filter(pc.equal(results["sample_index"], 0))
 
         def total(table: pa.Table, column: str) -> int:
             return int(pc.sum(table[column]).as_py() or 0)
 
-        return cls(jobs=first.num_rows + failed, completed=first.num_rows, failed=failed, rows=results.num_rows,
-                   prompt_tokens=total(first, "prompt_tokens"), cached_tokens=total(first, "cached_tokens"),
-                   completion_tokens=total(results, "completion_tokens"))
+        self.jobs += first.num_rows
+        self.completed += first.num_rows
+        self.rows += results.num_rows
+        self.prompt_tokens += total(first, "prompt_tokens")
+        self.cached_tokens += total(first, "cached_tokens")
+        self.completion_tokens += total(results, "completion_tokens")
+
+    def add_failed(self, failed: int) -> None:
+        self.jobs += failed
+        self.failed += failed
 
 
 COUNTERS = tuple(f.name for f in fields(JobCounts)) + tuple(WORK_COUNTERS)

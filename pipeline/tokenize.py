@@ -6,13 +6,39 @@ ids, never on strings, since a prefix tokenized alone can end in different token
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+import sys
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
 
 from pipeline.types import StopCheck
 
 
+_ENCODE_BATCH = 1024  # texts per call of the Rust batch encoder
+
+
 class TokenizerError(Exception):
     pass
+
+
+@contextmanager
+def torch_hidden(hide: bool = True) -> Iterator[None]:
+    """transformers imports torch with its config module (for RoPE helpers), so loading a
+    tokenizer or a config costs a torch import (seconds) though neither needs it. For the commands
+    that never load a model (`validate`, `plan`), transformers is told torch is unavailable while
+    it first imports those modules. Only in a process that has not imported torch or
+    transformers' config module yet: anywhere else it changes nothing."""
+    if not hide or "torch" in sys.modules or "transformers.configuration_utils" in sys.modules:
+        yield
+        return
+    import transformers.utils as utils
+    import transformers.utils.import_utils as import_utils
+
+    real = import_utils.is_torch_available
+    utils.is_torch_available = import_utils.is_torch_available = lambda: False
+    try:
+        yield
+    finally:
+        utils.is_torch_available = import_utils.is_torch_available = real
 
 
 class Tokenizer:
@@ -29,18 +55,21 @@ class Tokenizer:
             self._grammars = Grammars(self.hf)
         return self._grammars
 
-    @property
-    def vocab_size(self) -> int:
-        return len(self.hf)
-
     @classmethod
-    def load(cls, name_or_path: str, *, trust_remote_code: bool = False) -> "Tokenizer":
-        from transformers import AutoTokenizer
-
+    def load(cls, name_or_path: str, *, trust_remote_code: bool = False, without_torch: bool = False) -> "Tokenizer":
+        """`without_torch`: for a process that will never load a model (see `torch_hidden`)."""
         try:
-            return cls(AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code))
+            with torch_hidden(without_torch):
+                from transformers import AutoTokenizer
+
+                return cls(AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code))
         except (OSError, ValueError) as e:
             raise TokenizerError(f"cannot load a tokenizer from {name_or_path!r}: {e}") from e
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids are below this (added tokens included)."""
+        return len(self.hf)
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -70,6 +99,62 @@ class Tokenizer:
             raise TokenizerError("this model's tokenizer has no chat template: give jobs a 'prompt' instead of 'messages'")
         out = self.hf.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, return_dict=True)
         return list(out["input_ids"])
+
+    def encode_many(self, prompts: Sequence[str | None], chats: Sequence[Sequence[dict[str, str]] | None]
+                    ) -> list[list[int] | TokenizerError]:
+        """Each job's ids (a prompt, or a chat where the prompt is None), as `encode_prompt` and
+        `encode_messages` give them, in one call of the fast tokenizer's batch encoder (its Rust
+        threads); a job that cannot be tokenized gets its error, the others their ids."""
+        out: list[list[int] | TokenizerError | None] = [None] * len(prompts)
+        texts, where, plain = [], [], []
+        for i, (prompt, chat) in enumerate(zip(prompts, chats)):
+            if prompt is not None:
+                texts.append(prompt)
+                where.append(i)
+                plain.append(True)
+                continue
+            try:
+                texts.append(self._render(chat))
+                where.append(i)
+                plain.append(False)
+            except TokenizerError as e:
+                out[i] = e
+        # a prompt gets the special tokens (a BOS), a rendered chat does not: its template wrote them
+        for special in (True, False):
+            picked = [k for k, p in enumerate(plain) if p == special]
+            for k, ids in zip(picked, self._encode_batch([texts[k] for k in picked], special)):
+                out[where[k]] = ids
+        return out  # type: ignore[return-value]
+
+    def _render(self, messages: Sequence[dict[str, str]]) -> str:
+        if not self.has_chat_template:
+            raise TokenizerError("this model's tokenizer has no chat template: give jobs a 'prompt' instead of 'messages'")
+        try:
+            return self.hf.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # noqa: BLE001 - a template may raise anything for a row it refuses
+            raise TokenizerError(f"the chat template refused these messages: {str(e)[:200]}") from e
+
+    def _encode_batch(self, texts: list[str], special: bool) -> list[list[int]]:
+        """What `self.hf(text, add_special_tokens=special)` gives each text: for a fast tokenizer,
+        its own steps (no truncation, no padding, its special-token splitting) then one batch."""
+        if not texts:
+            return []
+        backend = getattr(self.hf, "_tokenizer", None)
+        if backend is None or not hasattr(backend, "encode_batch_fast") or \
+                not hasattr(self.hf, "set_truncation_and_padding"):
+            return [list(self.hf(t, add_special_tokens=special)["input_ids"]) for t in texts]
+        from transformers.tokenization_utils_base import PaddingStrategy, TruncationStrategy
+
+        self.hf.set_truncation_and_padding(PaddingStrategy.DO_NOT_PAD, TruncationStrategy.DO_NOT_TRUNCATE,
+                                           None, 0, None, None)
+        split = bool(getattr(self.hf, "split_special_tokens", False))
+        if backend.encode_special_tokens != split:
+            backend.encode_special_tokens = split
+        out: list[list[int]] = []
+        for start in range(0, len(texts), _ENCODE_BATCH):  # an Encoding holds much more than its ids: few at once
+            out += [e.ids for e in backend.encode_batch_fast(texts[start : start + _ENCODE_BATCH],
+                                                            add_special_tokens=special)]
+        return out
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=True)

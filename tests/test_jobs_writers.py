@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import datetime
 import gzip
 import json
 import os
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from jobs.schema import InvalidRow, JobError, Location
-from jobs.writers import (ERROR_SCHEMA, ErrorWriter, JsonlWriter, OpenAIBatchWriter,
+from jobs.writers import (ERROR_SCHEMA, ErrorWriter, ExtraSchema, JsonlWriter, OpenAIBatchWriter,
                           ParquetWriter, errors_path, id_type_for, infer_extra_schema,
                           open_result_writer, result_schema, write_summary)
 
@@ -53,6 +56,34 @@ def test_id_type_and_extra_schema_inference() -> None:
     assert schema.field("c").type == pa.string()  # all null
     hinted = infer_extra_schema(extras, hint=pa.schema([("a", pa.int16())]))
     assert hinted.field("a").type == pa.int16()
+
+
+VALUES = st.sampled_from([1, 2.5, "x", None, [1, 2], [1.5], {"a": 1}, {"b": "t"}, {"a": 2.5}, Decimal("1.5"),
+                          Decimal("12.345"), True, b"by", datetime.date(2020, 1, 1), 2**63, -1, [], {}])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.dictionaries(st.sampled_from("pqr"), VALUES, max_size=3), min_size=1, max_size=25),
+       st.integers(1, 6))
+def test_extra_schema_streamed_in_chunks_is_inferred_from_all_values(extras, chunk) -> None:
+    """Run by run, one chunk per distinct chunk type is kept: the result is the whole column's."""
+    streamed = ExtraSchema()
+    for i in range(0, len(extras), chunk):
+        streamed.update(extras[i:i + chunk])
+    columns: dict[str, list[Any]] = {}
+    for row, extra in enumerate(extras):
+        for name in extra:
+            columns.setdefault(name, [None] * row)
+        for name, values in columns.items():
+            values.append(extra.get(name))
+    fields = []
+    for name, values in columns.items():
+        try:
+            dtype = pa.array(values).type
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+            dtype = pa.string()
+        fields.append(pa.field(name, pa.string() if pa.types.is_null(dtype) else dtype))
+    assert streamed.schema() == pa.schema(fields)
 
 
 def test_parquet_writer_roundtrip(tmp_path: Path) -> None:

@@ -1,0 +1,196 @@
+"""All prompts of a run as one sorted, front-coded array: the compressed trie, built over arrays.
+
+Sorted lexicographically, prompts that share a prefix are neighbours, and each prompt's longest
+common prefix with the one before it (its LCP) says where it branches off: the sorted order plus
+the LCP array *is* the compressed trie (every shared prefix is a run of neighbours whose LCPs
+reach its length). Held that way, a prompt keeps only its *tail*, the tokens after its LCP, so
+the whole index takes the radix-tree lower bound in tokens (2 bytes each for vocabularies up to
+65,536), not one Python node per token run per job.
+
+It is built in runs: each run of jobs is sorted (keys are big-endian token bytes, so comparing
+bytes compares token sequences) and front-coded, and the runs are merged; memory is that of the
+tails, never of all prompts at once. The sort is stable: equal prompts keep their input order.
+
+The engine's tree holds each prompt minus its last token. In the order sorted by whole prompts,
+that sequence's LCP with its predecessor is min(LCP, either length - 1), and it is still the
+largest LCP with any earlier prompt, so inserting in this order needs no comparison at all
+(`PrefixTree.insert_next`). The same holds for any subsequence (a window, a shard, the jobs not
+yet done), with the LCP of non-neighbours the minimum over the gap.
+"""
+from __future__ import annotations
+
+import array
+import heapq
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+
+RUN_JOBS = 1 << 16  # jobs per sorted run: their whole keys exist only while their run is sorted
+
+
+def lcp_tokens(a: bytes, b: bytes, width: int) -> int:
+    """Tokens two big-endian keys share: the highest differing bit of their XOR marks the first
+    differing byte, in C, without a loop over tokens."""
+    n = min(len(a), len(b))
+    x = int.from_bytes(a[:n], "big") ^ int.from_bytes(b[:n], "big")
+    return (n - (x.bit_length() + 7) // 8) // width
+
+
+@dataclass
+class _Run:
+    """Jobs sorted by key, front-coded: each key is its predecessor's first `lcp` tokens + its tail."""
+
+    jobs: array.array
+    lcp: array.array
+    tails: bytes
+    ends: array.array  # byte offset where each tail ends
+
+    def keys(self, width: int) -> Iterator[tuple[bytes, int]]:
+        key, start = b"", 0
+        for job, shared, end in zip(self.jobs, self.lcp, self.ends):
+            key = key[: shared * width] + self.tails[start:end]
+            start = end
+            yield key, job
+
+
+def _front_code(items: Iterator[tuple[bytes, int]], width: int, shared: Sequence[int] | None = None) -> _Run:
+    """(key, job) pairs in sorted order as a run; `shared`: their LCPs if already known."""
+    run = _Run(array.array("q"), array.array("l"), b"", array.array("q"))
+    tails = bytearray()
+    prev = b""
+    for i, (key, job) in enumerate(items):
+        lcp = shared[i] if shared is not None else (lcp_tokens(prev, key, width) if i else 0)
+        tails += key[lcp * width :]
+        run.jobs.append(job)
+        run.lcp.append(lcp)
+        run.ends.append(len(tails))
+        prev = key
+    run.tails = bytes(tails)
+    return run
+
+
+class IndexBuilder:
+    """Collects prompts (with their samples and new-token budgets) and builds the index."""
+
+    def __init__(self, vocab_size: int, run_jobs: int = RUN_JOBS) -> None:
+        self.width = 2 if vocab_size <= 1 << 16 else 4
+        self.dtype = np.dtype(">u2" if self.width == 2 else ">u4")
+        self.run_jobs = run_jobs
+        self._keys: list[bytes] = []
+        self._runs: list[_Run] = []
+        self._lengths = array.array("l")
+        self._weights = array.array("l")
+        self._max_new = array.array("l")
+
+    def __len__(self) -> int:
+        return len(self._lengths)
+
+    def add(self, prompts: Sequence[Sequence[int]], weights: Sequence[int], max_new: Sequence[int]) -> None:
+        flat = array.array("q")
+        for p in prompts:
+            flat.extend(p)
+        ids = np.frombuffer(flat, dtype=np.int64)
+        if len(ids) and (ids.min() < 0 or ids.max() >= 1 << (8 * self.width)):
+            raise ValueError(f"token ids outside 0..{(1 << (8 * self.width)) - 1}")
+        data = ids.astype(self.dtype).tobytes()  # one conversion for the batch
+        at = 0
+        for p in prompts:
+            n = len(p) * self.width
+            self._keys.append(data[at : at + n])
+            at += n
+            self._lengths.append(len(p))
+        self._weights.extend(weights)
+        self._max_new.extend(max_new)
+        if len(self._keys) >= self.run_jobs:
+            self._seal()
+
+    def _seal(self) -> None:
+        first = len(self._lengths) - len(self._keys)
+        keys = self._keys
+        order = sorted(range(len(keys)), key=keys.__getitem__)  # stable: equal keys keep input order
+        self._runs.append(_front_code(((keys[i], first + i) for i in order), self.width))
+        self._keys = []
+
+    def build(self) -> "PrefixIndex":
+        if self._keys:
+            self._seal()
+        runs, self._runs = self._runs, []
+        if len(runs) == 1:
+            merged = runs[0]
+        else:  # ties compare job numbers: input order, as in one stable sort
+            merged = _front_code(heapq.merge(*(r.keys(self.width) for r in runs)), self.width)
+        del runs
+        tails = np.frombuffer(merged.tails, dtype=self.dtype).astype(self.dtype.newbyteorder("="))
+        ends = np.frombuffer(merged.ends, dtype=np.int64) // self.width
+        # 4 bytes a job each (positions and offsets into the tails stay 8): a million jobs, ~30 MB
+        return PrefixIndex(np.asarray(merged.jobs, dtype=np.int32), np.asarray(merged.lcp, dtype=np.int32),
+                           tails, ends, np.asarray(self._lengths, dtype=np.int32),
+                           np.asarray(self._weights, dtype=np.int32), np.asarray(self._max_new, dtype=np.int32))
+
+
+@dataclass
+class PrefixIndex:
+    """Positions are places in the sorted order; jobs are numbers in the order prompts were added."""
+
+    order: np.ndarray  # position -> job
+    lcp: np.ndarray  # position -> tokens shared with the prompt at the position before (0 at 0)
+    tails: np.ndarray  # the tails, concatenated
+    ends: np.ndarray  # position -> where its tail ends in `tails`
+    lengths: np.ndarray  # job -> prompt tokens
+    weights: np.ndarray  # job -> samples (n)
+    max_new: np.ndarray  # job -> max new tokens
+
+    @classmethod
+    def of(cls, prompts: Sequence[Sequence[int]], weights: Sequence[int] | None = None,
+           max_new: Sequence[int] | None = None, vocab_size: int = 1 << 32, run_jobs: int = RUN_JOBS) -> "PrefixIndex":
+        b = IndexBuilder(vocab_size, run_jobs)
+        b.add(prompts, weights if weights is not None else [1] * len(prompts),
+              max_new if max_new is not None else [1] * len(prompts))
+        return b.build()
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def lower_bound(self) -> int:
+        """Distinct prefixes of the whole prompts: the least prefill any prefix cache can do."""
+        return int(self.lengths.sum() - self.lcp.sum())
+
+    def subset(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For ascending positions: their jobs, and the LCP of the engine's sequences (prompt minus
+        its last token) with the previous one of the subset (0 for the first)."""
+        jobs = self.order[positions]
+        held = np.zeros(len(positions), dtype=np.int64)
+        if len(positions) > 1:
+            # the LCP of p and q > p in sorted order: the minimum of lcp over (p, q]
+            gap = np.minimum.reduceat(np.append(self.lcp, 0), positions + 1)[:-1]
+            lengths = self.lengths[jobs] - 1
+            held[1:] = np.minimum(np.minimum(gap, lengths[:-1]), lengths[1:])
+        return jobs, held
+
+    def prompts(self, positions: np.ndarray) -> Iterator[tuple[int, list[int]]]:
+        """(job, prompt ids) at ascending positions, rebuilt from the tails in one forward pass.
+        Consecutive prompts share the list items of their common head (one int object per token)."""
+        if not len(positions):
+            return
+        start, stop = int(positions[0]), int(positions[-1]) + 1
+        while start > 0 and self.lcp[start] > 0:  # back to a prompt stored whole
+            start -= 1
+        wanted = np.zeros(stop - start, dtype=bool)
+        wanted[positions - start] = True
+        key: list[int] = []
+        begin = int(self.ends[start - 1]) if start else 0
+        for block in range(start, stop, _BLOCK):  # numpy scalars are slow one by one: lists per block
+            end_block = min(stop, block + _BLOCK)
+            tails = self.tails[begin : int(self.ends[end_block - 1])].tolist()
+            offset = begin
+            for job, shared, end, want in zip(self.order[block:end_block].tolist(), self.lcp[block:end_block].tolist(),
+                                              self.ends[block:end_block].tolist(),
+                                              wanted[block - start : end_block - start].tolist()):
+                key = key[:shared] + tails[begin - offset : end - offset]
+                begin = end
+                if want:
+                    yield job, key
+
+
+_BLOCK = 1 << 14
