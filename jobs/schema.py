@@ -280,7 +280,9 @@ class Job:
         # Per-row None means "use the default", same as leaving the key out.
         merged = {name: getattr(defaults, name) if params.get(name) is None else params[name] for name in PARAMS}
         try:
-            norm = normalize(check, merged)
+            # defaults were normalized once (GenerationDefaults.__post_init__): a row that sets no
+            # parameter takes them as they are (most rows of a big file; a quarter of reading time)
+            norm = normalize(check, merged) if any(v is not None for v in params.values()) else merged
         except JobValidationError as e:
             # Report the name the user wrote (body.max_tokens, guided_json), not our internal one.
             root = (e.field or "").split(".")[0].split("[")[0]
