@@ -4,7 +4,8 @@ the field (``jobs.jsonl:17: field 'max_new_tokens' must be a positive integer, g
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping
+from collections.abc import Mapping  # isinstance is faster than with typing's alias (a check per row)
+from typing import Any, Callable
 
 from .errors import JobValidationError, Location
 

@@ -151,3 +151,19 @@ def test_progress_lines_in_logs(tmp_path, model_dir):
     lines = [x for x in res.stderr.splitlines() if x.startswith("batchgen: ")]
     assert len(lines) >= 4 and lines[-1].startswith("batchgen: 4/4 jobs (100.0%), ")
     assert all("tokens/s" in x and "ETA" in x for x in lines)
+
+
+def test_jobs_without_a_seed_sample_apart_and_reruns_repeat(tmp_path, model_dir):
+    """--seed is the run's seed: each job without its own derives one from it and its id, so two
+    jobs with one prompt give different samples, and the same command gives the same text."""
+    rows = [{"id": i, "prompt": SYSTEM + "Tell me a story."} for i in range(4)] + \
+           [{"id": 9, "prompt": SYSTEM + "Tell me a story.", "seed": 5}, {"id": 10, "prompt": SYSTEM + "Tell me a story.", "seed": 5}]
+    src = write_jsonl(tmp_path / "jobs.jsonl", rows)
+    texts = []
+    for k in range(2):
+        out = tmp_path / f"out{k}.parquet"
+        run(["process", str(src), "-o", str(out), "--max-new-tokens", "12", "--temperature", "1.0"], model_dir)
+        texts.append(pq.read_table(out).column("completion").to_pylist())
+    assert texts[0] == texts[1]
+    assert len(set(texts[0][:4])) > 1  # not one sample four times
+    assert texts[0][4] == texts[0][5]  # the same explicit seed, the same sample

@@ -39,7 +39,8 @@ def test_prompt_job_uses_defaults_and_keeps_extra_columns() -> None:
     assert job.id == 9
     assert job.prompt == "Hello" and job.messages is None and not job.is_chat
     assert (job.max_new_tokens, job.temperature, job.top_p, job.top_k) == (32, 0.7, 1.0, 0)
-    assert (job.seed, job.stop, job.n) == (4, ("END",), 2)
+    # the default seed is the run's: a job without its own derives one from it (preflight.job_seed)
+    assert (job.seed, job.stop, job.n) == (None, ("END",), 2)
     assert job.extra == {"subject": "greeting", "score": 3.5}
     assert job.location == LOC
     assert job.openai_endpoint == "/v1/completions"
