@@ -30,7 +30,7 @@ _OPENAI_INFO_KEYS = ("model", "user", "metadata", "store", "service_tier", "prom
 # with them (the result columns, the input position that parts and shard outputs carry, and the
 # completion time that OpenAI output reports).
 RESERVED_COLUMNS = ("sample_index", "completion", "finish_reason", "prompt_tokens", "cached_tokens",
-                    "completion_tokens", "_batchgen_order", "_batchgen_created")
+                    "completion_tokens", "scores", "best_continuation", "_batchgen_order", "_batchgen_created")
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
