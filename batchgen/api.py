@@ -112,7 +112,8 @@ class Engine:
         from pipeline.engine import Engine as Core
         from pipeline.expand import order_of
         from pipeline.parts import ORDER
-        from pipeline.runner import _eos_ids, job_rows
+        from pipeline.results import job_rows
+        from pipeline.runner import _eos_ids
 
         jobs = checked.jobs
         core = Core(self.model, eos_token_ids=_eos_ids(self.model, self.tokenizer),

@@ -24,7 +24,8 @@ import pyarrow.parquet as pq
 from jobs import ErrorWriter, InvalidRow, Job, JobError, write_summary
 from pipeline.parts import ERROR_PART_SCHEMA, ORDER, job_set_key, may_resume, write_part
 from pipeline.preflight import context_window, job_digest, length_error, read_checked
-from pipeline.runner import RunOptions, _eos_ids, job_rows, run_settings
+from pipeline.results import job_rows
+from pipeline.runner import RunOptions, _eos_ids, run_settings
 from pipeline.summary import JobCounts, add_work, run_summary, work_of
 
 RUN_FILE = "run.json"  # the job set's key and the settings the parts beside it were made with
