@@ -34,8 +34,8 @@ def generate(jobs: Any, model: str | None = None, *, output: str | None = None, 
     a Hugging Face id or local directory (None: the embedded default model), loaded for this call;
     keep one loaded with `Engine`. `options`: generation defaults by their job-field names
     (max_new_tokens, temperature, top_p, top_k, seed, stop, n, repetition_penalty,
-    presence_penalty, frequency_penalty, min_tokens, logit_bias, stop_token_ids, json_schema,
-    regex, choice, response_format), run options (prompt_template, system, min_shared_tokens,
+    presence_penalty, frequency_penalty, min_tokens, logit_bias, stop_token_ids, logprobs,
+    top_logprobs, prompt_logprobs, json_schema, regex, choice, response_format), run options (prompt_template, system, min_shared_tokens,
     max_batch_tokens, output_format, overwrite, on_error) and loading options (device, dtype,
     trust_remote_code, threads). `output`: also write the results and errors file there.
     """
@@ -86,7 +86,8 @@ class Engine:
         rows, errors = self._run(checked, opts, progress)
         if output is not None:
             write_results(output, opts.output_format, checked.schema, [dict(r) for r in rows],
-                          [dict(e) for e in errors], checked.jobs, self.name, fingerprint(self.model, self.name))
+                          [dict(e) for e in errors], checked.jobs, self.name, fingerprint(self.model, self.name),
+                          self.tokenizer)
         schema = pa.schema([f for f in checked.schema if f.name != CREATED])
         return results_as(source, _in_order(rows, errors, checked, schema), schema)
 
@@ -109,8 +110,10 @@ class Engine:
         from tqdm.auto import tqdm
 
         from pipeline.engine import Engine as Core
+        from pipeline.expand import order_of
         from pipeline.parts import ORDER
-        from pipeline.runner import _eos_ids, job_rows
+        from pipeline.results import job_rows
+        from pipeline.runner import _eos_ids
 
         jobs = checked.jobs
         core = Core(self.model, eos_token_ids=_eos_ids(self.model, self.tokenizer),
@@ -118,11 +121,12 @@ class Engine:
         rows: list[dict[str, Any]] = []
         errors = [{**inv.to_row(), ORDER: o} for o, inv in checked.invalid.items()]
         samples: dict[int, list] = {}
-        with tqdm(total=len(checked.requests), disable=not progress, unit="job") as bar:
+        with tqdm(total=len(checked.expected), disable=not progress, unit="job") as bar:
             for c in core.run(checked.requests):
-                samples.setdefault(c.key, []).append(c)
-                if len(samples[c.key]) == jobs[c.key].n:
-                    done, failed = job_rows(c.key, jobs[c.key], samples.pop(c.key), self.tokenizer)
+                order = order_of(c.key)
+                samples.setdefault(order, []).append(c)
+                if len(samples[order]) == checked.expected[order]:  # samples, continuations or windows
+                    done, failed = job_rows(order, jobs[order], samples.pop(order), self.tokenizer)
                     rows += done
                     errors += failed
                     bar.update(1)

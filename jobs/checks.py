@@ -57,6 +57,11 @@ class Checker:
             raise self.fail(name, f"must be {what}{limit}, got {value}")
         return value
 
+    def boolean(self, name: str, value: Any) -> bool:
+        if not isinstance(value, bool):
+            raise self.fail(name, bad_type(value, "true or false"))
+        return value
+
     def number(self, name: str, value: Any, what: str, ok: Callable[[float], bool]) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise self.fail(name, bad_type(value, what))

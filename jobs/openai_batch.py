@@ -29,10 +29,49 @@ def _rid(prefix: str) -> str:
     return prefix + secrets.token_hex(12)
 
 
-def openai_fields(job: Job) -> dict[str, Any]:
-    """What an OpenAI output line needs of a row's job beyond its result columns."""
+def openai_fields(job: Job, prompt_tokens: list[str] | None = None) -> dict[str, Any]:
+    """What an OpenAI output line needs of a row's job beyond its result columns; with ``echo``
+    (prompt_logprobs on /v1/completions), its prompt, and its tokens' texts when it has logprobs."""
+    echo = job.prompt_logprobs and job.openai_endpoint == COMPLETIONS_ENDPOINT and job.prompt is not None
     return {"endpoint": job.openai_endpoint, "custom_id": job.custom_id or str(job.id),
-            "prompt_index": job.prompt_index}
+            "prompt_index": job.prompt_index, "echo": job.prompt if echo else None,
+            "echo_tokens": prompt_tokens if echo else None}
+
+
+def chat_logprobs(row: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A chat choice's logprobs, as the chat API has them: each token with its UTF-8 bytes and
+    its alternatives."""
+    if row.get("logprobs") is None:
+        return None
+
+    def entry(t: Mapping[str, Any]) -> dict[str, Any]:
+        return {"token": t["token"], "logprob": t["logprob"], "bytes": list(t["token"].encode("utf-8"))}
+
+    return {"content": [{**entry(t), "top_logprobs": [entry(a) for a in t["top"]]} for t in row["logprobs"]],
+            "refusal": None}
+
+
+def completion_logprobs(row: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A text completion's logprobs, the legacy shape: parallel lists of tokens, their logprobs,
+    their alternatives ({token: logprob}) and their offsets in the choice's text. With echo the
+    prompt's tokens come first: the first has no logprob, none has alternatives (batchgen scores
+    each prompt token, it does not rank the others there)."""
+    if row.get("logprobs") is None:
+        return None
+    tokens, logprobs, tops = [], [], []
+    if row.get("echo") is not None:
+        tokens += row["echo_tokens"]
+        logprobs += row["prompt_logprobs"]
+        tops += [None] * len(row["echo_tokens"])
+    for t in row["logprobs"]:
+        tokens.append(t["token"])
+        logprobs.append(t["logprob"])
+        tops.append({a["token"]: a["logprob"] for a in t["top"]})
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
 def whole_requests(rows: list[dict[str, Any]], errors: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -79,10 +118,12 @@ def response_line(custom_id: str, samples: list[Mapping[str, Any]], model: str, 
         choice: dict[str, Any] = {"index": index}
         if chat:
             choice["message"] = {"role": "assistant", "content": s["completion"], "refusal": None, "annotations": []}
+            choice["logprobs"] = chat_logprobs(s)
         else:
-            choice["text"] = s["completion"]
-        choice["logprobs"] = None
-        choice["finish_reason"] = s["finish_reason"]
+            choice["text"] = (s.get("echo") or "") + s["completion"]  # echo: the prompt, then the completion
+            choice["logprobs"] = completion_logprobs(s)
+        # a prompt scored without generating: the API's max_tokens 0 ends at its length
+        choice["finish_reason"] = "length" if s["finish_reason"] == "scored" else s["finish_reason"]
         choices.append(choice)
     # a prompt is counted once per request (each list element's once), its samples' tokens all
     firsts = [s for s in samples if s["sample_index"] == 0] or samples[:1]
@@ -107,6 +148,8 @@ def response_line(custom_id: str, samples: list[Mapping[str, Any]], model: str, 
         "usage": usage,
         "system_fingerprint": fingerprint,
     }
+    if samples[0].get("prompt_logprobs") is not None and samples[0].get("echo") is None:
+        body["prompt_logprobs"] = samples[0]["prompt_logprobs"]  # as vLLM adds them (first: null)
     return {"id": _rid("batch_req_"), "custom_id": custom_id,
             "response": {"status_code": 200, "request_id": _rid("req_"), "body": body}, "error": None}
 

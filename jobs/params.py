@@ -4,7 +4,7 @@ Every name in ``RESERVED`` means a generation parameter to someone (batchgen, Op
 transformers). A row field with one of these names is either used (``PARAMS``, ``CONSTRAINTS``
 and their ``ALIASES``) or refused with its location (``UNSUPPORTED``): it is never carried through
 as a plain column, so a job never silently runs without a parameter it asked for. A value that
-asks for what batchgen does anyway (``stream: false``, ``logprobs: false``, ``best_of: 1``, see
+asks for what batchgen does anyway (``stream: false``, ``best_of: 1``, see
 ``INERT``) is accepted, and null means "not set". Every other field is carried through.
 """
 
@@ -35,19 +35,19 @@ class Constraint:
 
 # batchgen's names, each a job field and a CLI default (--max-new-tokens, --repetition-penalty, ...)
 PARAMS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "repetition_penalty",
-          "presence_penalty", "frequency_penalty", "min_tokens", "logit_bias", "stop_token_ids")
+          "presence_penalty", "frequency_penalty", "min_tokens", "logit_bias", "stop_token_ids", "logprobs",
+          "top_logprobs", "prompt_logprobs")
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 # at most one per job: the output must be JSON of a schema, match a regex, or be one of the choices
 CONSTRAINTS = ("json_schema", "regex", "choice", "response_format")
 # other spellings of the same parameters: OpenAI's, vLLM's and transformers'
 ALIASES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens",
            "min_new_tokens": "min_tokens", "guided_json": "json_schema", "guided_regex": "regex",
-           "guided_choice": "choice"}
-_LOGPROBS = "batchgen returns no log-probabilities"
+           "guided_choice": "choice", "echo": "prompt_logprobs"}
 _TOOLS = "batchgen does not call tools or functions"
 _GRAMMAR = "use json_schema, regex or choice"
 UNSUPPORTED: dict[str, str] = {
     # OpenAI
-    "logprobs": _LOGPROBS, "top_logprobs": _LOGPROBS, "echo": "batchgen does not echo the prompt",
     "suffix": "batchgen does not insert text", "best_of": "use n (batchgen returns every sample)",
     "stream": "a batch is not streamed", "stream_options": "a batch is not streamed",
     "tools": _TOOLS, "tool_choice": _TOOLS, "parallel_tool_calls": _TOOLS, "functions": _TOOLS,
@@ -59,7 +59,7 @@ UNSUPPORTED: dict[str, str] = {
     "length_penalty": "batchgen samples, no beams", "early_stopping": "batchgen samples, no beams",
     "ignore_eos": "not supported", "include_stop_str_in_output": "stop strings are always cut",
     "skip_special_tokens": "special tokens are always skipped", "spaces_between_special_tokens": "not supported",
-    "prompt_logprobs": _LOGPROBS, "truncate_prompt_tokens": "prompts are never truncated",
+    "truncate_prompt_tokens": "prompts are never truncated",
     "bad_words": "use logit_bias", "allowed_token_ids": "use logit_bias", "logits_processors": "not supported",
     "guided_grammar": _GRAMMAR, "guided_decoding_backend": "batchgen uses llguidance",
     "guided_whitespace_pattern": "JSON is compact", "structured_outputs": _GRAMMAR,
@@ -74,10 +74,10 @@ UNSUPPORTED: dict[str, str] = {
 }
 # values of unsupported names that ask for nothing batchgen does not do anyway
 INERT: dict[str, tuple[Any, ...]] = {
-    "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,), "best_of": (1,), "stream": (False,),
+    "best_of": (1,), "stream": (False,),
     "tools": ([],), "tool_choice": ("none",), "modalities": (["text"],), "use_beam_search": (False,),
     "ignore_eos": (False,), "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
-    "min_p": (0,), "typical_p": (1,), "num_beams": (1,), "num_return_sequences": (1,), "prompt_logprobs": (0,),
+    "min_p": (0,), "typical_p": (1,), "num_beams": (1,), "num_return_sequences": (1,),
 }
 RESERVED = frozenset(PARAMS) | frozenset(CONSTRAINTS) | frozenset(ALIASES) | frozenset(UNSUPPORTED)
 
@@ -113,7 +113,7 @@ def split_fields(check: Checker, row: Mapping[str, Any], keys: Mapping[str, Any]
 def normalize(check: Checker, values: Mapping[str, Any]) -> dict[str, Any]:
     """Checked values of every name in PARAMS (``values`` holds all of them, defaults filled in)."""
     out = {
-        "max_new_tokens": check.integer("max_new_tokens", values["max_new_tokens"], low=1,
+        "max_new_tokens": check.integer("max_new_tokens", values["max_new_tokens"], low=0,
                                         high=MAX_NEW_TOKENS_LIMIT, what="a positive integer"),
         "temperature": check.number("temperature", values["temperature"], "a number >= 0", lambda t: t >= 0),
         "top_p": check.number("top_p", values["top_p"], "a number in (0, 1] (1 disables it)",
@@ -134,7 +134,19 @@ def normalize(check: Checker, values: Mapping[str, Any]) -> dict[str, Any]:
                                     what="an integer >= 0"),
         "logit_bias": logit_bias(check, values["logit_bias"]),
         "stop_token_ids": token_ids(check, "stop_token_ids", values["stop_token_ids"]),
+        "logprobs": check.boolean("logprobs", values["logprobs"]),
+        "top_logprobs": check.integer("top_logprobs", values["top_logprobs"], low=0, high=MAX_TOP_LOGPROBS,
+                                      what=f"an integer in [0, {MAX_TOP_LOGPROBS}]"),
+        "prompt_logprobs": check.boolean("prompt_logprobs", values["prompt_logprobs"]),
     }
+    if out["top_logprobs"] and not out["logprobs"]:
+        raise check.fail("top_logprobs", f"is {out['top_logprobs']} but logprobs is not true; set logprobs: true "
+                                         "(top_logprobs adds alternatives to each token's logprob)")
+    if out["max_new_tokens"] == 0 and not out["prompt_logprobs"]:
+        # 0 (score the prompt, generate nothing) is for prompt_logprobs jobs only
+        raise check.fail("max_new_tokens", "must be a positive integer, got 0")
+    if out["max_new_tokens"] == 0 and out["n"] > 1:
+        raise check.fail("n", f"is {out['n']} with max_new_tokens 0: there is nothing to sample; remove n")
     if out["min_tokens"] > out["max_new_tokens"]:
         raise check.fail("min_tokens", f"is {out['min_tokens']}, more than max_new_tokens "
                                        f"({out['max_new_tokens']})")

@@ -7,8 +7,9 @@ field so that a user with a million-line file can find and fix the bad row.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import json
 from collections.abc import Mapping  # isinstance is faster than with typing's alias (a check per row)
+from dataclasses import dataclass
 from typing import Any
 
 from .checks import MESSAGE_ROLES, Checker, show
@@ -22,7 +23,7 @@ COMPLETIONS_ENDPOINT = "/v1/completions"
 OPENAI_ENDPOINTS = (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT)
 
 # Keys that Job.from_row consumes (with every name in params.RESERVED); the rest go to `extra`.
-JOB_KEYS = ("id", "prompt", "messages") + PARAMS
+JOB_KEYS = ("id", "prompt", "messages", "continuations") + PARAMS
 _OPENAI_TOP_KEYS = ("custom_id", "method", "url", "body")
 # Body fields that describe a request without changing its output: accepted, not used.
 _OPENAI_INFO_KEYS = ("model", "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
@@ -30,7 +31,7 @@ _OPENAI_INFO_KEYS = ("model", "user", "metadata", "store", "service_tier", "prom
 # with them (the result columns, the input position that parts and shard outputs carry, and the
 # completion time that OpenAI output reports).
 RESERVED_COLUMNS = ("sample_index", "completion", "finish_reason", "prompt_tokens", "cached_tokens",
-                    "completion_tokens", "_batchgen_order", "_batchgen_created")
+                    "completion_tokens", "scores", "best_continuation", "_batchgen_order", "_batchgen_created")
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -51,6 +52,9 @@ class GenerationDefaults:
     min_tokens: int = 0
     logit_bias: Any = ()  # {token id: bias} or (id, bias) pairs; stored as sorted pairs
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+    prompt_logprobs: bool = False
     constraint: Constraint | None = None  # jobs without one of their own get this one
 
     def __post_init__(self) -> None:
@@ -136,8 +140,13 @@ class Job:
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: bool = False  # each generated token's logprob (and top_logprobs alternatives)
+    top_logprobs: int = 0
+    prompt_logprobs: bool = False  # each prompt token's logprob after the first (echo)
     constraint: Constraint | None = None
     prompt_index: int | None = None  # which element of an OpenAI completions request's prompt list
+    # a scoring job: these are scored after the prompt, nothing is generated (pipeline/expand.py)
+    continuations: tuple[str, ...] | None = None
 
     @property
     def is_chat(self) -> bool:
@@ -152,7 +161,12 @@ class Job:
         """Every generation parameter, as plain values (what a run's fingerprint records)."""
         out = {name: getattr(self, name) for name in PARAMS}
         out["constraint"] = None if self.constraint is None else [self.constraint.kind, self.constraint.spec]
+        out["continuations"] = None if self.continuations is None else list(self.continuations)
         return out
+
+    @property
+    def is_scoring(self) -> bool:
+        return self.continuations is not None
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any], location: Location, defaults: GenerationDefaults,
@@ -193,8 +207,10 @@ class Job:
         check.job_id = job_id
         # a generation parameter is used or refused, never carried through as a plain column
         params, spelled = split_fields(check, row, keys=[k for k in row if k in RESERVED])
-        extra = {k: v for k, v in row.items() if k not in ("id", "prompt", "messages") and k not in RESERVED}
+        extra = {k: v for k, v in row.items() if k not in ("id", "prompt", "messages", "continuations")
+                 and k not in RESERVED}
         _check_columns(check, extra)
+        continuations = _continuations(check, row.get("continuations"), params, spelled)
 
         prompt, messages = row.get("prompt"), row.get("messages")
         if prompt_template is not None:
@@ -204,7 +220,11 @@ class Job:
             if prompt is not None:
                 extra["prompt"] = prompt  # the template may read it; keep the original too
             prompt = _fill_template(check, prompt_template, row)
-        return [cls._build(check, job_id, prompt, messages, params, spelled, defaults, extra, system)]
+        if continuations is not None:
+            defaults = _SCORING_DEFAULTS
+        job = cls._build(check, job_id, prompt, messages, params, spelled, defaults, extra, system)
+        job.continuations = continuations
+        return [job]
 
     @classmethod
     def _from_openai_row(cls, row: Mapping[str, Any], location: Location,
@@ -234,8 +254,12 @@ class Job:
         # Any field batchgen cannot honour fails the request, as the API refuses unknown ones.
         keys = [k for k in body if k not in ("messages", "prompt") + _OPENAI_INFO_KEYS
                 and not (k == "max_tokens" and body.get("max_completion_tokens") is not None)]
+        if url == CHAT_ENDPOINT and body.get("echo") is not None:
+            raise check.fail("body.echo", f"is not a parameter of {url} (only of {COMPLETIONS_ENDPOINT}); remove it")
         params, spelled = split_fields(check, body, keys=keys, prefix="body.",
                                        unknown=f"is not a parameter batchgen knows for {url}; remove it")
+        if url == COMPLETIONS_ENDPOINT:
+            _completions_logprobs(check, params, spelled)
         extra = {k: v for k, v in row.items() if k not in _OPENAI_TOP_KEYS}
         _check_columns(check, extra)
         if body.get("model") is not None:
@@ -283,6 +307,8 @@ class Job:
         # and its id (preflight.job_seed), so two jobs with one prompt do not give the same samples
         merged = {name: (None if name == "seed" else getattr(defaults, name)) if params.get(name) is None
                   else params[name] for name in PARAMS}
+        if params.get("logprobs") is False and params.get("top_logprobs") is None:
+            merged["top_logprobs"] = 0  # the row turns logprobs off: the default alternatives go with them
         try:
             # defaults were normalized once (GenerationDefaults.__post_init__): a row that sets no
             # parameter takes them as they are (most rows of a big file; a quarter of reading time)
@@ -304,6 +330,51 @@ class Job:
                 messages = [{"role": "system", "content": system}, *messages]
         return cls(id=job_id, prompt=prompt, messages=messages, extra=extra,
                    location=check.location, constraint=rule, **norm)
+
+
+# Fields a scoring job (one with continuations) must not set: it generates nothing, and scores
+# under the model's raw distribution, so a sampling or output parameter would be silently ignored.
+_NOT_FOR_SCORING = PARAMS + CONSTRAINTS
+
+
+# The defaults a scoring job takes: the CLI's generation defaults (--logprobs, --n, a default
+# constraint) are for the generating jobs; a scoring job beside them in the same file generates nothing.
+_SCORING_DEFAULTS = GenerationDefaults()
+
+
+def _continuations(check: Checker, value: Any, params: Mapping[str, Any],
+                   spelled: Mapping[str, str]) -> tuple[str, ...] | None:
+    """A scoring job's continuations (None: a generating job). Refuses generation parameters
+    beside them: nothing is generated, so they could only be ignored."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.startswith("["):  # Parquet/CSV-born JSON text
+        try:
+            value = json.loads(value)
+        except ValueError:
+            pass
+    if not isinstance(value, (list, tuple)) or not value or not all(isinstance(c, str) and c for c in value):
+        raise check.fail("continuations", f"must be a non-empty list of non-empty strings, got {show(value)}")
+    given = [spelled.get(n, n) for n in _NOT_FOR_SCORING if params.get(n) is not None]
+    if given:
+        raise check.fail(given[0], "is a generation parameter, but this job has continuations: a scoring job "
+                                   "generates nothing; remove it, or make a separate job that generates")
+    return tuple(value)
+
+
+def _completions_logprobs(check: Checker, params: dict[str, Any], spelled: dict[str, str]) -> None:
+    """/v1/completions spells logprobs as an integer, the number of alternatives (0 to 5), where
+    chat has logprobs: true and top_logprobs: k."""
+    value = params.get("logprobs")
+    if value is None or isinstance(value, bool):
+        return
+    where = spelled["logprobs"]
+    k = check.integer(where, value, low=0, high=5, what="an integer in [0, 5] (the alternatives per token)")
+    if params.get("top_logprobs") is not None:
+        raise check.fail(spelled["top_logprobs"], f"is not a parameter of {COMPLETIONS_ENDPOINT}: its logprobs "
+                                                  "gives the number of alternatives; remove it")
+    params["logprobs"], params["top_logprobs"] = True, k
+    spelled["top_logprobs"] = where
 
 
 @dataclass

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .atomic import AtomicWriter, remove_stale_temps
-from .schema import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, InvalidRow, JobError
+from .schema import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, InvalidRow, Job, JobError
 
 # Result columns, in output order after the carried-through input columns.
 RESULT_FIELDS: tuple[pa.Field, ...] = (
@@ -27,6 +27,17 @@ RESULT_FIELDS: tuple[pa.Field, ...] = (
     pa.field("completion_tokens", pa.int64()),
 )
 RESULT_COLUMNS = ("id",) + tuple(f.name for f in RESULT_FIELDS)
+# Columns only an output whose jobs ask for them has (null in the rows of the other jobs), by the
+# output they hold: generated tokens' logprobs, prompt tokens' logprobs, continuation scores.
+_TOKEN = [pa.field("token", pa.string()), pa.field("id", pa.int64()), pa.field("logprob", pa.float64())]
+OUTPUT_FIELDS: dict[str, tuple[pa.Field, ...]] = {
+    "logprobs": (pa.field("logprobs", pa.list_(pa.struct(_TOKEN + [pa.field("top", pa.list_(pa.struct(_TOKEN)))]))),),
+    "prompt_logprobs": (pa.field("prompt_logprobs", pa.list_(pa.float64())),),
+    "scores": (pa.field("scores", pa.list_(pa.struct([
+        pa.field("continuation", pa.string()), pa.field("logprob", pa.float64()), pa.field("tokens", pa.int64()),
+        pa.field("is_greedy", pa.bool_())]))), pa.field("best_continuation", pa.string())),
+}
+OUTPUT_COLUMNS = tuple(f.name for fields in OUTPUT_FIELDS.values() for f in fields)
 CREATED = "_batchgen_created"  # a job's completion time (Unix seconds), kept for OpenAI output
 ERROR_SCHEMA = pa.schema([pa.field("id", pa.string()), pa.field("location", pa.string()),
                           pa.field("reason", pa.string())])
@@ -34,19 +45,28 @@ FORMATS = ("parquet", "jsonl", "openai")
 _ROW_GROUP_ROWS = 8192  # buffer tiny write() calls so Parquet row groups stay efficient
 
 
-def result_schema(extra_schema: pa.Schema | None, id_type: pa.DataType, created: bool = False) -> pa.Schema:
-    """Extra (carried-through) columns first, then ``id`` and the result columns; with
-    ``created``, each job's completion time (what OpenAI output reports as ``created``).
+def outputs_of(job: Job) -> set[str]:
+    """The optional result columns a job fills (OUTPUT_FIELDS' keys)."""
+    return {name for name, on in (("logprobs", job.logprobs), ("prompt_logprobs", job.prompt_logprobs),
+                                  ("scores", job.is_scoring)) if on}
+
+
+def result_schema(extra_schema: pa.Schema | None, id_type: pa.DataType, created: bool = False,
+                  outputs: Iterable[str] = ()) -> pa.Schema:
+    """Extra (carried-through) columns first, then ``id`` and the result columns, then the
+    optional columns of ``outputs`` (those some job asks for); with ``created``, each job's
+    completion time (what OpenAI output reports as ``created``).
 
     Raises JobError when an input column has the name of a result column, since
     one would silently overwrite the other.
     """
     extra = list(extra_schema or [])
-    clash = sorted({f.name for f in extra} & set(RESULT_COLUMNS))
+    clash = sorted({f.name for f in extra} & set(RESULT_COLUMNS + OUTPUT_COLUMNS))
     if clash:
         raise JobError(f"input column(s) {', '.join(clash)} clash with result columns of the "
                        "same name; rename them in the input")
-    return pa.schema(extra + [pa.field("id", id_type), *RESULT_FIELDS]
+    optional = [f for name, fields in OUTPUT_FIELDS.items() if name in set(outputs) for f in fields]
+    return pa.schema(extra + [pa.field("id", id_type), *RESULT_FIELDS, *optional]
                      + ([pa.field(CREATED, pa.int64())] if created else []))
 
 
@@ -309,4 +329,4 @@ from .openai_batch import OpenAIBatchWriter, OpenAIErrorWriter  # noqa: E402
 __all__ = ["result_schema", "id_type_for", "infer_extra_schema", "ParquetWriter", "JsonlWriter",
            "OpenAIBatchWriter", "OpenAIErrorWriter", "ErrorWriter", "CREATED", "open_error_writer",
            "open_result_writer", "errors_path", "summary_path", "write_summary", "write_table", "conform_rows", "ExtraSchema",
-           "remove_stale_temps", "AtomicWriter", "RESULT_COLUMNS", "ERROR_SCHEMA", "FORMATS"]
+           "remove_stale_temps", "AtomicWriter", "RESULT_COLUMNS", "OUTPUT_COLUMNS", "outputs_of", "ERROR_SCHEMA", "FORMATS"]

@@ -49,8 +49,9 @@ def _window_options(f):
 
 def _generation_options(f):
     opts = [
-        click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True,
-                     envvar="BATCHGEN_MAX_NEW_TOKENS", help="Default for jobs without max_new_tokens."),
+        click.option("--max-new-tokens", type=click.IntRange(min=0), default=256, show_default=True,
+                     envvar="BATCHGEN_MAX_NEW_TOKENS",
+                     help="Default for jobs without max_new_tokens (0: score the prompt only, with --prompt-logprobs)."),
         click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
                      envvar="BATCHGEN_TEMPERATURE", help="0 is greedy."),
         click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True,
@@ -72,6 +73,14 @@ def _generation_options(f):
                      envvar="BATCHGEN_FREQUENCY_PENALTY", help="OpenAI's, in [-2, 2]; 0 is off."),
         click.option("--min-tokens", type=click.IntRange(min=0), default=0, show_default=True,
                      envvar="BATCHGEN_MIN_TOKENS", help="New tokens before EOS or a stop token may end a sample."),
+        click.option("--logprobs/--no-logprobs", default=False, show_default=True, envvar="BATCHGEN_LOGPROBS",
+                     help="Default: each generated token's logprob (the model's raw distribution) in a logprobs column."),
+        click.option("--top-logprobs", type=click.IntRange(0, 20), default=0, show_default=True,
+                     envvar="BATCHGEN_TOP_LOGPROBS", metavar="K",
+                     help="Default: the K most likely alternatives of each generated token (needs --logprobs)."),
+        click.option("--prompt-logprobs/--no-prompt-logprobs", default=False, show_default=True,
+                     envvar="BATCHGEN_PROMPT_LOGPROBS",
+                     help="Default: each prompt token's logprob after the first, in a prompt_logprobs column."),
         click.option("--logit-bias", default=None, envvar="BATCHGEN_LOGIT_BIAS", metavar="JSON",
                      help='Added to token logits, OpenAI\'s shape: \'{"50256": -100}\'.'),
         click.option("--json-schema", default=None, envvar="BATCHGEN_JSON_SCHEMA", metavar="JSON_OR_FILE",
@@ -100,7 +109,9 @@ def _defaults(kw):
                               n=kw["n"], repetition_penalty=kw["repetition_penalty"],
                               presence_penalty=kw["presence_penalty"], frequency_penalty=kw["frequency_penalty"],
                               min_tokens=kw["min_tokens"], logit_bias=kw["logit_bias"] or (),
-                              stop_token_ids=tuple(kw["stop_token_ids"]), constraint=constraint)
+                              stop_token_ids=tuple(kw["stop_token_ids"]), logprobs=kw["logprobs"],
+                              top_logprobs=kw["top_logprobs"], prompt_logprobs=kw["prompt_logprobs"],
+                              constraint=constraint)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -2,7 +2,7 @@
 
 The CLI's runner streams (`preflight.check_inputs`: chunks into a prefix index and a spool); an
 API call holds its jobs already, so it checks them here with the same per-job checks
-(`preflight.prompt_problem`, `generation_error`, `make_request`), in one pass.
+(`preflight.make_requests`: pipeline/expand.py's requests of a job), in one pass.
 """
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ from typing import TYPE_CHECKING, Any, Mapping
 import pyarrow as pa
 
 from jobs import InvalidRow, Job, id_type_for, infer_extra_schema, result_schema
-from pipeline.preflight import check_default_constraint, check_extras, context_window, make_request, vocab_size
+from jobs.writers import outputs_of
+from pipeline.expand import completions_expected, tokenize_jobs
+from pipeline.preflight import (check_default_constraint, check_extras, context_window, make_requests,
+                                openai_refuses, vocab_size)
 from pipeline.tokenize import Tokenizer, TokenizerError
 from pipeline.types import Request
 
@@ -26,7 +29,8 @@ class Loaded:
 
     jobs: dict[int, Job]  # every row that is a valid job, by input position (the job set)
     invalid: dict[int, InvalidRow]  # every row that cannot run, with where and why
-    requests: list[Request]  # the jobs that run, tokenized
+    requests: list[Request]  # the jobs that run, tokenized (one or several requests each)
+    expected: dict[int, int]  # completions that finish each job that runs (pipeline/expand.py)
     schema: pa.Schema  # the result schema
     tokenizer: Tokenizer
 
@@ -40,7 +44,12 @@ def checked_rows(jobs: dict[int, Job], invalid: dict[int, InvalidRow], hint: pa.
         invalid[order] = bad
         del jobs[order]
     created = options.output_format == "openai"  # each request's completion time, kept in the rows
-    return jobs, invalid, result_schema(extra_schema, id_type_for(j.id for j in jobs.values()), created)
+    if created:
+        for order, bad in openai_refuses(jobs).items():
+            invalid[order] = bad
+            del jobs[order]
+    outputs = set().union(*(outputs_of(j) for j in jobs.values()))
+    return jobs, invalid, result_schema(extra_schema, id_type_for(j.id for j in jobs.values()), created, outputs)
 
 
 def tokenized(jobs: dict[int, Job], invalid: dict[int, InvalidRow], schema: pa.Schema, tokenizer: Tokenizer,
@@ -48,22 +57,25 @@ def tokenized(jobs: dict[int, Job], invalid: dict[int, InvalidRow], schema: pa.S
     """Checked rows made requests with the model's tokenizer and config; what cannot run joins
     `invalid`."""
     check_default_constraint(tokenizer, options)
-    requests, bad = to_requests(jobs, tokenizer, context_window(config), options.defaults.seed, vocab_size(config))
+    requests, expected, bad = to_requests(jobs, tokenizer, context_window(config), options.defaults.seed,
+                                          vocab_size(config))
     invalid.update(bad)
-    return Loaded(jobs, dict(sorted(invalid.items())), requests, schema, tokenizer)
+    return Loaded(jobs, dict(sorted(invalid.items())), requests, expected, schema, tokenizer)
 
 
-def to_requests(jobs: Mapping[int, Job], tokenizer: Tokenizer, window: int | None,
-                run_seed: int | None, vocab: int | None = None) -> tuple[list[Request], dict[int, InvalidRow]]:
-    """Tokenize the jobs in one batch (keyed by input position); a job that cannot run becomes an
-    error row, never a crash."""
-    requests, invalid = [], {}
-    encoded = tokenizer.encode_many([j.prompt for j in jobs.values()], [j.messages for j in jobs.values()])
-    for (order, job), ids in zip(jobs.items(), encoded):
-        made = InvalidRow(job.location, job.id, str(ids)) if isinstance(ids, TokenizerError) \
-            else make_request(order, job, ids, tokenizer, window, run_seed, vocab)
+def to_requests(jobs: Mapping[int, Job], tokenizer: Tokenizer, window: int | None, run_seed: int | None,
+                vocab: int | None = None) -> tuple[list[Request], dict[int, int], dict[int, InvalidRow]]:
+    """Tokenize the jobs in one batch (keyed by input position): their requests, the completions
+    that finish each, and the jobs that cannot run as error rows, never a crash."""
+    requests: list[Request] = []
+    expected: dict[int, int] = {}
+    invalid: dict[int, InvalidRow] = {}
+    for (order, job), tokens in zip(jobs.items(), tokenize_jobs(tokenizer, list(jobs.values()))):
+        made = InvalidRow(job.location, job.id, str(tokens)) if isinstance(tokens, TokenizerError) \
+            else make_requests(order, job, tokens, tokenizer, window, run_seed, vocab)
         if isinstance(made, InvalidRow):
             invalid[order] = made
         else:
-            requests.append(made)
-    return requests, invalid
+            requests += made
+            expected[order] = completions_expected(made)
+    return requests, expected, invalid

@@ -25,11 +25,12 @@ import numpy as np
 import pyarrow as pa
 
 from jobs import InvalidRow, Job, JobError, input_schema, read_jobs, result_schema
-from jobs.writers import ExtraSchema, conform_rows
+from jobs.writers import ExtraSchema, conform_rows, outputs_of
 from pipeline.jobstore import JobSpool, Problems
 from pipeline.prefix_index import IndexBuilder, PrefixIndex
 from pipeline.tokenize import Tokenizer, TokenizerError
-from pipeline.types import Request, SamplingParams
+from pipeline.expand import JobTokens, job_requests, token_problem, tokenize_jobs
+from pipeline.types import Request
 
 if TYPE_CHECKING:
     from pipeline.runner import RunOptions
@@ -56,6 +57,7 @@ class Checked:
     digest: str | None  # the job set: every valid row with its position (`process`; see parts.job_set_key)
     # refused elements of OpenAI list prompts: their request's custom_id (errors are per request)
     custom_ids: dict[int, str]
+    window: int | None = None  # the model's context window: a long prompt is scored in windows of it
 
     def close(self) -> None:
         if self.spool is not None:
@@ -124,6 +126,7 @@ class _Rows:
         self.hint = input_schema(inputs, dataset=options.dataset, split=options.split)
         self.extras = ExtraSchema(self.hint)
         self.all_int_ids = True
+        self.outputs: set[str] = set()  # the optional result columns some job fills
         self.total = 0
         self.created = options.output_format == "openai"  # each request's completion time, kept in the parts
 
@@ -148,11 +151,18 @@ class _Rows:
             for order, problem in check_extras(jobs, typed).items():
                 bad.append((order, problem))
                 del jobs[order]
+        if self.created:
+            for order, problem in openai_refuses(jobs).items():
+                bad.append((order, problem))
+                del jobs[order]
         self.all_int_ids = self.all_int_ids and all(isinstance(j.id, int) for j in jobs.values())
+        for j in jobs.values():
+            self.outputs |= outputs_of(j)
         return jobs, bad
 
     def schema(self) -> pa.Schema:
-        return result_schema(self.extras.schema(), pa.int64() if self.all_int_ids else pa.string(), self.created)
+        return result_schema(self.extras.schema(), pa.int64() if self.all_int_ids else pa.string(), self.created,
+                             self.outputs)
 
 
 def read_checked(inputs: list[str], options: RunOptions) -> tuple[dict[int, Job], dict[int, InvalidRow], pa.Schema]:
@@ -165,6 +175,13 @@ def read_checked(inputs: list[str], options: RunOptions) -> tuple[dict[int, Job]
         jobs.update(chunk)
         invalid.update(bad)
     return jobs, invalid, rows.schema()
+
+
+def openai_refuses(jobs: Mapping[int, Job]) -> dict[int, InvalidRow]:
+    """Scoring jobs under --output-format openai: the Batch API has no shape for their scores."""
+    return {o: InvalidRow(j.location, j.id, "field 'continuations': a scoring job's scores have no OpenAI "
+                                            "output shape; use --output-format parquet or jsonl")
+            for o, j in jobs.items() if j.is_scoring}
 
 
 def check_extras(jobs: Mapping[int, Job], extra_schema: pa.Schema) -> dict[int, InvalidRow]:
@@ -231,35 +248,47 @@ def check_inputs(inputs: list[str], options: RunOptions, purpose: str = "process
             spool.close()
         raise
     return Checked(rows.total, invalid, np.frombuffer(orders, dtype=np.int64), index.build() if index is not None else None,
-                   spool, rows.schema(), tokenizer, digest.hexdigest() if digest is not None else None, custom_ids)
+                   spool, rows.schema(), tokenizer, digest.hexdigest() if digest is not None else None, custom_ids,
+                   window)
 
 
-def _tokenize(tokenizer: Tokenizer, jobs: Mapping[int, Job]) -> list[list[int] | TokenizerError]:
-    return tokenizer.encode_many([j.prompt for j in jobs.values()], [j.messages for j in jobs.values()])
+def _tokenize(tokenizer: Tokenizer, jobs: Mapping[int, Job]) -> list[JobTokens | TokenizerError]:
+    return tokenize_jobs(tokenizer, list(jobs.values()))
 
 
 def _keep(jobs: dict[int, Job], bad: list[tuple[int, InvalidRow]], tokenized, tokenizer: Tokenizer,
           window: int | None, vocab: int | None, invalid: Problems, index: IndexBuilder | None,
           spool: JobSpool | None, digest: JobDigest | None, orders: array.array, custom_ids: dict[int, str]) -> None:
     """One checked, tokenized chunk into what the run keeps."""
-    kept: list[tuple[int, Job, list[int]]] = []
-    for (order, job), ids in zip(jobs.items(), tokenized.result()):
+    kept: list[tuple[int, Job, JobTokens]] = []
+    for (order, job), tokens in zip(jobs.items(), tokenized.result()):
         if digest is not None:  # the job set: every job that may run, tokenizable or not
             digest.add(order, job)
-        problem = InvalidRow(job.location, job.id, str(ids)) if isinstance(ids, TokenizerError) \
-            else prompt_problem(job, len(ids), window) or generation_error(job, tokenizer, vocab)
+        problem = InvalidRow(job.location, job.id, str(tokens)) if isinstance(tokens, TokenizerError) \
+            else token_problem(job, tokens, window) or generation_error(job, tokenizer, vocab)
         if problem is None:
-            kept.append((order, job, ids))
+            kept.append((order, job, tokens))
             continue
         bad.append((order, problem))
         if job.prompt_index is not None:
             custom_ids[order] = job.custom_id
     invalid.add(bad)
     orders.extend(o for o, _, _ in kept)
-    if index is not None:
-        index.add([ids for _, _, ids in kept], [j.n for _, j, _ in kept], [j.max_new_tokens for _, j, _ in kept])
+    if index is not None:  # a scoring job by its context: its continuations stay in its group
+        index.add([t.ids for _, _, t in kept], [_weight(j, t) for _, j, t in kept],
+                  [_max_new(j, t) for _, j, t in kept])
     if spool is not None:
         spool.add([j for _, j, _ in kept])
+
+
+def _weight(job: Job, tokens: JobTokens) -> int:
+    """Rows the job puts in the engine: its samples, or its continuations."""
+    return job.n if tokens.pairs is None else len(tokens.pairs)
+
+
+def _max_new(job: Job, tokens: JobTokens) -> int:
+    """Tokens a row adds after the indexed ones: new tokens, or the longest continuation."""
+    return job.max_new_tokens if tokens.pairs is None else max(len(c) for _, c in tokens.pairs)
 
 
 class JobDigest:
@@ -305,26 +334,14 @@ def vocab_size(config: Any) -> int | None:
     return value if isinstance(value, int) and value > 0 else None
 
 
-def prompt_problem(job: Job, n_prompt: int, window: int | None) -> InvalidRow | None:
-    if not n_prompt:
-        return InvalidRow(job.location, job.id, "the prompt tokenizes to no tokens")
-    return length_error(job, n_prompt, window)
-
-
-def make_request(order: int, job: Job, ids: list[int], tokenizer: Tokenizer, window: int | None,
-                 run_seed: int | None, vocab: int | None = None) -> Request | InvalidRow:
-    problem = prompt_problem(job, len(ids), window) or generation_error(job, tokenizer, vocab)
+def make_requests(order: int, job: Job, tokens: JobTokens, tokenizer: Tokenizer, window: int | None,
+                  run_seed: int | None, vocab: int | None = None) -> list[Request] | InvalidRow:
+    """A job's requests (pipeline/expand.py), or why it cannot run."""
+    problem = token_problem(job, tokens, window) or generation_error(job, tokenizer, vocab)
     if problem is not None:
         return problem
-    # compiled once per distinct constraint (generation_error just did)
-    grammar = tokenizer.grammars.factory(job.constraint) if job.constraint is not None else None
-    params = SamplingParams(
-        max_new_tokens=job.max_new_tokens, temperature=job.temperature, top_p=job.top_p,
-        top_k=job.top_k, seed=job.seed if job.seed is not None else job_seed(run_seed, job.id), n=job.n,
-        logit_bias=job.logit_bias, repetition_penalty=job.repetition_penalty, presence_penalty=job.presence_penalty,
-        frequency_penalty=job.frequency_penalty, min_tokens=job.min_tokens, stop_token_ids=job.stop_token_ids,
-    )
-    return Request(order, ids, params, tokenizer.stop_check(job.stop), grammar)
+    seed = job.seed if job.seed is not None else job_seed(run_seed, job.id)
+    return job_requests(order, job, tokens, tokenizer, window, seed)
 
 
 def check_default_constraint(tokenizer: Tokenizer, options: RunOptions) -> None:

@@ -21,10 +21,11 @@ from typing import Any, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobs import ErrorWriter, InvalidRow, JobError, write_summary
+from jobs import ErrorWriter, InvalidRow, Job, JobError, write_summary
 from pipeline.parts import ERROR_PART_SCHEMA, ORDER, job_set_key, may_resume, write_part
 from pipeline.preflight import context_window, job_digest, length_error, read_checked
-from pipeline.runner import RunOptions, _eos_ids, job_rows, run_settings
+from pipeline.results import job_rows
+from pipeline.runner import RunOptions, _eos_ids, run_settings
 from pipeline.summary import JobCounts, add_work, run_summary, work_of
 
 RUN_FILE = "run.json"  # the job set's key and the settings the parts beside it were made with
@@ -93,13 +94,15 @@ class _Generate:
         import json
 
         from pipeline.engine import Engine
-        from pipeline.preflight import make_request
+        from pipeline.expand import JobTokens
+        from pipeline.preflight import make_requests
 
         ids = dict(zip(group.column("order").to_pylist(), (json.loads(x) for x in group.column("ids").to_pylist())))
         orders = sorted(ids)
         mine = {o: self.jobs[o] for o in orders}
         # the driver checked every job: each one here makes a request
-        requests = [make_request(o, mine[o], ids[o], self.tok, None, self.options.defaults.seed) for o in orders]
+        requests = [r for o in orders
+                    for r in make_requests(o, mine[o], JobTokens(ids[o]), self.tok, None, self.options.defaults.seed)]
         engine = Engine(self.model, eos_token_ids=_eos_ids(self.model, self.tok),
                         min_shared_tokens=self.options.min_shared_tokens,
                         max_batch_tokens=self.options.max_batch_tokens)
@@ -117,6 +120,15 @@ class _Generate:
         if errors:
             write_part(os.path.join(self.out_dir, f"errors-{name}.parquet"), errors, ERROR_PART_SCHEMA)
         return pa.table({"jobs": [len(orders)]})
+
+
+def _ray_refuses(job: Job) -> InvalidRow | None:
+    """Jobs that are several requests (pipeline/expand.py) are not spread over Ray workers yet."""
+    if job.is_scoring or job.max_new_tokens == 0:
+        return InvalidRow(job.location, job.id, "a scoring job (continuations, or prompt_logprobs with "
+                                                "max_new_tokens 0) does not run with --engine ray yet; run it "
+                                                "without --engine ray")
+    return None
 
 
 def done_orders(out_dir: str) -> set[int]:
@@ -176,7 +188,7 @@ def process_ray(inputs: Sequence[str], out_dir: str, options: RunOptions, *, add
             for r in tokenized:
                 o, x = int(r["order"]), json.loads(r["ids"])
                 bad = InvalidRow(jobs[o].location, jobs[o].id, x["error"]) if isinstance(x, dict) \
-                    else length_error(jobs[o], len(x), window) or check(jobs[o])
+                    else _ray_refuses(jobs[o]) or length_error(jobs[o], len(x), window) or check(jobs[o])
                 if bad is None:
                     ids[o] = x
                 else:

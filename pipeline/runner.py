@@ -22,16 +22,18 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import pyarrow as pa
 
-from jobs import (GenerationDefaults, InvalidRow, Job, JobError, errors_path, open_result_writer, summary_path,
+from jobs import (GenerationDefaults, Job, JobError, errors_path, open_result_writer, summary_path,
                   write_summary)
-from jobs.openai_batch import GENERATION_FAILED, openai_fields, whole_requests
-from jobs.writers import CREATED, open_error_writer
+from jobs.openai_batch import openai_fields, whole_requests
+from jobs.writers import open_error_writer
 from jobs.atomic import remove_stale_temps
-from pipeline.preflight import Checked, check_inputs, check_output, make_request
+from pipeline.preflight import Checked, check_inputs, check_output, job_seed
 from pipeline.progress import Progress
+from pipeline.results import job_rows
 from pipeline.signals import Preempted, StopOnSignal
 from pipeline.summary import JobCounts, add_work, run_summary, work_of
 from pipeline.tokenize import Tokenizer
+from pipeline.expand import JobTokens, completions_expected, job_requests, order_of, tokenize_jobs
 from pipeline.types import Completion, Request, RunStats
 from pipeline.windows import COLLECT_JOBS, WINDOW_JOBS, WINDOW_TOKENS
 
@@ -58,37 +60,6 @@ class RunOptions:
     threads: int | None = None  # torch threads; None: one per core this process may use
     window_jobs: int = WINDOW_JOBS  # jobs per engine call (whole prefix groups; see windows.py) ...
     window_tokens: int = WINDOW_TOKENS  # ... and their prompt tokens
-
-
-def result_rows(job: Job, completions: list[Completion], tokenizer: Tokenizer) -> list[dict[str, Any]]:
-    rows = []
-    for c in sorted(completions, key=lambda c: c.sample_index):
-        text, stopped = tokenizer.completion_text(c.token_ids, job.stop)
-        rows.append({
-            **job.extra,
-            "id": job.id,
-            "sample_index": c.sample_index,
-            "completion": text,
-            "finish_reason": "stop" if stopped else c.finish_reason,
-            "prompt_tokens": c.prompt_tokens,
-            "cached_tokens": c.cached_tokens,
-            "completion_tokens": len(c.token_ids),
-        })
-    return rows
-
-
-def job_rows(order: int, job: Job, completions: list[Completion],
-             tokenizer: Tokenizer) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """A finished job's result rows, or its one error row: a job fails alone and whole, never
-    with partial samples in the output. Rows carry the job's input position."""
-    from pipeline.parts import ORDER
-
-    failed = next((c for c in completions if c.error), None)
-    if failed is not None or not completions:
-        reason = f"{GENERATION_FAILED}{failed.error if failed else 'no output'}"
-        return [], [{**InvalidRow(job.location, job.id, reason).to_row(), ORDER: order}]
-    created = int(time.time())  # the job's completion time (OpenAI output reports it)
-    return [{**r, ORDER: order, CREATED: created} for r in result_rows(job, completions, tokenizer)], []
 
 
 def run_settings(options: RunOptions, model_name: str, precision: dict[str, str]) -> dict[str, Any]:
@@ -197,22 +168,22 @@ class _Run:
                           min_shared_tokens=options.min_shared_tokens, max_batch_tokens=options.max_batch_tokens)
 
         engine = None
-        for jobs, requests in self._windows(todo):
+        for jobs, requests, want in self._windows(todo):
             # an engine per window: nothing of the last window stays referenced while this one is built
             engine = committer.engine = new_engine()
             samples: dict[int, list[Completion]] = {}
             # the window's requests live until it ends: collections need not walk them meanwhile
             gc.freeze()
             for c in engine.run(requests, should_stop=self.stop.requested):
-                samples.setdefault(c.key, []).append(c)
+                order = order_of(c.key)
+                samples.setdefault(order, []).append(c)
                 pace.completion_tokens += len(c.token_ids)
-                if len(samples[c.key]) == jobs[c.key].n:
-                    finished = samples.pop(c.key)
-                    committer.add(c.key, jobs[c.key], finished)
-                    first = next(s for s in finished if s.sample_index == 0)
+                if len(samples[order]) == want[order]:  # its samples, continuations or windows all in
+                    finished = samples.pop(order)
+                    committer.add(order, jobs[order], finished)
                     pace.jobs_done += 1
-                    pace.prompt_tokens += first.prompt_tokens
-                    pace.cached_tokens += first.cached_tokens
+                    pace.prompt_tokens += sum(s.prompt_tokens for s in finished if s.sample_index == 0)
+                    pace.cached_tokens += sum(s.cached_tokens for s in finished if s.sample_index == 0)
                 if progress is not None:
                     pace.elapsed = time.monotonic() - began
                     progress(replace(pace))  # a snapshot: the reporter may keep it
@@ -220,7 +191,7 @@ class _Run:
             committer.engine = None
             committer.finished.add(engine.stats)
             if len(requests) >= COLLECT_JOBS:
-                del jobs, requests, samples
+                del jobs, requests, samples, want
                 gc.collect()  # the window's tree (its nodes point at each other) goes before the next is built
             if self.stop.requested():
                 break
@@ -235,7 +206,8 @@ class _Run:
         return counts, committer.work(), about
 
     def _windows(self, todo: np.ndarray):
-        """(jobs by input position, requests in sorted order) per window of whole prefix groups."""
+        """(jobs by input position, requests in sorted order, completions that finish each job)
+        per window of whole prefix groups."""
         from pipeline.windows import windows
 
         checked, options = self.checked, self.options
@@ -248,15 +220,22 @@ class _Run:
         for a, b in cuts:
             window = [next(prompts) for _ in range(b - a)]
             records = checked.spool.get(number for number, _ in window)
+            # the index holds a scoring job's context: its pairs are tokenized again, as preflight did
+            scoring = [number for number, _ in window if records[number].is_scoring]
+            pairs = dict(zip(scoring, tokenize_jobs(checked.tokenizer, [records[n] for n in scoring])))
             jobs: dict[int, Job] = {}
             requests: list[Request] = []
+            want: dict[int, int] = {}
             for number, ids in window:
-                order = int(checked.orders[number])
-                jobs[order] = records[number]
-                requests.append(make_request(order, records[number], ids, checked.tokenizer, None,
-                                             options.defaults.seed))
-            yield jobs, requests
-            del jobs, requests, records, window
+                order, job = int(checked.orders[number]), records[number]
+                jobs[order] = job
+                seed = job.seed if job.seed is not None else job_seed(options.defaults.seed, job.id)
+                mine = job_requests(order, job, pairs.get(number) or JobTokens(ids), checked.tokenizer,
+                                    checked.window, seed)
+                want[order] = completions_expected(mine)
+                requests += mine
+            yield jobs, requests, want
+            del jobs, requests, records, window, want
 
     def _write_output(self) -> JobCounts:
         """The committed parts in input order, streamed into the output and the errors file."""
@@ -304,7 +283,7 @@ class _Run:
         out = []
         for r, n, o, is_job in zip(table.to_pylist(), numbers.tolist(), orders.tolist(), ran.tolist()):
             if is_job:
-                r.update(openai_fields(jobs[n]))
+                r.update(openai_job_fields(jobs[n], checked.tokenizer))
             elif o in checked.custom_ids:  # a refused element of a list prompt: its request's id
                 r["custom_id"] = checked.custom_ids[o]
             out.append(r)
@@ -355,8 +334,14 @@ class _Committer:
         self.results, self.errors, self.jobs, self.last = [], [], 0, time.monotonic()
 
 
+def openai_job_fields(job: Job, tokenizer: Tokenizer) -> dict[str, Any]:
+    """`openai_fields` of a job, with its prompt's token texts where echo lists their logprobs."""
+    echoed = job.prompt_logprobs and job.logprobs and job.prompt is not None
+    return openai_fields(job, tokenizer.token_texts(tokenizer.encode_prompt(job.prompt)) if echoed else None)
+
+
 def write_results(output: str, fmt: str, schema, rows: list[dict[str, Any]], errors: list[dict[str, Any]],
-                  jobs: dict[int, Job], model_name: str, fingerprint: str) -> None:
+                  jobs: dict[int, Job], model_name: str, fingerprint: str, tokenizer: Tokenizer) -> None:
     """The output and its errors file from result rows and error rows held in memory (each with its
     input position, in input order): the Python API's writer (a run streams, `_Run._write_output`)."""
     from pipeline.parts import ORDER
@@ -364,7 +349,7 @@ def write_results(output: str, fmt: str, schema, rows: list[dict[str, Any]], err
     if fmt == "openai":  # what only that writer reads: the request each row belongs to
         for r in rows + errors:
             if r.get(ORDER) in jobs:
-                r.update(openai_fields(jobs[r[ORDER]]))
+                r.update(openai_job_fields(jobs[r[ORDER]], tokenizer))
         rows = whole_requests(rows, errors)
     for r in rows:
         del r[ORDER]

@@ -114,7 +114,7 @@ class Tokenizer:
                 plain.append(True)
                 continue
             try:
-                texts.append(self._render(chat))
+                texts.append(self.render(chat))
                 where.append(i)
                 plain.append(False)
             except TokenizerError as e:
@@ -126,7 +126,8 @@ class Tokenizer:
                 out[where[k]] = ids
         return out  # type: ignore[return-value]
 
-    def _render(self, messages: Sequence[dict[str, str]]) -> str:
+    def render(self, messages: Sequence[dict[str, str]]) -> str:
+        """The chat template's text for these messages, with the generation prompt."""
         if not self.has_chat_template:
             raise TokenizerError("this model's tokenizer has no chat template: give jobs a 'prompt' instead of 'messages'")
         try:
@@ -155,6 +156,11 @@ class Tokenizer:
             out += [e.ids for e in backend.encode_batch_fast(texts[start : start + _ENCODE_BATCH],
                                                             add_special_tokens=special)]
         return out
+
+    def token_texts(self, ids: Sequence[int]) -> list[str]:
+        """Each token's own text, special tokens included (what a logprobs listing names). A token
+        holding part of a multi-byte character decodes to U+FFFD."""
+        return self.hf.batch_decode([[i] for i in ids], skip_special_tokens=False)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=True)

@@ -96,8 +96,10 @@ def test_files_in_and_options_checked_like_job_fields(engine, tmp_path):
     assert rows[4]["error"].startswith(f"{src}:4: ")
     with pytest.raises(TypeError, match="unexpected keyword argument.*: frobnicate"):
         engine.generate(jobs(), frobnicate=1)
-    with pytest.raises(JobValidationError, match="field 'logprobs' is a generation parameter batchgen does not"):
-        engine.generate(jobs(), logprobs=True)
+    with pytest.raises(JobValidationError, match="field 'best_of' is a generation parameter batchgen does not"):
+        engine.generate(jobs(), best_of=2)
+    with pytest.raises(JobValidationError, match="defaults: field 'top_logprobs' is 2 but logprobs is not true"):
+        engine.generate(jobs(), top_logprobs=2)
     with pytest.raises(JobError, match="5 job|1 job"):
         engine.generate(jobs(), on_error="fail")
 

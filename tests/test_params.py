@@ -15,8 +15,8 @@ LOC = Location("jobs.jsonl", line=3)
 DEFAULTS = GenerationDefaults()
 
 
-def make(row: dict[str, Any]) -> list[Job]:
-    return Job.from_record(row, LOC, DEFAULTS, 0)
+def make(row: dict[str, Any], defaults: GenerationDefaults = DEFAULTS) -> list[Job]:
+    return Job.from_record(row, LOC, defaults, 0)
 
 
 def error_of(row: dict[str, Any]) -> str:
@@ -25,7 +25,7 @@ def error_of(row: dict[str, Any]) -> str:
     return str(e.value)
 
 
-@pytest.mark.parametrize("name, value", [("logprobs", True), ("top_logprobs", 3), ("lora", "adapter-a"),
+@pytest.mark.parametrize("name, value", [("suffix", "x"), ("lora", "adapter-a"),
                                          ("tools", [{"type": "function"}]), ("min_p", 0.1), ("best_of", 4),
                                          ("use_beam_search", True), ("guided_grammar", "root ::= x"),
                                          ("stream", True), ("num_beams", 4)])
@@ -36,7 +36,7 @@ def test_an_unsupported_generation_parameter_is_refused_with_its_location(name, 
 
 
 def test_values_that_ask_for_nothing_new_and_nulls_are_accepted_and_not_carried():
-    (job,) = make({"prompt": "x", "logprobs": False, "stream": False, "best_of": 1, "skip_special_tokens": True,
+    (job,) = make({"prompt": "x", "stream": False, "best_of": 1, "skip_special_tokens": True,
                    "min_p": 0.0, "lora": None, "tools": [], "topic": "kept"})
     assert job.extra == {"topic": "kept"}
 
@@ -120,8 +120,9 @@ def chat(**body: Any) -> dict[str, Any]:
 @pytest.mark.parametrize("body, message", [
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "field 'body.tools' is a generation parameter "
                                                                     "batchgen does not support"),
-    ({"echo": True}, "field 'body.echo' is a generation parameter batchgen does not support"),
-    ({"logprobs": True, "top_logprobs": 2}, "field 'body.logprobs' is a generation parameter"),
+    ({"echo": True}, "field 'body.echo' is not a parameter of /v1/chat/completions (only of /v1/completions)"),
+    ({"top_logprobs": 2}, "field 'body.top_logprobs' is 2 but logprobs is not true; set logprobs: true"),
+    ({"logprobs": 1}, "field 'body.logprobs' must be true or false, got 1 (int)"),
     ({"frobnicate": 1}, "field 'body.frobnicate' is not a parameter batchgen knows for /v1/chat/completions"),
     ({"response_format": {"type": "json_schema"}}, "field 'body.response_format.json_schema' must be an object"),
     ({"presence_penalty": 3}, "field 'body.presence_penalty' must be a number in [-2, 2]"),
@@ -172,3 +173,52 @@ def test_any_value_of_any_parameter_is_a_job_or_a_located_error(fields):
     else:
         assert len(jobs) == 1 and jobs[0].extra == {}
         json.dumps(jobs[0].generation())  # what the resume fingerprint records
+
+
+# --- logprobs, prompt logprobs and scoring jobs ------------------------------------------------
+
+def test_logprob_fields_and_their_openai_spellings():
+    (job,) = make({"prompt": "x", "logprobs": True, "top_logprobs": 5, "echo": True})
+    assert (job.logprobs, job.top_logprobs, job.prompt_logprobs) == (True, 5, True)
+    (job,) = make(chat(logprobs=True, top_logprobs=20))
+    assert (job.logprobs, job.top_logprobs, job.prompt_logprobs) == (True, 20, False)
+    # /v1/completions: logprobs is the number of alternatives; echo scores the prompt
+    (job,) = make({"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "x", "logprobs": 3, "echo": True}})
+    assert (job.logprobs, job.top_logprobs, job.prompt_logprobs) == (True, 3, True)
+    (job,) = make({"prompt": "x", "prompt_logprobs": True, "max_new_tokens": 0})
+    assert job.max_new_tokens == 0 and "logprobs" in job.generation() and job.generation()["prompt_logprobs"]
+    # a row that turns logprobs off drops the default alternatives with them
+    (job,) = make({"prompt": "x", "logprobs": False}, GenerationDefaults(logprobs=True, top_logprobs=4))
+    assert (job.logprobs, job.top_logprobs) == (False, 0)
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"prompt": "x", "logprobs": "yes"}, "field 'logprobs' must be true or false, got the string 'yes'"),
+    ({"prompt": "x", "logprobs": True, "top_logprobs": 21}, "field 'top_logprobs' must be an integer in [0, 20]"),
+    ({"prompt": "x", "top_logprobs": 3}, "field 'top_logprobs' is 3 but logprobs is not true"),
+    ({"prompt": "x", "echo": 1}, "field 'echo' must be true or false"),
+    ({"prompt": "x", "max_new_tokens": 0}, "field 'max_new_tokens' must be a positive integer, got 0"),
+    ({"prompt": "x", "max_new_tokens": 0, "prompt_logprobs": True, "n": 2}, "field 'n' is 2 with max_new_tokens 0"),
+    ({"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "x", "logprobs": 6}},
+     "field 'body.logprobs' must be an integer in [0, 5]"),
+    ({"prompt": "x", "continuations": []}, "field 'continuations' must be a non-empty list of non-empty strings"),
+    ({"prompt": "x", "continuations": [" a", ""]}, "field 'continuations' must be a non-empty list of non-empty"),
+    ({"prompt": "x", "continuations": " a"}, "field 'continuations' must be a non-empty list"),
+    ({"prompt": "x", "continuations": [" a"], "n": 2}, "field 'n' is a generation parameter, but this job has "
+                                                       "continuations: a scoring job generates nothing"),
+    ({"prompt": "x", "continuations": [" a"], "logprobs": True}, "field 'logprobs' is a generation parameter, but"),
+    ({"prompt": "x", "continuations": [" a"], "guided_json": {}}, "field 'guided_json' is a generation parameter"),
+    ({"prompt": "x", "continuations": [" a"], "echo": True}, "field 'echo' is a generation parameter"),
+])
+def test_bad_logprob_and_scoring_fields_are_refused_with_their_location(row, message):
+    assert error_of(row).startswith(f"jobs.jsonl:3: {message}")
+
+
+def test_a_scoring_job_ignores_the_generation_defaults_and_joins_the_digest():
+    defaults = GenerationDefaults(n=3, logprobs=True, top_logprobs=2, constraint=Constraint("regex", "a+"))
+    (job,) = make({"prompt": "Q: 2+2? A:", "continuations": [" 4", " 5"], "topic": "math"}, defaults)
+    assert job.is_scoring and job.continuations == (" 4", " 5") and job.extra == {"topic": "math"}
+    assert (job.n, job.logprobs, job.constraint) == (1, False, None)
+    assert job.generation()["continuations"] == [" 4", " 5"]
+    with pytest.raises(JobValidationError, match="'top_logprobs' is 3 but logprobs is not true"):
+        GenerationDefaults(top_logprobs=3)

@@ -1,0 +1,116 @@
+"""A job as the engine's requests, and how many completions finish it: the one place where a job
+becomes requests, for the streaming runner and the Python API alike.
+
+- A generating job is one request (its samples are its completions): with `logprobs`, the
+  request reports each generated token's logprob; with `prompt_logprobs`, it scores its prompt
+  from the second token on (`score_from=1`), in the same prefill.
+- A scoring job (`continuations`) is one request per continuation, keyed (order, i), each
+  context + continuation scoring the continuation's tokens (pipeline/scoring.py). Nothing is
+  generated. The pairs are split the lm-eval-harness way (`Tokenizer.encode_pair`); a chat job's
+  context is its rendered chat template, generation prompt included, so the continuation is
+  scored as the assistant's reply.
+- A `prompt_logprobs` job with max_new_tokens 0 scores its prompt only: one request keyed
+  (order, 0), or, when the prompt is longer than the context window, one per rolling window.
+
+The prefix index holds one token list per job (`JobTokens.ids`): the prompt, or a scoring job's
+context, so that a job's continuations and the jobs sharing its context stay in one group.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable, Sequence
+
+from jobs import InvalidRow, Job
+from pipeline.scoring import continuation_requests, prompt_requests
+from pipeline.tokenize import Tokenizer, TokenizerError
+from pipeline.types import Request, SamplingParams
+
+
+@dataclass
+class JobTokens:
+    """A job's token ids: its prompt's, or a scoring job's context's (what the prefix index holds)
+    and, for a scoring job, each (context, continuation) pair."""
+
+    ids: list[int]
+    pairs: list[tuple[list[int], list[int]]] | None = None
+
+
+def tokenize_jobs(tokenizer: Tokenizer, jobs: Sequence[Job]) -> list[JobTokens | TokenizerError]:
+    """Every job's tokens: prompts in one batch call, scoring jobs' pairs one by one (each pair is
+    encoded whole and split, which a batch of prompts cannot do)."""
+    encoded = tokenizer.encode_many([j.prompt for j in jobs], [j.messages for j in jobs])
+    out: list[JobTokens | TokenizerError] = []
+    for job, ids in zip(jobs, encoded):
+        if isinstance(ids, TokenizerError) or not job.is_scoring:
+            out.append(ids if isinstance(ids, TokenizerError) else JobTokens(ids))
+            continue
+        try:
+            context, special = (job.prompt, True) if job.prompt is not None else (tokenizer.render(job.messages), False)
+        except TokenizerError as e:
+            out.append(e)
+            continue
+        pairs = [tokenizer.encode_pair(context, c, add_special_tokens=special) for c in job.continuations]
+        out.append(JobTokens(pairs[0][0], pairs))
+    return out
+
+
+def token_problem(job: Job, tokens: JobTokens, window: int | None) -> InvalidRow | None:
+    """What the job's tokens cannot do: an empty prompt, a continuation of no tokens, more tokens
+    than the context window holds (a prompt scored alone is scored in rolling windows instead)."""
+    def bad(reason: str) -> InvalidRow:
+        return InvalidRow(job.location, job.id, reason)
+
+    if tokens.pairs is None:
+        if not tokens.ids:
+            return bad("the prompt tokenizes to no tokens")
+        if job.max_new_tokens == 0:  # scored in rolling windows when longer than the context window
+            return bad("the prompt is one token: with max_new_tokens 0 there is nothing to score (the first "
+                       "token has no logprob); generate some tokens or give a longer prompt") \
+                if len(tokens.ids) < 2 else None
+        if window is not None and len(tokens.ids) + job.max_new_tokens > window:
+            return bad(f"prompt of {len(tokens.ids)} tokens + max_new_tokens {job.max_new_tokens} exceeds the "
+                       f"model's context window of {window}; shorten the prompt or lower max_new_tokens")
+        return None
+    for i, (ctx, cont) in enumerate(tokens.pairs):
+        if not ctx:  # the first continuation token needs a token before it to be predicted from
+            return bad("the prompt tokenizes to no tokens: a continuation is scored given a non-empty context")
+        if not cont:
+            return bad(f"field 'continuations[{i}]' tokenizes to no tokens after the prompt; give it some text")
+        if window is not None and len(ctx) + len(cont) > window:
+            return bad(f"field 'continuations[{i}]': prompt + continuation are {len(ctx) + len(cont)} tokens, "
+                       f"more than the model's context window of {window}; shorten them")
+    return None
+
+
+def sampling_params(job: Job, seed: int) -> SamplingParams:
+    return SamplingParams(
+        max_new_tokens=job.max_new_tokens, temperature=job.temperature, top_p=job.top_p, top_k=job.top_k,
+        seed=seed, n=job.n, logit_bias=job.logit_bias, repetition_penalty=job.repetition_penalty,
+        presence_penalty=job.presence_penalty, frequency_penalty=job.frequency_penalty,
+        min_tokens=job.min_tokens, stop_token_ids=job.stop_token_ids,
+        logprobs=job.top_logprobs if job.logprobs else None)
+
+
+def job_requests(order: int, job: Job, tokens: JobTokens, tokenizer: Tokenizer, window: int | None,
+                 seed: int) -> list[Request]:
+    """The requests of a checked job (`token_problem` and the generation checks passed); `seed`
+    is the job's (its own, or the one the run gives it)."""
+    if tokens.pairs is not None:
+        return continuation_requests(order, tokens.pairs)
+    if job.max_new_tokens == 0:
+        return prompt_requests(order, tokens.ids, window)
+    # compiled once per distinct constraint (the generation checks just did)
+    grammar = tokenizer.grammars.factory(job.constraint) if job.constraint is not None else None
+    return [Request(order, tokens.ids, sampling_params(job, seed), tokenizer.stop_check(job.stop), grammar,
+                    score_from=1 if job.prompt_logprobs else None)]
+
+
+def completions_expected(requests: Sequence[Request]) -> int:
+    """Completions that finish a job with these requests: each request's samples."""
+    return sum(r.params.n if r.params.max_new_tokens else 1 for r in requests)
+
+
+def order_of(key: Hashable) -> int:
+    """The job (its input position) a completion belongs to: requests of one job are keyed
+    (order, i), a generating job's request by its order."""
+    return key[0] if isinstance(key, tuple) else key  # type: ignore[index,return-value]
