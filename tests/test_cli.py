@@ -7,8 +7,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from click.testing import CliRunner
 
+from cli_helpers import run, write_jsonl
 from pipeline.cli import main
 from reference import reference_generate
 from pipeline.tokenize import Tokenizer
@@ -17,18 +17,6 @@ from tiny_models import make_model
 from tiny_tokenizer import make_tokenizer
 
 SYSTEM = "You answer briefly and kindly, in plain words, and you never make things up. "
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return path
-
-
-def run(args, model_dir, ok=True):
-    result = CliRunner().invoke(main, [*args, "--model", str(model_dir)])
-    if ok:
-        assert result.exit_code == 0, result.output + repr(result.exception)
-    return result
 
 
 def test_process_jsonl_in_input_order_with_extras_samples_and_errors(tmp_path, model_dir):

@@ -10,10 +10,9 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 import torch
-from click.testing import CliRunner
 
 from jobsets import SHOTS, SYSTEM
-from pipeline.cli import main
+from cli_helpers import run, write_jsonl
 from pipeline.scoring import rolling_windows
 from pipeline.tokenize import Tokenizer
 from tiny_models import make_model
@@ -32,18 +31,6 @@ def tok():
 @pytest.fixture(scope="module")
 def model():
     return make_model("llama")  # the model_dir fixture's weights
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return path
-
-
-def run(args, model_dir, ok=True):
-    result = CliRunner().invoke(main, [*args, "--model", str(model_dir)])
-    if ok:
-        assert result.exit_code == 0, result.output + repr(result.exception)
-    return result
 
 
 def forward_logprobs(model, ids):
