@@ -70,11 +70,14 @@ def write_task(d: Path, subjects: int, questions: int, seed: int = 0) -> None:
     (d / "names.txt").write_text(",".join(names))
 
 
-def run(cmd: list[str], env: dict) -> float:
+def run(cmd: list[str], env: dict) -> float | str:
+    """The run's wall seconds, or why it failed (a peer killed for memory is a result, not a crash)."""
     t = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode < 0:
+        return f"killed by signal {-proc.returncode} after {time.perf_counter() - t:.0f} s (out of memory?)"
     if proc.returncode != 0:
-        raise RuntimeError(proc.stderr[-3000:])
+        return f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1][:200] if proc.stderr.strip() else ''}"
     return time.perf_counter() - t
 
 
@@ -83,7 +86,8 @@ def main() -> int:
     p.add_argument("--subjects", type=int, default=2)
     p.add_argument("--questions", type=int, default=32, help="questions per few-shot header")
     p.add_argument("--turns", type=int, default=2)
-    p.add_argument("--hf-batch-sizes", default="16,64")
+    # 64 ran out of memory here: hf holds a batch's whole logits (rows x ~600 x 49,152 floats) several times
+    p.add_argument("--hf-batch-sizes", default="16,32")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     args = p.parse_args()
     from pipeline.model import default_model_path
@@ -103,11 +107,18 @@ def main() -> int:
             systems[f"hf (batch {b})"] = [str(bindir / "lm_eval"), "--model", "hf", "--model_args",
                                           f"pretrained={model_dir},dtype=float32", "--batch_size", b, *common]
         walls: dict[str, list[float]] = {name: [] for name in systems}
+        failed: dict[str, str] = {}
         names = list(systems)
         for turn in range(args.turns):
-            for name in names[turn % len(names):] + names[: turn % len(names)]:
-                walls[name].append(run(systems[name], env))
-                print(f"turn {turn + 1} {name}: {walls[name][-1]:.1f} s", file=sys.stderr, flush=True)
+            for name in [n for n in names[turn % len(names):] + names[: turn % len(names)] if n in names]:
+                got = run(systems[name], env)
+                if isinstance(got, str):
+                    failed[name] = got
+                    names.remove(name)
+                else:
+                    walls[name].append(got)
+                print(f"turn {turn + 1} {name}: {got if isinstance(got, str) else f'{got:.1f} s'}", file=sys.stderr,
+                      flush=True)
         work = prefill_work(tmp, tasks)
     base = statistics.median(walls["batchgen"])
     print(f"### lm-eval, {args.subjects} subjects x {args.questions} questions x 4 choices, 5-shot, "
@@ -116,7 +127,11 @@ def main() -> int:
           f"{work['prompt']} tokens in the requests\n")
     print("| system | wall s (median) | min-max | batchgen faster by |")
     print("|---|---:|---:|---:|")
+    for name, why in failed.items():
+        print(f"| {name} | {why} | | |")
     for name, w in walls.items():
+        if not w:
+            continue
         mid = statistics.median(w)
         print(f"| {name} | {mid:.1f} | {min(w):.1f}-{max(w):.1f} | {mid / base:.2f}x |")
     return 0
