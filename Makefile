@@ -29,7 +29,7 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 bench: setup
-	$(BIN)/python -m bench.bench_engine --workload all
+	$(BIN)/python -m bench.bench_engine --workloads fewshot,system_prompt --turns 2
 
 clean:
 	rm -rf $(VENV) out
