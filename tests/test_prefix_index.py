@@ -2,9 +2,10 @@
 shared prefixes and top groups, the same tree when built from it, and windows that keep the
 prefill at the radix-tree bound."""
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
-from pipeline.prefix_index import PrefixIndex
+from pipeline.prefix_index import IndexBuilder, PrefixIndex
 from pipeline.prefix_tree import PrefixTree
 from pipeline.schedule import plan, shared_nodes, tree_of, tree_of_sorted
 from pipeline.windows import assign_shards, units, windows
@@ -141,3 +142,12 @@ def test_windows_keep_groups_whole_and_the_prefill_at_the_bound(prompts, ns, min
         assert prefill == bound and sorted(seen) == cached_prefixes(whole, min_shared)
     else:
         assert prefill >= bound
+
+
+def test_token_ids_outside_the_key_width_are_refused_whole():
+    b = IndexBuilder(vocab_size=1000)  # 2-byte keys
+    with pytest.raises(ValueError, match="outside"):
+        b.add([[1, 2], [70000]], [1, 1], [1, 1])
+    b.add([[3, 2, 1]], [1], [1])
+    index = b.build()
+    assert len(index) == 1 and list(index.prompts(np.arange(1))) == [(0, [3, 2, 1])]
