@@ -70,7 +70,18 @@ def test_the_command_line_runs_offline_with_the_default_model(tmp_path, tasks):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     proc = subprocess.run([str(exe), "--model", "batchgen", "--model_args", "dtype=float32",
                            "--tasks", "batchgen_mc", "--include_path", str(tasks), "--limit", "8",
-                           "--output_path", str(out)], env=env, capture_output=True, text=True, timeout=600)
+                           "--output_path", str(out), "--log_samples"], env=env, capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(next(out.rglob("results_*.json")).read_text())
-    assert 0.0 <= result["results"]["batchgen_mc"]["acc,none"] <= 1.0
+    samples = [json.loads(line) for line in next(out.rglob("samples_batchgen_mc_*.jsonl")).read_text().splitlines()]
+    # the real model through lm-eval's own hf backend: the same accuracy, the same loglikelihoods
+    from pipeline.model import default_model_path
+
+    hf = evaluate("hf", f"pretrained={default_model_path()},dtype=float32", tasks, batch_size=8, device="cpu",
+                  limit=8)
+    assert result["results"]["batchgen_mc"]["acc,none"] == hf["results"]["batchgen_mc"]["acc,none"]
+    # the samples file holds the numbers as text
+    a, b = [float(x) for x in per_request({"samples": {"batchgen_mc": samples}})], per_request(hf)
+    assert len(a) == len(b) == 8 * 4
+    assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
