@@ -237,3 +237,43 @@ def _response_format(check: Checker, where: str, value: Any) -> Constraint | Non
     if not isinstance(spec, Mapping) or spec.get("schema") is None:
         raise check.fail(f"{where}.json_schema", f"must be an object with a 'schema', got {show(spec)}")
     return _schema(check, f"{where}.json_schema.schema", spec["schema"])
+
+
+# Fields a scoring job (one with continuations) must not set: it generates nothing, and scores
+# under the model's raw distribution, so a sampling or output parameter would be silently ignored.
+_NOT_FOR_SCORING = PARAMS + CONSTRAINTS
+
+
+def continuations_field(check: Checker, value: Any, params: Mapping[str, Any],
+                   spelled: Mapping[str, str]) -> tuple[str, ...] | None:
+    """A scoring job's continuations (None: a generating job). Refuses generation parameters
+    beside them: nothing is generated, so they could only be ignored."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.startswith("["):  # Parquet/CSV-born JSON text
+        try:
+            value = json.loads(value)
+        except ValueError:
+            pass
+    if not isinstance(value, (list, tuple)) or not value or not all(isinstance(c, str) and c for c in value):
+        raise check.fail("continuations", f"must be a non-empty list of non-empty strings, got {show(value)}")
+    given = [spelled.get(n, n) for n in _NOT_FOR_SCORING if params.get(n) is not None]
+    if given:
+        raise check.fail(given[0], "is a generation parameter, but this job has continuations: a scoring job "
+                                   "generates nothing; remove it, or make a separate job that generates")
+    return tuple(value)
+
+
+def completions_logprobs(check: Checker, params: dict[str, Any], spelled: dict[str, str]) -> None:
+    """/v1/completions spells logprobs as an integer, the number of alternatives (0 to 5), where
+    chat has logprobs: true and top_logprobs: k."""
+    value = params.get("logprobs")
+    if value is None or isinstance(value, bool):
+        return
+    where = spelled["logprobs"]
+    k = check.integer(where, value, low=0, high=5, what="an integer in [0, 5] (the alternatives per token)")
+    if params.get("top_logprobs") is not None:
+        raise check.fail(spelled["top_logprobs"], "is not a parameter of /v1/completions: its logprobs "
+                                                  "gives the number of alternatives; remove it")
+    params["logprobs"], params["top_logprobs"] = True, k
+    spelled["top_logprobs"] = where

@@ -7,14 +7,14 @@ field so that a user with a million-line file can find and fix the bad row.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping  # isinstance is faster than with typing's alias (a check per row)
 from dataclasses import dataclass
 from typing import Any
 
 from .checks import MESSAGE_ROLES, Checker, show
 from .errors import JobError, JobValidationError, Location
-from .params import (CONSTRAINTS, PARAMS, RESERVED, Constraint, constraint, normalize, split_fields)
+from .params import (CONSTRAINTS, PARAMS, RESERVED, Constraint, completions_logprobs, constraint, continuations_field,
+                     normalize, split_fields)
 from .templates import TemplateRowError, fill_template, template_fields
 from .text import bad_text_at, encodes
 
@@ -210,7 +210,7 @@ class Job:
         extra = {k: v for k, v in row.items() if k not in ("id", "prompt", "messages", "continuations")
                  and k not in RESERVED}
         _check_columns(check, extra)
-        continuations = _continuations(check, row.get("continuations"), params, spelled)
+        continuations = continuations_field(check, row.get("continuations"), params, spelled)
 
         prompt, messages = row.get("prompt"), row.get("messages")
         if prompt_template is not None:
@@ -259,7 +259,7 @@ class Job:
         params, spelled = split_fields(check, body, keys=keys, prefix="body.",
                                        unknown=f"is not a parameter batchgen knows for {url}; remove it")
         if url == COMPLETIONS_ENDPOINT:
-            _completions_logprobs(check, params, spelled)
+            completions_logprobs(check, params, spelled)
         extra = {k: v for k, v in row.items() if k not in _OPENAI_TOP_KEYS}
         _check_columns(check, extra)
         if body.get("model") is not None:
@@ -332,49 +332,9 @@ class Job:
                    location=check.location, constraint=rule, **norm)
 
 
-# Fields a scoring job (one with continuations) must not set: it generates nothing, and scores
-# under the model's raw distribution, so a sampling or output parameter would be silently ignored.
-_NOT_FOR_SCORING = PARAMS + CONSTRAINTS
-
-
 # The defaults a scoring job takes: the CLI's generation defaults (--logprobs, --n, a default
 # constraint) are for the generating jobs; a scoring job beside them in the same file generates nothing.
 _SCORING_DEFAULTS = GenerationDefaults()
-
-
-def _continuations(check: Checker, value: Any, params: Mapping[str, Any],
-                   spelled: Mapping[str, str]) -> tuple[str, ...] | None:
-    """A scoring job's continuations (None: a generating job). Refuses generation parameters
-    beside them: nothing is generated, so they could only be ignored."""
-    if value is None:
-        return None
-    if isinstance(value, str) and value.startswith("["):  # Parquet/CSV-born JSON text
-        try:
-            value = json.loads(value)
-        except ValueError:
-            pass
-    if not isinstance(value, (list, tuple)) or not value or not all(isinstance(c, str) and c for c in value):
-        raise check.fail("continuations", f"must be a non-empty list of non-empty strings, got {show(value)}")
-    given = [spelled.get(n, n) for n in _NOT_FOR_SCORING if params.get(n) is not None]
-    if given:
-        raise check.fail(given[0], "is a generation parameter, but this job has continuations: a scoring job "
-                                   "generates nothing; remove it, or make a separate job that generates")
-    return tuple(value)
-
-
-def _completions_logprobs(check: Checker, params: dict[str, Any], spelled: dict[str, str]) -> None:
-    """/v1/completions spells logprobs as an integer, the number of alternatives (0 to 5), where
-    chat has logprobs: true and top_logprobs: k."""
-    value = params.get("logprobs")
-    if value is None or isinstance(value, bool):
-        return
-    where = spelled["logprobs"]
-    k = check.integer(where, value, low=0, high=5, what="an integer in [0, 5] (the alternatives per token)")
-    if params.get("top_logprobs") is not None:
-        raise check.fail(spelled["top_logprobs"], f"is not a parameter of {COMPLETIONS_ENDPOINT}: its logprobs "
-                                                  "gives the number of alternatives; remove it")
-    params["logprobs"], params["top_logprobs"] = True, k
-    spelled["top_logprobs"] = where
 
 
 @dataclass

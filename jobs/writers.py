@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .atomic import AtomicWriter, remove_stale_temps
-from .schema import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, InvalidRow, Job, JobError
+from .schema import CHAT_ENDPOINT, InvalidRow, Job, JobError
 
 # Result columns, in output order after the carried-through input columns.
 RESULT_FIELDS: tuple[pa.Field, ...] = (
