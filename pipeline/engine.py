@@ -26,11 +26,11 @@ from pipeline import attention, kernels
 from pipeline.attention import EngineError, layer_shapes  # noqa: F401  (EngineError: part of the engine's API)
 from pipeline.kv import PrefixKV, RowKV
 from pipeline.prefix_tree import PrefixTree
-from pipeline.rows import Fill, Live, Wanted
+from pipeline.rows import Fill, Live, Wanted, record_logprobs
 from pipeline.sampling import row_state, sample
 from pipeline.schedule import Plan, Row, plan, tree_of
 from pipeline.step import Decode, Segment, StaticDecode, Step, build
-from pipeline.types import Completion, Request, RunStats, TokenLogprob
+from pipeline.types import Completion, Request, RunStats
 
 
 SCORED_ROWS = 512  # scored prompt positions per forward: their logits (rows x vocabulary) are held together
@@ -262,7 +262,7 @@ class Engine:
         """The next token of every running row (logits (len(running), V), in order); finished rows leave."""
         finite = torch.isfinite(logits).all(dim=-1).tolist()
         chosen = sample(logits, [r.state for r in running])  # (B,)
-        self._logprobs(logits, chosen, running)
+        record_logprobs(logits, chosen, running)
         tokens = chosen.tolist()
         keep = []
         for r, tok, ok in zip(running, tokens, finite):
@@ -279,23 +279,6 @@ class Engine:
             else:
                 keep.append(r)
         running[:] = keep
-
-    @staticmethod
-    def _logprobs(logits: torch.Tensor, chosen: torch.Tensor, running: list[Live]) -> None:
-        """For the rows that ask: the chosen token's logprob and the top alternatives, under the
-        unprocessed distribution (the model's logits as they are)."""
-        rows = [i for i, r in enumerate(running) if r.logprobs is not None]
-        if not rows:
-            return
-        index = torch.tensor(rows, device=logits.device)
-        logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)  # (R, V)
-        mine = logprobs.gather(1, chosen.index_select(0, index)[:, None])[:, 0].tolist()
-        k = max(running[i].request.params.logprobs for i in rows)
-        top_v, top_i = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
-        for j, i in enumerate(rows):
-            r, n = running[i], running[i].request.params.logprobs
-            top = list(zip(top_i[j, :n].tolist(), top_v[j, :n].tolist()))
-            r.logprobs.append(TokenLogprob(int(chosen[i]), mine[j], top))
 
     def _finish_reason(self, row: Live, token: int) -> str | None:
         if token in self.eos or token in row.request.params.stop_token_ids or row.state.finished:

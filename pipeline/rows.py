@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from pipeline.sampling import RowState
 from pipeline.schedule import Row
 from pipeline.types import Request, TokenLogprob
@@ -68,3 +70,20 @@ class Live:
     @property
     def tokens(self) -> list[int]:
         return self.state.tokens
+
+
+def record_logprobs(logits: torch.Tensor, chosen: torch.Tensor, running: list[Live]) -> None:
+    """For the rows that ask: the chosen token's logprob and the top alternatives, under the
+    unprocessed distribution (the model's logits as they are)."""
+    rows = [i for i, r in enumerate(running) if r.logprobs is not None]
+    if not rows:
+        return
+    index = torch.tensor(rows, device=logits.device)
+    logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)  # (R, V)
+    mine = logprobs.gather(1, chosen.index_select(0, index)[:, None])[:, 0].tolist()
+    k = max(running[i].request.params.logprobs for i in rows)
+    top_v, top_i = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    for j, i in enumerate(rows):
+        r, n = running[i], running[i].request.params.logprobs
+        top = list(zip(top_i[j, :n].tolist(), top_v[j, :n].tolist()))
+        r.logprobs.append(TokenLogprob(int(chosen[i]), mine[j], top))
