@@ -143,3 +143,21 @@ def check_logprob_shapes(chat_body, echo_body):
     assert lp["top_logprobs"][:prompt] == [None] * prompt
     assert all(isinstance(d, dict) and len(d) <= 2 for d in lp["top_logprobs"][prompt:])
     assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+
+
+def test_a_list_prompt_with_an_element_too_long_fails_as_one_request(tmp_path, model_dir):
+    """An element refused after tokenizing (longer than the context window) fails its whole request:
+    one error line under the request's custom_id, no output line; other requests run."""
+    requests = [{"custom_id": "half", "method": "POST", "url": "/v1/completions",
+                 "body": {"prompt": [SYSTEM + "Fine.", "word " * 400], "max_tokens": 4}},
+                chat("ok", "Hello.", max_tokens=4)]
+    src = tmp_path / "batch.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in requests))
+    out = tmp_path / "out.jsonl"
+    res = CliRunner().invoke(main, ["process", str(src), "-o", str(out), "--output-format", "openai",
+                                    "--model", str(model_dir)])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    assert [json.loads(x)["custom_id"] for x in out.read_text().splitlines()] == ["ok"]
+    (error,) = [json.loads(x) for x in (tmp_path / "out.jsonl.errors.jsonl").read_text().splitlines()]
+    assert error["custom_id"] == "half" and error["error"]["code"] == "invalid_request"
+    assert error["error"]["message"].startswith(f"{src}:1: prompt of ") and "context window" in error["error"]["message"]
