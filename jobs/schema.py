@@ -312,7 +312,7 @@ class Job:
         try:
             # defaults were normalized once (GenerationDefaults.__post_init__): a row that sets no
             # parameter takes them as they are (most rows of a big file; a quarter of reading time)
-            norm = normalize(check, merged) if any(v is not None for v in params.values()) else merged
+            norm = normalize(check, merged) if params else merged  # (split_fields keeps no null values)
         except JobValidationError as e:
             # Report the name the user wrote (body.max_tokens, guided_json), not our internal one.
             root = (e.field or "").split(".")[0].split("[")[0]

@@ -313,10 +313,12 @@ def job_digest(jobs: Mapping[int, Job]) -> str:
     return digest.hexdigest()
 
 
-def job_seed(run_seed: int | None, job_id: str | int) -> int:
-    """A job without a seed gets one from the run's seed and its id: stable across reruns and
+def job_seed(run_seed: int | None, job: Job) -> int:
+    """The job's seed: its own, else one from the run's seed and its id: stable across reruns and
     batches, and different for two jobs with the same prompt."""
-    digest = hashlib.blake2b(f"{run_seed or 0}:{job_id!r}".encode(), digest_size=8).digest()
+    if job.seed is not None:
+        return job.seed
+    digest = hashlib.blake2b(f"{run_seed or 0}:{job.id!r}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
 
@@ -340,8 +342,7 @@ def make_requests(order: int, job: Job, tokens: JobTokens, tokenizer: Tokenizer,
     problem = token_problem(job, tokens, window) or generation_error(job, tokenizer, vocab)
     if problem is not None:
         return problem
-    seed = job.seed if job.seed is not None else job_seed(run_seed, job.id)
-    return job_requests(order, job, tokens, tokenizer, window, seed)
+    return job_requests(order, job, tokens, tokenizer, window, job_seed(run_seed, job))
 
 
 def check_default_constraint(tokenizer: Tokenizer, options: RunOptions) -> None:
@@ -375,10 +376,3 @@ def generation_error(job: Job, tokenizer: Tokenizer, vocab: int | None = None) -
                                                     f"cannot be used: {e}")
     return None
 
-
-def length_error(job: Job, n_prompt: int, window: int | None) -> InvalidRow | None:
-    if window is not None and n_prompt + job.max_new_tokens > window:
-        return InvalidRow(job.location, job.id,
-                          f"prompt of {n_prompt} tokens + max_new_tokens {job.max_new_tokens} exceeds the model's "
-                          f"context window of {window}; shorten the prompt or lower max_new_tokens")
-    return None

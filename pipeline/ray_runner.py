@@ -23,7 +23,8 @@ import pyarrow.parquet as pq
 
 from jobs import ErrorWriter, InvalidRow, Job, JobError, write_summary
 from pipeline.parts import ERROR_PART_SCHEMA, ORDER, job_set_key, may_resume, write_part
-from pipeline.preflight import context_window, job_digest, length_error, read_checked
+from pipeline.expand import JobTokens, token_problem
+from pipeline.preflight import context_window, job_digest, read_checked
 from pipeline.results import job_rows
 from pipeline.runner import RunOptions, _eos_ids, run_settings
 from pipeline.summary import JobCounts, add_work, run_summary, work_of
@@ -94,7 +95,6 @@ class _Generate:
         import json
 
         from pipeline.engine import Engine
-        from pipeline.expand import JobTokens
         from pipeline.preflight import make_requests
 
         ids = dict(zip(group.column("order").to_pylist(), (json.loads(x) for x in group.column("ids").to_pylist())))
@@ -188,7 +188,7 @@ def process_ray(inputs: Sequence[str], out_dir: str, options: RunOptions, *, add
             for r in tokenized:
                 o, x = int(r["order"]), json.loads(r["ids"])
                 bad = InvalidRow(jobs[o].location, jobs[o].id, x["error"]) if isinstance(x, dict) \
-                    else _ray_refuses(jobs[o]) or length_error(jobs[o], len(x), window) or check(jobs[o])
+                    else _ray_refuses(jobs[o]) or token_problem(jobs[o], JobTokens(x), window) or check(jobs[o])
                 if bad is None:
                     ids[o] = x
                 else:

@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from jobs import InvalidRow, Job
-from jobs.openai_batch import GENERATION_FAILED
+from jobs.openai_batch import GENERATION_FAILED, openai_fields
 from jobs.writers import CREATED
 from pipeline.scoring import continuation_scores, prompt_scores
 from pipeline.tokenize import Tokenizer
@@ -76,3 +76,9 @@ def job_rows(order: int, job: Job, completions: list[Completion],
         return [], [{**InvalidRow(job.location, job.id, reason).to_row(), ORDER: order}]
     created = int(time.time())  # the job's completion time (OpenAI output reports it)
     return [{**r, ORDER: order, CREATED: created} for r in result_rows(job, completions, tokenizer)], []
+
+
+def openai_job_fields(job: Job, tokenizer: Tokenizer) -> dict[str, Any]:
+    """`openai_fields` of a job, with its prompt's token texts where echo lists their logprobs."""
+    echoed = job.prompt_logprobs and job.logprobs and job.prompt is not None
+    return openai_fields(job, tokenizer.token_texts(tokenizer.encode_prompt(job.prompt)) if echoed else None)

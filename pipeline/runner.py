@@ -24,12 +24,12 @@ import pyarrow as pa
 
 from jobs import (GenerationDefaults, Job, JobError, errors_path, open_result_writer, summary_path,
                   write_summary)
-from jobs.openai_batch import openai_fields, whole_requests
+from jobs.openai_batch import whole_requests
 from jobs.writers import open_error_writer
 from jobs.atomic import remove_stale_temps
 from pipeline.preflight import Checked, check_inputs, check_output, job_seed
 from pipeline.progress import Progress
-from pipeline.results import job_rows
+from pipeline.results import job_rows, openai_job_fields
 from pipeline.signals import Preempted, StopOnSignal
 from pipeline.summary import JobCounts, add_work, run_summary, work_of
 from pipeline.tokenize import Tokenizer
@@ -229,9 +229,8 @@ class _Run:
             for number, ids in window:
                 order, job = int(checked.orders[number]), records[number]
                 jobs[order] = job
-                seed = job.seed if job.seed is not None else job_seed(options.defaults.seed, job.id)
                 mine = job_requests(order, job, pairs.get(number) or JobTokens(ids), checked.tokenizer,
-                                    checked.window, seed)
+                                    checked.window, job_seed(options.defaults.seed, job))
                 want[order] = completions_expected(mine)
                 requests += mine
             yield jobs, requests, want
@@ -245,10 +244,13 @@ class _Run:
         checked, store, fmt = self.checked, self.store, self.options.output_format
         sharded = self.options.shard is not None
         counts = JobCounts()
-        errors = lambda: in_order(store.files("errors"), ERROR_PART_SCHEMA, checked.total, store.dir)  # noqa: E731
-        # a request whose list prompt had one element fail is an error line only (the Batch API
-        # fails a request whole): their custom ids first, from the (small) errors
-        failed = {r.get("custom_id") or r["id"] for t in errors() for r in self._openai_rows(t)} if fmt == "openai" else set()
+        errors = in_order(store.files("errors"), ERROR_PART_SCHEMA, checked.total, store.dir)
+        failed: set[str] = set()
+        if fmt == "openai":
+            # a request whose list prompt had one element fail is an error line only (the Batch API
+            # fails a request whole): the error lines first (they are few), and their custom ids
+            errors = [self._openai_rows(t) for t in errors]
+            failed = {r.get("custom_id") or r["id"] for rows in errors for r in rows}
         # shard outputs keep the input position: `batchgen merge` restores input order with it
         schema = store.schema if sharded else checked.schema
         with open_result_writer(self.output, schema, fmt, overwrite=True, model=self.model_name,
@@ -263,12 +265,13 @@ class _Run:
                     w.write(table.drop_columns([ORDER]).to_pylist())  # one bucket of rows, for the line writer
             _fault("final-write")
         with open_error_writer(errors_path(self.output, fmt), fmt, overwrite=True) as ew:
-            for table in errors():
-                counts.add_failed(table.num_rows)
+            for part in errors:  # Arrow tables, or the OpenAI writer's rows
                 if fmt == "openai":
-                    ew.write(self._openai_rows(table))
+                    counts.add_failed(len(part))
+                    ew.write(part)
                 else:
-                    ew.write_table(table)
+                    counts.add_failed(part.num_rows)
+                    ew.write_table(part)
         return counts
 
     def _openai_rows(self, table: pa.Table) -> list[dict[str, Any]]:
@@ -332,12 +335,6 @@ class _Committer:
             self.store.commit(self.results, self.errors, self.work())
             _fault("after-commit")
         self.results, self.errors, self.jobs, self.last = [], [], 0, time.monotonic()
-
-
-def openai_job_fields(job: Job, tokenizer: Tokenizer) -> dict[str, Any]:
-    """`openai_fields` of a job, with its prompt's token texts where echo lists their logprobs."""
-    echoed = job.prompt_logprobs and job.logprobs and job.prompt is not None
-    return openai_fields(job, tokenizer.token_texts(tokenizer.encode_prompt(job.prompt)) if echoed else None)
 
 
 def write_results(output: str, fmt: str, schema, rows: list[dict[str, Any]], errors: list[dict[str, Any]],
