@@ -64,8 +64,10 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         ld = q.new_empty(step.hi, hq, dtype=torch.float32)
         for a, b, span in step.dec_runs:  # each run reads only as far as its longest row
             keys, values = step.kv.k[layer][a:b, :, :span], step.kv.v[layer][a:b, :, :span]
-            o, l = _attend(qd[a:b, :, None], keys, values, mask[a:b, ..., :span], scale, softcap)
-            od[a:b], ld[a:b] = o[:, :, 0], l[:, :, 0]
+            # the G query heads of a key head as G queries of it: each key is read once, not G times
+            o, l = _attend(qd[a:b].reshape(b - a, hkv, fold, d), keys, values, mask[a:b, ..., :span], scale, softcap,
+                           decode=True)
+            od[a:b], ld[a:b] = o.reshape(b - a, hq, -1), l.reshape(b - a, hq)
         if not step.contiguous:
             od, ld = od[step.dec_slots], ld[step.dec_slots]
         out[:n], lse[:n] = od[:n], ld[:n]
@@ -103,9 +105,10 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return out.to(query.dtype)[None], None
 
 
-def _attend(q, k, v, mask, scale, softcap, causal=False):
-    """q (B, Hq, Q, D) over k/v (B, Hkv, L, D), Hq a multiple of Hkv: (output, log-sum-exp (B, Hq, Q) float32)."""
-    if q.device.type == "cpu" and q.dtype != torch.float32 and q.shape[2] == 1 and not causal:
+def _attend(q, k, v, mask, scale, softcap, causal=False, decode=False):
+    """q (B, Hq, Q, D) over k/v (B, Hkv, L, D), Hq a multiple of Hkv: (output, log-sum-exp (B, Hq, Q) float32).
+    `decode`: one token per row (its query heads folded as Q)."""
+    if q.device.type == "cpu" and q.dtype != torch.float32 and decode:
         # one query per row (decode) in half precision: PyTorch's CPU flash kernel takes 6x longer
         # than the float32 one on this shape; half-precision matmuls (AVX-512 BF16) read the keys at
         # half the bytes, as Hugging Face's eager attention computes it
