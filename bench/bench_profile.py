@@ -5,7 +5,9 @@ forward's wall time into weight matmuls (the linear layers), attention (batchgen
 function) and the rest (norms, rotary embeddings, activations, sampling, Python). The floor of a
 phase is its weight-matmul FLOPs (2 x tokens x linear parameters, plus 2 x logit rows x vocab x
 hidden for the LM head) at the linear rate measured in the same process at the same shapes:
-what the phase would cost if it were nothing but weight matmuls at full speed.
+what the phase would cost if it were nothing but weight matmuls at full speed. Attention GFLOP
+counts what its kernel calls compute (4 x query rows x keys x head size; half of it for causal
+calls): at the linear rate, it is what attention would cost with a kernel as fast as a GEMM.
 
 Then it counts the kernels (ATen ops that compute; views excluded) of one decode step, dynamic
 and static (`Engine(static_decode=True)`, the shapes a CUDA graph can capture).
@@ -80,7 +82,7 @@ def main() -> int:
     Engine(model, eos_token_ids=[]).generate(reqs[:2])  # warm-up: kernels, probes, allocator
     engine = Engine(model, eos_token_ids=[])
     phases = defaultdict(lambda: defaultdict(float))
-    timer = {"attention": 0.0, "linear": 0.0}
+    timer = {"attention": 0.0, "linear": 0.0, "attention_gflop": 0.0}
     real_attention, real_onednn, real_linear = attention.attention, kernels._onednn_linear, torch.nn.Linear.forward
 
     def timing(fn, key):  # perf_counter around every call: light enough for a decode step's 200 linears
@@ -91,6 +93,14 @@ def main() -> int:
             return out
         return timed
 
+    real_attend = attention._attend
+
+    def attend(q, k, v, mask, scale, softcap, causal=False, decode=False):  # FLOPs of every kernel call
+        b, hq, n, d = q.shape
+        timer["attention_gflop"] += 4 * b * hq * n * k.shape[2] * d / (2 if causal else 1) / 1e9
+        return real_attend(q, k, v, mask, scale, softcap, causal, decode)
+
+    attention._attend = attend
     attention.AttentionInterface.register(attention.NAME, timing(real_attention, "attention"))
     kernels._onednn_linear = timing(real_onednn, "linear")
     torch.nn.Linear.forward = timing(real_linear, "linear")
@@ -98,7 +108,7 @@ def main() -> int:
 
     def forward(step, keep):
         phase = "prefill" if step.n_dec == 0 else ("decode" if step.n_dec == step.tokens else "mixed")
-        timer["attention"] = timer["linear"] = 0.0
+        timer["attention"] = timer["linear"] = timer["attention_gflop"] = 0.0
         t = time.perf_counter()
         out = real_forward(step, keep)
         ph = phases[phase]
@@ -107,6 +117,7 @@ def main() -> int:
         ph["tokens"] += step.tokens
         ph["attention"] += timer["attention"]
         ph["linear_measured"] += timer["linear"]
+        ph["attention_gflop"] += timer["attention_gflop"]
         ph["flops"] += 2 * linear_params * step.tokens + head_flops * len(keep)
         return out
 
@@ -115,14 +126,16 @@ def main() -> int:
     engine.generate(reqs)
     total = time.perf_counter() - t
     attention.AttentionInterface.register(attention.NAME, real_attention)
+    attention._attend = real_attend
     kernels._onednn_linear, torch.nn.Linear.forward = real_onednn, real_linear
     rates = {m: linear_rate(model.dtype, m, model) for m in (64, 2048)}
 
     print(f"## {args.workload}, {args.dtype}, {args.threads} threads: {len(reqs)} jobs, prefill "
           f"{engine.stats.prefill_tokens} tokens, {engine.stats.completion_tokens} new tokens, {total:.1f} s in the engine")
     print(f"linear rate here: {rates[2048]:.0f} GFLOP/s at 2048 rows, {rates[64]:.0f} at 64 rows (oneDNN for float32)\n")
-    print("| phase | forwards | tokens | wall s | linear s | attention s | other s | matmul floor s | wall / floor |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| phase | forwards | tokens | wall s | linear s | attention s | other s | matmul floor s | wall / floor "
+          "| attention GFLOP | attention GFLOP/s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     report = {"total_s": total, "rates": rates, "phases": {}}
     for name in ("prefill", "mixed", "decode"):
         ph = phases.get(name)
@@ -132,7 +145,8 @@ def main() -> int:
         floor = ph["flops"] / rate / 1e9
         other = ph["wall"] - ph["linear_measured"] - ph["attention"]
         print(f"| {name} | {ph['forwards']:.0f} | {ph['tokens']:.0f} | {ph['wall']:.2f} | {ph['linear_measured']:.2f} | "
-              f"{ph['attention']:.2f} | {other:.2f} | {floor:.2f} | {ph['wall'] / floor:.2f} |")
+              f"{ph['attention']:.2f} | {other:.2f} | {floor:.2f} | {ph['wall'] / floor:.2f} | "
+              f"{ph['attention_gflop']:.0f} | {ph['attention_gflop'] / max(ph['attention'], 1e-9):.0f} |")
         report["phases"][name] = {**ph, "floor_s": floor}
     report["kernels_per_decode_step"] = {mode: kernels_per_decode_step(model, reqs, mode == "static")
                                          for mode in ("dynamic", "static")}

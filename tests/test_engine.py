@@ -138,14 +138,15 @@ def test_non_finite_logits_fail_one_row_alone(tok, monkeypatch):
     def poisoned(*args):
         logits = real(*args)
         if not calls:
-            logits[0] = float("nan")  # one row of the first forward
+            logits[0, 5] = float("nan")  # one logit of one row of the first forward
+            logits[1, 7] = float("inf")  # and an infinite one of another
         calls.append(1)
         return logits
 
     monkeypatch.setattr(engine, "forward", poisoned)
     out = engine.generate(reqs)
-    assert [c.finish_reason for c in out].count("error") == 1
-    assert sum(c.error is None and len(c.token_ids) > 0 for c in out) == len(out) - 1
+    assert [c.finish_reason for c in out].count("error") == 2
+    assert sum(c.error is None and len(c.token_ids) > 0 for c in out) == len(out) - 2
 
 
 def test_naive_hf_recipe_is_wrong_when_the_whole_prompt_is_cached(tok):
