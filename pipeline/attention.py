@@ -59,15 +59,15 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         qd = q[:, :n].transpose(0, 1)  # (n, Hq, D)
         if not step.contiguous:  # idle slots between decoding ones: give them a query, drop their output
             qd = q.new_zeros(step.hi, hq, d).index_copy_(0, step.dec_slots, qd)
+        # the G query heads of a key head as G queries of it: each key is read once, not G times
+        qd = qd.reshape(-1, hkv, fold, d)  # (hi, Hkv, G, D)
         mask = step.own_mask(sliding_window, q.dtype)  # (hi, 1, 1, L)
-        od = q.new_empty(step.hi, hq, v.shape[-1], dtype=torch.float32)
-        ld = q.new_empty(step.hi, hq, dtype=torch.float32)
+        od = q.new_empty(step.hi, hkv, fold, v.shape[-1], dtype=torch.float32)
+        ld = q.new_empty(step.hi, hkv, fold, dtype=torch.float32)
         for a, b, span in step.dec_runs:  # each run reads only as far as its longest row
             keys, values = step.kv.k[layer][a:b, :, :span], step.kv.v[layer][a:b, :, :span]
-            # the G query heads of a key head as G queries of it: each key is read once, not G times
-            o, l = _attend(qd[a:b].reshape(b - a, hkv, fold, d), keys, values, mask[a:b, ..., :span], scale, softcap,
-                           decode=True)
-            od[a:b], ld[a:b] = o.reshape(b - a, hq, -1), l.reshape(b - a, hq)
+            od[a:b], ld[a:b] = _attend(qd[a:b], keys, values, mask[a:b, ..., :span], scale, softcap, decode=True)
+        od, ld = od.view(step.hi, hq, -1), ld.view(step.hi, hq)
         if not step.contiguous:
             od, ld = od[step.dec_slots], ld[step.dec_slots]
         out[:n], lse[:n] = od[:n], ld[:n]
