@@ -38,6 +38,31 @@ def lcp_tokens(a: bytes, b: bytes, width: int) -> int:
     return (n - (x.bit_length() + 7) // 8) // width
 
 
+def key_width(vocab_size: int) -> int:
+    """Bytes a token takes in a key."""
+    return 2 if vocab_size <= 1 << 16 else 4
+
+
+_STRUCTS: dict[tuple[int, int], struct.Struct] = {}  # (width, tokens) -> its packer: compiled once
+
+
+def pack_keys(prompts: Sequence[Sequence[int]], width: int) -> list[bytes]:
+    """Each prompt's key: its ids as big-endian bytes of `width`, so that comparing keys compares
+    token sequences. Straight from the ids with `struct`: 3x faster than through an int64 array."""
+    out = []
+    try:
+        for p in prompts:
+            packer = _STRUCTS.get((width, len(p)))
+            if packer is None:
+                if len(_STRUCTS) >= 4096:
+                    _STRUCTS.clear()
+                packer = _STRUCTS[width, len(p)] = struct.Struct(f">{len(p)}{'H' if width == 2 else 'I'}")
+            out.append(packer.pack(*p))
+    except struct.error:
+        raise ValueError(f"token ids outside 0..{(1 << (8 * width)) - 1}") from None
+    return out
+
+
 @dataclass
 class _Run:
     """Jobs sorted by key, front-coded: each key is its predecessor's first `lcp` tokens + its tail."""
@@ -75,7 +100,7 @@ class IndexBuilder:
     """Collects prompts (with their samples and new-token budgets) and builds the index."""
 
     def __init__(self, vocab_size: int, run_jobs: int = RUN_JOBS) -> None:
-        self.width = 2 if vocab_size <= 1 << 16 else 4
+        self.width = key_width(vocab_size)
         self.dtype = np.dtype(">u2" if self.width == 2 else ">u4")
         self.run_jobs = run_jobs
         self._keys: list[bytes] = []
@@ -88,13 +113,13 @@ class IndexBuilder:
         return len(self._lengths)
 
     def add(self, prompts: Sequence[Sequence[int]], weights: Sequence[int], max_new: Sequence[int]) -> None:
-        code = "H" if self.width == 2 else "I"
-        try:  # big-endian bytes straight from the ids: 3x faster than through an int64 array
-            keys = [struct.pack(f">{len(p)}{code}", *p) for p in prompts]
-        except struct.error:
-            raise ValueError(f"token ids outside 0..{(1 << (8 * self.width)) - 1}") from None
+        self.add_keys(pack_keys(prompts, self.width), weights, max_new)
+
+    def add_keys(self, keys: Sequence[bytes], weights: Sequence[int], max_new: Sequence[int]) -> None:
+        """Prompts as `pack_keys` gives them (packed where they were tokenized, a batch at a time)."""
         self._keys.extend(keys)
-        self._lengths.extend(len(p) for p in prompts)
+        shift = self.width.bit_length() - 1
+        self._lengths.extend(len(k) >> shift for k in keys)
         self._weights.extend(weights)
         self._max_new.extend(max_new)
         if len(self._keys) >= self.run_jobs:
