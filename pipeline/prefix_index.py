@@ -188,6 +188,30 @@ class PrefixIndex:
             held[1:] = np.minimum(np.minimum(gap, lengths[:-1]), lengths[1:])
         return jobs, held
 
+    def head(self, position: int, n: int) -> list[int]:
+        """The first `n` tokens of the prompt at `position` (all of it if shorter): from its own
+        tail and, back through the ones before, the tails its LCPs point into."""
+        n = min(n, int(self.lengths[self.order[position]]))
+        pieces = []
+        while n > 0:
+            position = self._back_to(position, n)  # the prompt that holds token n - 1 in its tail
+            shared = int(self.lcp[position])
+            start = int(self.ends[position - 1]) if position else 0
+            pieces.append(self.tails[start : start + n - shared])
+            n, position = shared, position - 1
+        return np.concatenate(pieces[::-1]).tolist() if pieces else []
+
+    def _back_to(self, position: int, n: int) -> int:
+        """The last position at or before `position` that shares fewer than `n` tokens with the
+        one before it (0 shares none): searched backwards in growing blocks, not one by one."""
+        hi, step = position + 1, 256
+        while True:
+            lo = max(0, hi - step)
+            found = np.flatnonzero(self.lcp[lo:hi] < n)
+            if len(found) or lo == 0:
+                return lo + int(found[-1]) if len(found) else 0
+            hi, step = lo, step * 2
+
     def prompts(self, positions: np.ndarray) -> Iterator[tuple[int, list[int]]]:
         """(job, prompt ids) at ascending positions, rebuilt from the tails in one forward pass.
         Consecutive prompts share the list items of their common head (one int object per token)."""
