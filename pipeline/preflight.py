@@ -3,35 +3,34 @@
 `batchgen validate` calls `check_inputs`, and so do `batchgen plan` and `batchgen process` (before
 it loads the model): whatever `process` would refuse (a bad row, a column Arrow cannot write, a
 prompt that does not tokenize or does not fit the context window), `validate` reports first,
-with its location. `check_output` (pipeline/outputpath.py) refuses a bad output path before any
-work is done.
+with its location. `check_output` refuses a bad output path before any work is done.
 
-Rows are read in chunks (jobs/chunks.py); each chunk is tokenized by the fast tokenizer's batch
-encoder, in a thread, while the next chunk is read. What stays of a job is its prompt in the
-sorted prefix index (its tail only), a few numbers in arrays, and, for `process`, the job
+Rows are read in chunks (pipeline/inputrows.py); each chunk is tokenized by the fast tokenizer's
+batch encoder, in a thread, while the next chunk is read. What stays of a job is its prompt in
+the sorted prefix index (its tail only), a few numbers in arrays, and, for `process`, the job
 itself in a spool on disk: memory does not hold a million jobs as Python objects. `validate`
 and `plan` never make Jobs of plain rows (a prompt and an id, the commonest row of a big file):
 those stay in columns, are counted and packed into index keys where they are tokenized, and are
-checked in bulk by the same checks (pipeline/plain.py).
+checked in bulk by the same checks (`inputrows.PlainCheck`).
 """
 from __future__ import annotations
 
 import array
 import hashlib
 import json
+import os
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 import pyarrow as pa
 
-from jobs import InvalidRow, Job, JobError, input_schema, result_schema
-from jobs.chunks import PlainRows, plain_template, read_chunks
-from jobs.writers import ExtraSchema, conform_rows, outputs_of
+from jobs import InvalidRow, Job, JobError
+from jobs.chunks import PlainRows
+from pipeline.inputrows import PlainCheck, Rows, tokenize_plain
 from pipeline.jobstore import JobSpool, Problems
-from pipeline.outputpath import check_output  # noqa: F401 - part of the checks made before a run
-from pipeline.plain import PlainCheck, tokenize_plain
 from pipeline.prefix_index import IndexBuilder, PrefixIndex, pack_keys
 from pipeline.tokenize import Tokenizer, TokenizerError
 from pipeline.expand import JobTokens, job_requests, token_problem, tokenize_jobs
@@ -40,9 +39,9 @@ from pipeline.types import Request
 if TYPE_CHECKING:
     from pipeline.runner import RunOptions
 
-_EXTRAS_CHUNK = 4096  # rows per Arrow conversion when checking carried columns
-_NO_EXTRA: dict[str, Any] = {}  # a plain row's carried columns (never written to)
-CHUNK_ROWS = 8192  # rows read, checked and tokenized together
+_PARQUET_NAMES = (".parquet", ".pq")
+_LINE_NAMES = (".jsonl", ".json", ".ndjson", ".jsonl.gz", ".json.gz", ".ndjson.gz")
+_UNSUPPORTED_COMPRESSION = (".zst", ".zstd", ".bz2", ".xz", ".lz4")
 
 
 @dataclass
@@ -67,105 +66,55 @@ class Checked:
             self.spool.close()
 
 
-class _Rows:
-    """Rows in chunks, in input order: (position, Job) that may run, (position, InvalidRow) that
-    cannot, and, with `columnar`, plain rows left in columns (jobs/chunks.py: each a valid job of
-    the run's defaults; `validate` and `plan` never need them as Jobs). A carried value is checked
-    against the column types of typed inputs here, per chunk: a column whose type is inferred
-    from the values holds every one of them by construction."""
-
-    def __init__(self, inputs: list[str], options: RunOptions, columnar: bool = False) -> None:
-        self.items = read_chunks(inputs, options.defaults, dataset=options.dataset, split=options.split,
-                                 prompt_template=options.prompt_template, system=options.system, size=CHUNK_ROWS)
-        self.template = plain_template(options.defaults)
-        self.columnar = columnar
-        self.hint = input_schema(inputs, dataset=options.dataset, split=options.split)
-        self.extras = ExtraSchema(self.hint)
-        self.all_int_ids = True
-        self.outputs: set[str] = set()  # the optional result columns some job fills
-        self.total = 0
-        self.created = options.output_format == "openai"  # each request's completion time, kept in the parts
-
-    def chunks(self) -> Iterator[tuple[dict[int, Job], list[tuple[int, InvalidRow]], list[PlainRows]]]:
-        for chunk in self.items:
-            self.total = chunk.end
-            items = chunk.items if self.columnar else chunk.in_order(self.template)
-            jobs = {order: item for order, item in items if isinstance(item, Job)}
-            bad = [(order, item) for order, item in items if not isinstance(item, Job)]
-            yield self._checked(jobs, bad, chunk.plain if self.columnar else [])
-
-    def _checked(self, jobs: dict[int, Job], bad: list[tuple[int, InvalidRow]], plain: list[PlainRows]):
-        # every row's columns count, as before the check (a plain row has none: a null in each)
-        self.extras.update([j.extra for j in jobs.values()] + [_NO_EXTRA] * sum(map(len, plain)))
-        if self.hint is not None:
-            typed = pa.schema([f for f in self.hint if any(f.name in j.extra for j in jobs.values())])
-            for order, problem in check_extras(jobs, typed).items():
-                bad.append((order, problem))
-                del jobs[order]
-        if self.created:
-            for order, problem in openai_refuses(jobs).items():
-                bad.append((order, problem))
-                del jobs[order]
-        self.all_int_ids = self.all_int_ids and all(isinstance(j.id, int) for j in jobs.values()) \
-            and all(isinstance(i, int) for rows in plain for i in rows.ids)
-        for j in jobs.values():
-            self.outputs |= outputs_of(j)
-        if plain:
-            self.outputs |= outputs_of(self.template)
-        return jobs, bad, plain
-
-    def schema(self) -> pa.Schema:
-        return result_schema(self.extras.schema(), pa.int64() if self.all_int_ids else pa.string(), self.created,
-                             self.outputs)
+def check_output(output: str, fmt: str, overwrite: bool) -> None:
+    """Refuse an output path the run could not finish with, before any model work."""
+    name = os.path.basename(output)
+    if not name:
+        raise JobError(f"-o {output!r}: give an output file name")
+    if os.path.isdir(output):
+        raise JobError(f"-o {output}: is a directory; give an output file name")
+    _check_suffix(output, fmt)
+    parts = output + ".parts"
+    if os.path.lexists(parts) and (os.path.islink(parts) or not os.path.isdir(parts)):
+        raise JobError(f"{parts} is in the way (batchgen keeps unfinished work in a directory of that name); "
+                       "remove it or choose another -o")
+    if os.path.exists(output) and not overwrite and not os.path.isdir(parts):
+        raise JobError(f"{output} already exists; pass --overwrite to replace it")
+    _probe_writable(os.path.dirname(output) or ".", output)
 
 
-def read_checked(inputs: list[str], options: RunOptions) -> tuple[dict[int, Job], dict[int, InvalidRow], pa.Schema]:
-    """Every row at once (the Ray driver's and the Python API's input): the jobs, the rows whose
-    carried columns cannot be written, and the result schema."""
-    rows = _Rows(inputs, options)
-    jobs: dict[int, Job] = {}
-    invalid: dict[int, InvalidRow] = {}
-    for chunk, bad, _ in rows.chunks():
-        jobs.update(chunk)
-        invalid.update(bad)
-    return jobs, invalid, rows.schema()
+def _check_suffix(output: str, fmt: str) -> None:
+    lower = output.lower()
+    if lower.endswith(_UNSUPPORTED_COMPRESSION):
+        raise JobError(f"-o {output}: batchgen compresses output only as .gz (JSON Lines); name it .jsonl.gz")
+    if lower.endswith(_PARQUET_NAMES) and fmt != "parquet":
+        raise JobError(f"-o {output}: the name says Parquet but --output-format is {fmt}; "
+                       f"name it .jsonl, or drop --output-format {fmt}")
+    if lower.endswith(_LINE_NAMES) and fmt == "parquet":
+        raise JobError(f"-o {output}: the name says JSON Lines but the output format is parquet; "
+                       "pass --output-format jsonl (or openai), or name it .parquet")
+    if lower.endswith(".gz") and fmt == "parquet":
+        raise JobError(f"-o {output}: Parquet is compressed inside the file; drop the .gz")
 
 
-def openai_refuses(jobs: Mapping[int, Job]) -> dict[int, InvalidRow]:
-    """Scoring jobs under --output-format openai: the Batch API has no shape for their scores."""
-    return {o: InvalidRow(j.location, j.id, "field 'continuations': a scoring job's scores have no OpenAI "
-                                            "output shape; use --output-format parquet or jsonl")
-            for o, j in jobs.items() if j.is_scoring}
-
-
-def check_extras(jobs: Mapping[int, Job], extra_schema: pa.Schema) -> dict[int, InvalidRow]:
-    """Rows whose carried columns do not fit the column types (a Parquet input's type, say, that
-    a JSON Lines input of the same run contradicts): found now, not at the first commit."""
-    if not extra_schema.names:
-        return {}
-    orders = list(jobs)
-    bad: dict[int, InvalidRow] = {}
-    for start in range(0, len(orders), _EXTRAS_CHUNK):
-        chunk = orders[start:start + _EXTRAS_CHUNK]
-        try:
-            pa.Table.from_pylist(conform_rows([jobs[o].extra for o in chunk], extra_schema, required=False),
-                                 schema=extra_schema)
-            continue
-        except (pa.ArrowException, OverflowError, TypeError, ValueError):
-            pass
-        for o in chunk:  # rare: find the rows and columns to blame
-            for field in extra_schema:
-                value = conform_rows([{field.name: jobs[o].extra.get(field.name)}], pa.schema([field]),
-                                     required=False)[0][field.name]
-                try:
-                    pa.array([value], type=field.type)
-                except (pa.ArrowException, OverflowError, TypeError, ValueError):
-                    bad[o] = InvalidRow(jobs[o].location, jobs[o].id,
-                                        f"field '{field.name}' holds {type(value).__name__} {str(value)[:40]!r}, "
-                                        f"which does not fit the column's type {field.type} (from the input's "
-                                        "schema); give the column one type in every input")
-                    break
-    return bad
+def _probe_writable(parent: str, output: str) -> None:
+    """Create and remove a temp file where the output will go (or in the nearest existing parent
+    directory, which the run would create the rest under): a read-only or full place fails now."""
+    where = parent
+    while not os.path.exists(where):
+        up = os.path.dirname(os.path.abspath(where))
+        if up == os.path.abspath(where):
+            break
+        where = up
+    if not os.path.isdir(where):
+        raise JobError(f"-o {output}: {where} is not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{os.path.basename(output)}.tmp-", dir=where)
+    except OSError as e:
+        raise JobError(f"-o {output}: cannot write in {where} ({e.strerror or e}); "
+                       "choose a writable location") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def check_inputs(inputs: list[str], options: RunOptions, purpose: str = "process") -> Checked:
@@ -181,7 +130,7 @@ def check_inputs(inputs: list[str], options: RunOptions, purpose: str = "process
     tokenizer = Tokenizer.load(source, trust_remote_code=options.trust_remote_code, without_torch=light)
     check_default_constraint(tokenizer, options)
     # `process` keeps every job (on disk, for the engine): its rows all become Jobs here
-    rows = _Rows(list(inputs), options, columnar=purpose != "process")
+    rows = Rows(list(inputs), options, columnar=purpose != "process")
     keep = _Keep(tokenizer, window, vocab, PlainCheck(rows.template, window, generation_error(rows.template, tokenizer, vocab)),
                  IndexBuilder(tokenizer.vocab_size) if purpose != "validate" else None,
                  JobSpool() if purpose == "process" else None, JobDigest() if purpose == "process" else None)

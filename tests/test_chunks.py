@@ -107,12 +107,12 @@ def test_a_plain_job_is_the_reference_job_under_any_defaults(tmp_path):
 # --- preflight: plain rows in columns (validate, plan) against the same rows as Jobs -----------
 
 def checked(paths, model_dir, purpose, fast, monkeypatch, **defaults):
-    from pipeline import preflight
+    from pipeline import inputrows, preflight
     from pipeline.runner import RunOptions
 
-    real = preflight._Rows.__init__
+    real = inputrows.Rows.__init__
     with monkeypatch.context() as patch:  # columnar=False: every row a Job, as `process` has them
-        patch.setattr(preflight._Rows, "__init__", lambda self, inputs, options, columnar=False:
+        patch.setattr(inputrows.Rows, "__init__", lambda self, inputs, options, columnar=False:
                       real(self, inputs, options, columnar and fast))
         return preflight.check_inputs(paths, RunOptions(model=str(model_dir), defaults=GenerationDefaults(**defaults)),
                                       purpose=purpose)
@@ -134,11 +134,11 @@ def test_plain_rows_in_columns_are_checked_and_indexed_as_jobs(tmp_path, model_d
         else:
             lines.append(json.dumps({"id": i % 30, "prompt": head + f"job {i}"}))  # some ids repeat
     paths = [write(tmp_path / "a.jsonl", lines), write(tmp_path / "b.jsonl", lines[:5])]
-    from pipeline import plain, preflight
+    from pipeline import inputrows, preflight
 
     counted = []
     monkeypatch.setattr(preflight, "tokenize_plain", lambda tok, rows, width: counted.extend(map(len, rows))
-                        or plain.tokenize_plain(tok, rows, width))
+                        or inputrows.tokenize_plain(tok, rows, width))
     fast = checked(paths, model_dir, purpose, True, monkeypatch, **defaults)
     plain_rows = sum(counted)
     slow = checked(paths, model_dir, purpose, False, monkeypatch, **defaults)
