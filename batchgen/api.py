@@ -94,7 +94,7 @@ class Engine:
     def _read(self, source: Source, opts: Any) -> tuple[dict[int, Job], dict[int, InvalidRow], pa.Schema]:
         from jobs.readers import jobs_of_records
         from pipeline.inmemory import checked_rows
-        from pipeline.preflight import read_checked
+        from pipeline.inputrows import read_checked
 
         if source.kind == "files":
             return read_checked(source.paths, opts)

@@ -55,6 +55,13 @@ def read_jobs(paths: Sequence[str], defaults: GenerationDefaults, *, dataset: st
     Paths, directories and the template are checked here, before the first row is
     read, so a typo fails immediately instead of after a long prefix of the run.
     """
+    sources = resolve_sources(paths, dataset=dataset, split=split, prompt_template=prompt_template)
+    return _generate(sources, defaults, prompt_template, system)
+
+
+def resolve_sources(paths: Sequence[str], *, dataset: str | None = None, split: str = "train",
+                    prompt_template: str | None = None) -> list[_Source]:
+    """The inputs, checked before any row is read (see read_jobs)."""
     if prompt_template is not None:
         template_fields(prompt_template)  # raises JobError for malformed templates
     sources = [src for p in paths for src in _resolve(p, split)]
@@ -62,7 +69,7 @@ def read_jobs(paths: Sequence[str], defaults: GenerationDefaults, *, dataset: st
         sources.append(_Source("hub", dataset, split))
     if not sources:
         raise JobError("no inputs given: pass at least one path or a dataset name")
-    return _generate(sources, defaults, prompt_template, system)
+    return sources
 
 
 def _generate(sources: list[_Source], defaults: GenerationDefaults,
@@ -75,28 +82,43 @@ def jobs_of_records(records: Iterable[Record], defaults: GenerationDefaults, pro
                     system: str | None = None) -> Iterator[Job | InvalidRow]:
     """A Job or InvalidRow per record, as read_jobs yields them (the Python API hands in-memory
     rows here): ids default to the record number, a repeated id is an InvalidRow."""
-    seen: set[str] = set()
-    number = 0
+    rows = RecordJobs(defaults, prompt_template, system)
     for location, record in records:
-        default_id, number = number, number + 1
+        yield from rows.of(location, record)
+
+
+class RecordJobs:
+    """Records into jobs, one after the other: what the ids are checked against (the record
+    number is the default id; an id already used is refused). `jobs/chunks.py` shares one with
+    its fast path, so both number and check ids as this path alone does."""
+
+    def __init__(self, defaults: GenerationDefaults, prompt_template: str | None = None,
+                 system: str | None = None) -> None:
+        self.defaults, self.prompt_template, self.system = defaults, prompt_template, system
+        self.seen: set[str] = set()  # ids by str(): outputs with mixed id types store ids as strings
+        self.number = 0  # records so far
+
+    def of(self, location: Location, record: dict[str, Any] | str) -> list[Job | InvalidRow]:
+        """The items of one record: a Job or an InvalidRow, or a Job per element of an OpenAI
+        list prompt."""
+        default_id, self.number = self.number, self.number + 1
         if isinstance(record, str):
-            yield InvalidRow(location, None, record)
-            continue
+            return [InvalidRow(location, None, record)]
         try:
-            jobs = Job.from_record(record, location, defaults, default_id,
-                                   prompt_template=prompt_template, system=system)
+            jobs = Job.from_record(record, location, self.defaults, default_id,
+                                   prompt_template=self.prompt_template, system=self.system)
         except JobValidationError as e:
-            yield InvalidRow.from_error(e)
-            continue
-        for job in jobs:  # one, or one per element of an OpenAI list prompt
-            # Keyed by str() because outputs with mixed id types store ids as strings.
+            return [InvalidRow.from_error(e)]
+        out: list[Job | InvalidRow] = []
+        for job in jobs:
             key = str(job.id)
-            if key in seen:
-                yield InvalidRow(location, job.id, f"duplicate id {job.id!r}: an earlier "
-                                                   "job already uses it; ids must be unique")
+            if key in self.seen:
+                out.append(InvalidRow(location, job.id, f"duplicate id {job.id!r}: an earlier "
+                                                        "job already uses it; ids must be unique"))
                 continue
-            seen.add(key)
-            yield job
+            self.seen.add(key)
+            out.append(job)
+        return out
 
 
 def _resolve(path: str, split: str) -> list[_Source]:

@@ -61,16 +61,7 @@ def token_problem(job: Job, tokens: JobTokens, window: int | None) -> InvalidRow
         return InvalidRow(job.location, job.id, reason)
 
     if tokens.pairs is None:
-        if not tokens.ids:
-            return bad("the prompt tokenizes to no tokens")
-        if job.max_new_tokens == 0:  # scored in rolling windows when longer than the context window
-            return bad("the prompt is one token: with max_new_tokens 0 there is nothing to score (the first "
-                       "token has no logprob); generate some tokens or give a longer prompt") \
-                if len(tokens.ids) < 2 else None
-        if window is not None and len(tokens.ids) + job.max_new_tokens > window:
-            return bad(f"prompt of {len(tokens.ids)} tokens + max_new_tokens {job.max_new_tokens} exceeds the "
-                       f"model's context window of {window}; shorten the prompt or lower max_new_tokens")
-        return None
+        return length_problem(job, len(tokens.ids), window)
     for i, (ctx, cont) in enumerate(tokens.pairs):
         if not ctx:  # the first continuation token needs a token before it to be predicted from
             return bad("the prompt tokenizes to no tokens: a continuation is scored given a non-empty context")
@@ -79,6 +70,23 @@ def token_problem(job: Job, tokens: JobTokens, window: int | None) -> InvalidRow
         if window is not None and len(ctx) + len(cont) > window:
             return bad(f"field 'continuations[{i}]': prompt + continuation are {len(ctx) + len(cont)} tokens, "
                        f"more than the model's context window of {window}; shorten them")
+    return None
+
+
+def length_problem(job: Job, length: int, window: int | None) -> InvalidRow | None:
+    """What a generating job's prompt of `length` tokens cannot do (token_problem's check of it;
+    preflight asks it alone for prompts it holds as counts)."""
+    def bad(reason: str) -> InvalidRow:
+        return InvalidRow(job.location, job.id, reason)
+
+    if not length:
+        return bad("the prompt tokenizes to no tokens")
+    if job.max_new_tokens == 0:  # scored in rolling windows when longer than the context window
+        return bad("the prompt is one token: with max_new_tokens 0 there is nothing to score (the first "
+                   "token has no logprob); generate some tokens or give a longer prompt") if length < 2 else None
+    if window is not None and length + job.max_new_tokens > window:
+        return bad(f"prompt of {length} tokens + max_new_tokens {job.max_new_tokens} exceeds the "
+                   f"model's context window of {window}; shorten the prompt or lower max_new_tokens")
     return None
 
 

@@ -14,8 +14,8 @@ import pyarrow as pa
 from jobs import InvalidRow, Job, id_type_for, infer_extra_schema, result_schema
 from jobs.writers import outputs_of
 from pipeline.expand import completions_expected, tokenize_jobs
-from pipeline.preflight import (check_default_constraint, check_extras, context_window, make_requests,
-                                openai_refuses, vocab_size)
+from pipeline.inputrows import check_extras, openai_refuses
+from pipeline.preflight import check_default_constraint, context_window, make_requests, vocab_size
 from pipeline.tokenize import Tokenizer, TokenizerError
 from pipeline.types import Request
 

@@ -5,10 +5,13 @@ it loads the model): whatever `process` would refuse (a bad row, a column Arrow 
 prompt that does not tokenize or does not fit the context window), `validate` reports first,
 with its location. `check_output` refuses a bad output path before any work is done.
 
-Rows are read in chunks; each chunk is tokenized in one call of the fast tokenizer's batch
-encoder, in a thread, while the next chunk is read. What stays of a job is its prompt in the
-sorted prefix index (its tail only), a few numbers in arrays, and, for `process`, the job
-itself in a spool on disk: memory does not hold a million jobs as Python objects.
+Rows are read in chunks (pipeline/inputrows.py); each chunk is tokenized by the fast tokenizer's
+batch encoder, in a thread, while the next chunk is read. What stays of a job is its prompt in
+the sorted prefix index (its tail only), a few numbers in arrays, and, for `process`, the job
+itself in a spool on disk: memory does not hold a million jobs as Python objects. `validate`
+and `plan` never make Jobs of plain rows (a prompt and an id, the commonest row of a big file):
+those stay in columns, are counted and packed into index keys where they are tokenized, and are
+checked in bulk by the same checks (`inputrows.PlainCheck`).
 """
 from __future__ import annotations
 
@@ -19,15 +22,16 @@ import os
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 import pyarrow as pa
 
-from jobs import InvalidRow, Job, JobError, input_schema, read_jobs, result_schema
-from jobs.writers import ExtraSchema, conform_rows, outputs_of
+from jobs import InvalidRow, Job, JobError
+from jobs.chunks import PlainRows
+from pipeline.inputrows import PlainCheck, Rows, tokenize_plain
 from pipeline.jobstore import JobSpool, Problems
-from pipeline.prefix_index import IndexBuilder, PrefixIndex
+from pipeline.prefix_index import IndexBuilder, PrefixIndex, pack_keys
 from pipeline.tokenize import Tokenizer, TokenizerError
 from pipeline.expand import JobTokens, job_requests, token_problem, tokenize_jobs
 from pipeline.types import Request
@@ -38,8 +42,6 @@ if TYPE_CHECKING:
 _PARQUET_NAMES = (".parquet", ".pq")
 _LINE_NAMES = (".jsonl", ".json", ".ndjson", ".jsonl.gz", ".json.gz", ".ndjson.gz")
 _UNSUPPORTED_COMPRESSION = (".zst", ".zstd", ".bz2", ".xz", ".lz4")
-_EXTRAS_CHUNK = 4096  # rows per Arrow conversion when checking carried columns
-CHUNK_ROWS = 8192  # rows read, checked and tokenized together
 
 
 @dataclass
@@ -115,105 +117,6 @@ def _probe_writable(parent: str, output: str) -> None:
     os.unlink(probe)
 
 
-class _Rows:
-    """Rows in chunks, in input order: (position, Job) that may run and (position, InvalidRow) that
-    cannot. A carried value is checked against the column types of typed inputs here, per chunk:
-    a column whose type is inferred from the values holds every one of them by construction."""
-
-    def __init__(self, inputs: list[str], options: RunOptions) -> None:
-        self.items = read_jobs(inputs, options.defaults, dataset=options.dataset, split=options.split,
-                               prompt_template=options.prompt_template, system=options.system)
-        self.hint = input_schema(inputs, dataset=options.dataset, split=options.split)
-        self.extras = ExtraSchema(self.hint)
-        self.all_int_ids = True
-        self.outputs: set[str] = set()  # the optional result columns some job fills
-        self.total = 0
-        self.created = options.output_format == "openai"  # each request's completion time, kept in the parts
-
-    def chunks(self) -> Iterator[tuple[dict[int, Job], list[tuple[int, InvalidRow]]]]:
-        jobs: dict[int, Job] = {}
-        bad: list[tuple[int, InvalidRow]] = []
-        for order, item in enumerate(self.items):
-            self.total = order + 1
-            if isinstance(item, Job):
-                jobs[order] = item
-            else:
-                bad.append((order, item))
-            if len(jobs) + len(bad) >= CHUNK_ROWS:
-                yield self._checked(jobs, bad)
-                jobs, bad = {}, []
-        yield self._checked(jobs, bad)
-
-    def _checked(self, jobs: dict[int, Job], bad: list[tuple[int, InvalidRow]]):
-        self.extras.update([j.extra for j in jobs.values()])  # every row's columns count, as before the check
-        if self.hint is not None:
-            typed = pa.schema([f for f in self.hint if any(f.name in j.extra for j in jobs.values())])
-            for order, problem in check_extras(jobs, typed).items():
-                bad.append((order, problem))
-                del jobs[order]
-        if self.created:
-            for order, problem in openai_refuses(jobs).items():
-                bad.append((order, problem))
-                del jobs[order]
-        self.all_int_ids = self.all_int_ids and all(isinstance(j.id, int) for j in jobs.values())
-        for j in jobs.values():
-            self.outputs |= outputs_of(j)
-        return jobs, bad
-
-    def schema(self) -> pa.Schema:
-        return result_schema(self.extras.schema(), pa.int64() if self.all_int_ids else pa.string(), self.created,
-                             self.outputs)
-
-
-def read_checked(inputs: list[str], options: RunOptions) -> tuple[dict[int, Job], dict[int, InvalidRow], pa.Schema]:
-    """Every row at once (the Ray driver's and the Python API's input): the jobs, the rows whose
-    carried columns cannot be written, and the result schema."""
-    rows = _Rows(inputs, options)
-    jobs: dict[int, Job] = {}
-    invalid: dict[int, InvalidRow] = {}
-    for chunk, bad in rows.chunks():
-        jobs.update(chunk)
-        invalid.update(bad)
-    return jobs, invalid, rows.schema()
-
-
-def openai_refuses(jobs: Mapping[int, Job]) -> dict[int, InvalidRow]:
-    """Scoring jobs under --output-format openai: the Batch API has no shape for their scores."""
-    return {o: InvalidRow(j.location, j.id, "field 'continuations': a scoring job's scores have no OpenAI "
-                                            "output shape; use --output-format parquet or jsonl")
-            for o, j in jobs.items() if j.is_scoring}
-
-
-def check_extras(jobs: Mapping[int, Job], extra_schema: pa.Schema) -> dict[int, InvalidRow]:
-    """Rows whose carried columns do not fit the column types (a Parquet input's type, say, that
-    a JSON Lines input of the same run contradicts): found now, not at the first commit."""
-    if not extra_schema.names:
-        return {}
-    orders = list(jobs)
-    bad: dict[int, InvalidRow] = {}
-    for start in range(0, len(orders), _EXTRAS_CHUNK):
-        chunk = orders[start:start + _EXTRAS_CHUNK]
-        try:
-            pa.Table.from_pylist(conform_rows([jobs[o].extra for o in chunk], extra_schema, required=False),
-                                 schema=extra_schema)
-            continue
-        except (pa.ArrowException, OverflowError, TypeError, ValueError):
-            pass
-        for o in chunk:  # rare: find the rows and columns to blame
-            for field in extra_schema:
-                value = conform_rows([{field.name: jobs[o].extra.get(field.name)}], pa.schema([field]),
-                                     required=False)[0][field.name]
-                try:
-                    pa.array([value], type=field.type)
-                except (pa.ArrowException, OverflowError, TypeError, ValueError):
-                    bad[o] = InvalidRow(jobs[o].location, jobs[o].id,
-                                        f"field '{field.name}' holds {type(value).__name__} {str(value)[:40]!r}, "
-                                        f"which does not fit the column's type {field.type} (from the input's "
-                                        "schema); give the column one type in every input")
-                    break
-    return bad
-
-
 def check_inputs(inputs: list[str], options: RunOptions, purpose: str = "process") -> Checked:
     """Read, validate and tokenize every row, with the model's tokenizer and config (no weights).
     `purpose`: "validate" keeps only the problems, "plan" also the prompt index, "process" also the
@@ -226,59 +129,87 @@ def check_inputs(inputs: list[str], options: RunOptions, purpose: str = "process
     window, vocab = context_window(config), vocab_size(config)
     tokenizer = Tokenizer.load(source, trust_remote_code=options.trust_remote_code, without_torch=light)
     check_default_constraint(tokenizer, options)
-    rows = _Rows(list(inputs), options)
-    invalid = Problems()
-    index = IndexBuilder(tokenizer.vocab_size) if purpose != "validate" else None
-    spool = JobSpool() if purpose == "process" else None
-    digest = JobDigest() if purpose == "process" else None
-    orders = array.array("q")
-    custom_ids: dict[int, str] = {}
+    # `process` keeps every job (on disk, for the engine): its rows all become Jobs here
+    rows = Rows(list(inputs), options, columnar=purpose != "process")
+    keep = _Keep(tokenizer, window, vocab, PlainCheck(rows.template, window, generation_error(rows.template, tokenizer, vocab)),
+                 IndexBuilder(tokenizer.vocab_size) if purpose != "validate" else None,
+                 JobSpool() if purpose == "process" else None, JobDigest() if purpose == "process" else None)
     try:
         with ThreadPoolExecutor(1, thread_name_prefix="batchgen-tokenize") as pool:
             pending = None
-            for jobs, bad in rows.chunks():
-                ahead = pool.submit(_tokenize, tokenizer, jobs)  # runs while the next chunk is read
+            for jobs, bad, plain in rows.chunks():
+                ahead = pool.submit(keep.tokenize, jobs, plain)  # runs while the next chunk is read
                 if pending is not None:
-                    _keep(*pending, tokenizer, window, vocab, invalid, index, spool, digest, orders, custom_ids)
-                pending = (jobs, bad, ahead)
+                    keep(*pending)
+                pending = (jobs, bad, plain, ahead)
             if pending is not None:
-                _keep(*pending, tokenizer, window, vocab, invalid, index, spool, digest, orders, custom_ids)
+                keep(*pending)
     except BaseException:
-        if spool is not None:
-            spool.close()
+        if keep.spool is not None:
+            keep.spool.close()
         raise
-    return Checked(rows.total, invalid, np.frombuffer(orders, dtype=np.int64), index.build() if index is not None else None,
-                   spool, rows.schema(), tokenizer, digest.hexdigest() if digest is not None else None, custom_ids,
-                   window)
+    index, digest = keep.index, keep.digest
+    return Checked(rows.total, keep.invalid, np.frombuffer(keep.orders, dtype=np.int64),
+                   index.build() if index is not None else None, keep.spool, rows.schema(), tokenizer,
+                   digest.hexdigest() if digest is not None else None, keep.custom_ids, window)
 
 
-def _tokenize(tokenizer: Tokenizer, jobs: Mapping[int, Job]) -> list[JobTokens | TokenizerError]:
-    return tokenize_jobs(tokenizer, list(jobs.values()))
+class _Keep:
+    """What the run keeps of each checked, tokenized chunk: its problems, its jobs' input positions
+    (jobs are numbered in input order), and per purpose the prompt index, the spool, the digest."""
 
+    def __init__(self, tokenizer: Tokenizer, window: int | None, vocab: int | None, plain: PlainCheck,
+                 index: IndexBuilder | None, spool: JobSpool | None, digest: JobDigest | None) -> None:
+        self.tokenizer, self.window, self.vocab, self.plain = tokenizer, window, vocab, plain
+        self.index, self.spool, self.digest = index, spool, digest
+        self.invalid = Problems()
+        self.orders = array.array("q")
+        self.custom_ids: dict[int, str] = {}
 
-def _keep(jobs: dict[int, Job], bad: list[tuple[int, InvalidRow]], tokenized, tokenizer: Tokenizer,
-          window: int | None, vocab: int | None, invalid: Problems, index: IndexBuilder | None,
-          spool: JobSpool | None, digest: JobDigest | None, orders: array.array, custom_ids: dict[int, str]) -> None:
-    """One checked, tokenized chunk into what the run keeps."""
-    kept: list[tuple[int, Job, JobTokens]] = []
-    for (order, job), tokens in zip(jobs.items(), tokenized.result()):
-        if digest is not None:  # the job set: every job that may run, tokenizable or not
-            digest.add(order, job)
-        problem = InvalidRow(job.location, job.id, str(tokens)) if isinstance(tokens, TokenizerError) \
-            else token_problem(job, tokens, window) or generation_error(job, tokenizer, vocab)
-        if problem is None:
-            kept.append((order, job, tokens))
-            continue
-        bad.append((order, problem))
-        if job.prompt_index is not None:
-            custom_ids[order] = job.custom_id
-    invalid.add(bad)
-    orders.extend(o for o, _, _ in kept)
-    if index is not None:  # a scoring job by its context: its continuations stay in its group
-        index.add([t.ids for _, _, t in kept], [_weight(j, t) for _, j, t in kept],
-                  [_max_new(j, t) for _, j, t in kept])
-    if spool is not None:
-        spool.add([j for _, j, _ in kept])
+    def tokenize(self, jobs: Mapping[int, Job], plain: list[PlainRows]):
+        """In the tokenizer's thread: the jobs' tokens, the plain rows' counts and index keys."""
+        width = self.index.width if self.index is not None else None
+        return tokenize_jobs(self.tokenizer, list(jobs.values())), tokenize_plain(self.tokenizer, plain, width)
+
+    def __call__(self, jobs: dict[int, Job], bad: list[tuple[int, InvalidRow]], plain: list[PlainRows],
+                 tokenized) -> None:
+        general, counted = tokenized.result()
+        kept: list[tuple[int, Job, JobTokens]] = []
+        for (order, job), tokens in zip(jobs.items(), general):
+            if self.digest is not None:  # the job set: every job that may run, tokenizable or not
+                self.digest.add(order, job)
+            problem = InvalidRow(job.location, job.id, str(tokens)) if isinstance(tokens, TokenizerError) \
+                else token_problem(job, tokens, self.window) or generation_error(job, self.tokenizer, self.vocab)
+            if problem is None:
+                kept.append((order, job, tokens))
+                continue
+            bad.append((order, problem))
+            if job.prompt_index is not None:
+                self.custom_ids[order] = job.custom_id
+        # kept jobs as columns: input positions, then (for the index) keys, samples, new tokens
+        columns: list[list] = [[o for o, _, _ in kept]]
+        if self.index is not None:  # a scoring job by its context: its continuations stay in its group
+            columns += [pack_keys([t.ids for _, _, t in kept], self.index.width), [_weight(j, t) for _, j, t in kept],
+                        [_max_new(j, t) for _, j, t in kept]]
+        template = self.plain.template
+        for rows, (lengths, keys) in zip(plain, counted):
+            refused = self.plain.problems(rows, lengths)
+            bad += [(rows.orders[k], problem) for k, problem in refused.items()]
+            ok = [k for k in range(len(rows)) if k not in refused] if refused else range(len(rows))
+            columns[0] += [rows.orders[k] for k in ok] if refused else rows.orders
+            if self.index is not None:
+                columns[1] += [keys[k] for k in ok] if refused else keys
+                columns[2] += [template.n] * len(ok)
+                columns[3] += [template.max_new_tokens] * len(ok)
+        if kept and plain:  # both kinds in one chunk: back to input order
+            by_order = sorted(range(len(columns[0])), key=columns[0].__getitem__)
+            columns = [[c[i] for i in by_order] for c in columns]
+        self.invalid.add(bad)
+        self.orders.extend(columns[0])
+        if self.index is not None:
+            self.index.add_keys(*columns[1:])
+        if self.spool is not None:
+            self.spool.add([j for _, j, _ in kept])
 
 
 def _weight(job: Job, tokens: JobTokens) -> int:

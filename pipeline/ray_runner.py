@@ -1,6 +1,6 @@
 """`batchgen process --engine ray`: the same run, spread over a Ray cluster, prefix-aware.
 
-The driver reads and checks the jobs (the same checks as a local run, `preflight.read_checked`);
+The driver reads and checks the jobs (the same checks as a local run, `inputrows.read_checked`);
 tokenization runs on an autoscaling pool of Ray actors (up to one per cluster CPU, at most 16,
 each loading the tokenizer once); each job gets the key of its top shared prefix, and every group
 goes whole to one actor of a pool (one model per actor, loaded once), so a prefix is prefilled
@@ -24,7 +24,8 @@ import pyarrow.parquet as pq
 from jobs import ErrorWriter, InvalidRow, Job, JobError, write_summary
 from pipeline.parts import ERROR_PART_SCHEMA, ORDER, job_set_key, may_resume, write_part
 from pipeline.expand import JobTokens, token_problem
-from pipeline.preflight import context_window, job_digest, read_checked
+from pipeline.inputrows import read_checked
+from pipeline.preflight import context_window, job_digest
 from pipeline.results import job_rows
 from pipeline.runner import RunOptions, _eos_ids, run_settings
 from pipeline.summary import JobCounts, add_work, run_summary, work_of

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from pipeline.types import StopCheck
 
@@ -138,12 +138,40 @@ class Tokenizer:
     def _encode_batch(self, texts: list[str], special: bool) -> list[list[int]]:
         """What `self.hf(text, add_special_tokens=special)` gives each text: for a fast tokenizer,
         its own steps (no truncation, no padding, its special-token splitting) then one batch."""
+        out: list[list[int]] = []
+        self.encode_texts(texts, special, out.extend)
+        return out
+
+    def encode_texts(self, texts: Sequence[str], special: bool = True,
+                     keep: Callable[[list[list[int]]], Any] | None = None) -> list[int]:
+        """Each text's token count, as `self.hf(text, add_special_tokens=special)` gives it; with
+        `keep`, each batch's ids are handed to it, so that ids are held a batch at a time (a
+        million prompts' ids as Python lists would take GBs). Without it no id list is made: the
+        counts come from the encodings themselves."""
+        lengths: list[int] = []
         if not texts:
-            return []
+            return lengths
+        backend = self._fast_backend()
+        for start in range(0, len(texts), _ENCODE_BATCH):  # an Encoding holds much more than its ids: few at once
+            batch = list(texts[start : start + _ENCODE_BATCH])
+            if backend is None:
+                ids = [list(self.hf(t, add_special_tokens=special)["input_ids"]) for t in batch]
+                lengths += map(len, ids)
+            else:
+                encodings = backend.encode_batch_fast(batch, add_special_tokens=special)
+                lengths += map(len, encodings)
+                ids = [e.ids for e in encodings] if keep is not None else []
+                del encodings
+            if keep is not None:
+                keep(ids)
+        return lengths
+
+    def _fast_backend(self) -> Any:
+        """The Rust tokenizer, set up as `self.hf(...)` sets it for one text; None for a slow one."""
         backend = getattr(self.hf, "_tokenizer", None)
         if backend is None or not hasattr(backend, "encode_batch_fast") or \
                 not hasattr(self.hf, "set_truncation_and_padding"):
-            return [list(self.hf(t, add_special_tokens=special)["input_ids"]) for t in texts]
+            return None
         from transformers.tokenization_utils_base import PaddingStrategy, TruncationStrategy
 
         self.hf.set_truncation_and_padding(PaddingStrategy.DO_NOT_PAD, TruncationStrategy.DO_NOT_TRUNCATE,
@@ -151,11 +179,7 @@ class Tokenizer:
         split = bool(getattr(self.hf, "split_special_tokens", False))
         if backend.encode_special_tokens != split:
             backend.encode_special_tokens = split
-        out: list[list[int]] = []
-        for start in range(0, len(texts), _ENCODE_BATCH):  # an Encoding holds much more than its ids: few at once
-            out += [e.ids for e in backend.encode_batch_fast(texts[start : start + _ENCODE_BATCH],
-                                                            add_special_tokens=special)]
-        return out
+        return backend
 
     def token_texts(self, ids: Sequence[int]) -> list[str]:
         """Each token's own text, special tokens included (what a logprobs listing names). A token

@@ -51,15 +51,28 @@ def test_sigterm_while_reading_exits_75_with_nothing_written(tmp_path, model_dir
     seen = []
     # stands in for the scheduler's kill: without batchgen's handler the test process would die
     old = signal.signal(signal.SIGTERM, lambda *a: seen.append("ignored by batchgen"))
-    real = jobs.readers._records
+    real = jobs.readers._open_binary
 
-    def records(source):
-        for i, record in enumerate(real(source)):
-            if i == 5:
-                os.kill(os.getpid(), signal.SIGTERM)
-            yield record
+    class Killed:  # the input file, whose sixth line comes with a SIGTERM
+        def __init__(self, f):
+            self.f = f
 
-    monkeypatch.setattr(jobs.readers, "_records", records)
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def peek(self, n):
+            return self.f.peek(n)
+
+        def __iter__(self):
+            for i, line in enumerate(self.f):
+                if i == 5:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                yield line
+
+    monkeypatch.setattr(jobs.readers, "_open_binary", lambda path: Killed(real(path)))
     try:
         out = tmp_path / "out" / "out.parquet"
         res = CliRunner().invoke(main, ["process", str(jobs_file), "-o", str(out), "--model", str(model_dir)])

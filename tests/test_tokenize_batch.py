@@ -25,6 +25,16 @@ def test_batch_ids_equal_one_at_a_time(jobs):
     assert got == want
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(TEXT, max_size=12), st.booleans())
+def test_counts_and_batches_of_ids_are_one_at_a_time_tokenization(texts, special):
+    kept = []
+    lengths = TOK.encode_texts(texts, special, kept.extend)  # ids handed over a batch at a time
+    want = [list(TOK.hf(t, add_special_tokens=special)["input_ids"]) for t in texts]
+    assert kept == want and lengths == [len(w) for w in want]
+    assert TOK.encode_texts(texts, special) == lengths  # counts alone: no id lists made
+
+
 def test_a_tokenizer_without_chat_template_fails_only_the_chat_jobs():
     hf = make_tokenizer()
     hf.chat_template = None

@@ -1,0 +1,210 @@
+"""Rows in chunks, with a fast path for the commonest row of a big JSON Lines file.
+
+A million-row input is mostly rows like ``{"id": 17, "prompt": "..."}``: a prompt and at most an
+id, nothing else. Through the reference path (``readers.read_jobs``: json.loads, a Location, then
+``Job.from_record`` with every field check) such a row costs about 10 us of Python, most of a
+million-job ``plan``. It can fail only a few checks, so here they run in line: the line is parsed
+by json's own C scanner (what json.loads runs, without its Python layers), then the id's type
+and range, lone surrogates, a blank prompt and an id used before are checked. The row stays in
+columns (``PlainRows``: line numbers, ids, prompts), with no Job or Location object, until a
+caller asks for one (``PlainRows.job``).
+
+Every other row, and every row this path is unsure of (a parse error, any other field, a float
+id, a prompt holding a surrogate ...), goes through the reference path's own per-record step
+(``readers.RecordJobs``), which numbers the records and keeps the ids seen for both paths: the
+jobs, errors and messages are those of read_jobs (tests/test_chunks.py compares the two). The
+fast path runs only where a plain row means one job whatever the options: no --prompt-template,
+no --system; Parquet and datasets inputs take the per-record path.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Sequence
+
+import pyarrow as pa
+
+from .errors import JobError, Location
+from . import readers
+from .readers import RecordJobs, _json_array_records, _parse_line, resolve_sources
+from .schema import GenerationDefaults, InvalidRow, Job
+from .text import encodes
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_SCAN = json.decoder.JSONDecoder().scan_once  # json.loads' scanner, with its default decoder's options
+_BOM = b"\xef\xbb\xbf"
+
+
+@dataclass
+class PlainRows:
+    """Rows of one input that are each a valid job as they stand: a prompt and at most an id."""
+
+    path: str
+    orders: list[int] = field(default_factory=list)  # input positions (read_jobs' item numbers)
+    lines: list[int] = field(default_factory=list)  # 1-based line numbers
+    ids: list[int | str] = field(default_factory=list)
+    prompts: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.orders)
+
+    def location(self, k: int) -> Location:
+        return Location(self.path, line=self.lines[k])
+
+    def job(self, k: int, template: Job) -> Job:
+        """Row k as Job.from_record makes it; `template`: `plain_template` of the run's defaults
+        (a plain row's job differs from it only in these four fields)."""
+        job = object.__new__(Job)
+        job.__dict__.update(template.__dict__)
+        job.id, job.prompt, job.location, job.extra = self.ids[k], self.prompts[k], self.location(k), {}
+        return job
+
+
+def plain_template(defaults: GenerationDefaults) -> Job:
+    """A plain row's job under these defaults, made by the reference path itself."""
+    [job] = Job.from_record({"prompt": "x"}, Location(""), defaults, 0)
+    return job
+
+
+@dataclass
+class Chunk:
+    """Consecutive input items: what the per-record path made (jobs and invalid rows, by input
+    position) and plain rows in columns. `end`: items read so far, this chunk's included."""
+
+    items: list[tuple[int, Job | InvalidRow]]
+    plain: list[PlainRows]
+    end: int
+
+    def __len__(self) -> int:
+        return len(self.items) + sum(len(p) for p in self.plain)
+
+    def in_order(self, template: Job) -> list[tuple[int, Job | InvalidRow]]:
+        """Every item as read_jobs yields it, with its input position, in input order."""
+        out = list(self.items)
+        for rows in self.plain:
+            out += [(o, rows.job(k, template)) for k, o in enumerate(rows.orders)]
+        return sorted(out, key=lambda item: item[0]) if self.plain and self.items else out
+
+
+def read_chunks(paths: Sequence[str], defaults: GenerationDefaults, *, dataset: str | None = None,
+                split: str = "train", prompt_template: str | None = None, system: str | None = None,
+                size: int = 8192) -> Iterator[Chunk]:
+    """read_jobs' items in chunks of `size` (the last may be smaller, or empty); inputs are
+    checked on the call, as read_jobs does."""
+    sources = resolve_sources(paths, dataset=dataset, split=split, prompt_template=prompt_template)
+    state = RecordJobs(defaults, prompt_template, system)
+    return _chunks(sources, state, _Chunker(size), fast=prompt_template is None and system is None)
+
+
+class _Chunker:
+    def __init__(self, size: int) -> None:
+        self.size, self.order = size, 0
+        self.items: list[tuple[int, Job | InvalidRow]] = []
+        self.plain: list[PlainRows] = []
+        self.count = 0  # items in the chunk being filled
+
+    def add(self, items: Iterable[Job | InvalidRow]) -> Iterator[Chunk]:
+        for item in items:
+            self.items.append((self.order, item))
+            self.order += 1
+            self.count += 1
+            if self.count >= self.size:
+                yield self.take()
+
+    def take(self) -> Chunk:
+        chunk = Chunk(self.items, [p for p in self.plain if len(p)], self.order)
+        self.items, self.plain, self.count = [], [], 0  # a reader filling plain rows starts new ones
+        return chunk
+
+
+def _chunks(sources: list, state: RecordJobs, out: _Chunker, fast: bool) -> Iterator[Chunk]:
+    for source in sources:
+        if fast and source.kind == "jsonl":
+            yield from _jsonl(source.path, state, out)
+        else:
+            for location, record in readers._records(source):
+                yield from out.add(state.of(location, record))
+    yield out.take()
+
+
+def _jsonl(path: str, state: RecordJobs, out: _Chunker) -> Iterator[Chunk]:
+    """_jsonl_records' lines (the same BOM, blank-line and read-error rules), plain rows in line."""
+    line_no = 0
+    try:
+        with readers._open_binary(path) as f:
+            first = f.peek(1)[:1] if hasattr(f, "peek") else b""
+            if path.lower().endswith(".json") and first.lstrip()[:1] == b"[":
+                for location, record in _json_array_records(path, f):
+                    yield from out.add(state.of(location, record))
+                return
+            rows = PlainRows(path)
+            out.plain.append(rows)
+            seen = state.seen
+            for line_no, raw in enumerate(f, start=1):
+                if line_no == 1 and raw.startswith(_BOM):
+                    raw = raw[3:]  # UTF-8 BOM written by some Windows editors
+                record: Any = None
+                if raw[:1] == b"{":
+                    try:
+                        text = raw.decode("utf-8")
+                        record, end = _SCAN(text, 0)
+                        if text[end:].strip(" \t\n\r"):  # more after the object: the reference words it
+                            record = None
+                    except Exception:  # noqa: BLE001 - any failure: the reference path parses it again
+                        record = None
+                    if type(record) is dict:
+                        job_id = _plain_id(record, state.number, seen)
+                        if job_id is not None:
+                            state.number += 1
+                            seen.add(str(job_id))
+                            rows.orders.append(out.order)
+                            rows.lines.append(line_no)
+                            rows.ids.append(job_id)
+                            rows.prompts.append(record["prompt"])
+                            out.order += 1
+                            out.count += 1
+                            if out.count >= out.size:
+                                yield out.take()
+                                rows = PlainRows(path)
+                                out.plain.append(rows)
+                            continue
+                    else:
+                        record = None
+                elif not raw.strip():
+                    continue
+                if record is None:  # the parse as the reference makes it, error messages included
+                    record = _parse_line(raw)
+                for chunk in out.add(state.of(Location(path, line=line_no), record)):
+                    yield chunk
+                    if not out.plain or out.plain[-1] is not rows:
+                        rows = PlainRows(path)
+                        out.plain.append(rows)
+    except (OSError, EOFError, pa.ArrowException) as e:
+        # Truncated gzip/zstd or an I/O error: later lines are gone, so stop loudly.
+        raise JobError(f"{path}: read failed after line {line_no}: {e}") from None
+
+
+def _plain_id(row: dict, default_id: int, seen: set[str]) -> int | str | None:
+    """The job id of a row that is a valid plain job as it stands (Job.from_record's checks that
+    such a row can fail, and no earlier job with its id); None: the reference path decides."""
+    prompt = row.get("prompt")
+    if type(prompt) is not str or not prompt or prompt.isspace() or not (prompt.isascii() or encodes(prompt)):
+        return None
+    if len(row) == 1:
+        job_id: Any = default_id
+    elif len(row) == 2 and "id" in row:
+        job_id = row["id"]
+        kind = type(job_id)
+        if job_id is None:
+            job_id = default_id
+        elif kind is int:
+            if not _INT64_MIN <= job_id <= _INT64_MAX:
+                return None
+        elif kind is not str or not job_id or not (job_id.isascii() or encodes(job_id)):
+            return None
+    else:
+        return None
+    return None if str(job_id) in seen else job_id
+
+
+__all__ = ["Chunk", "PlainRows", "plain_template", "read_chunks"]
