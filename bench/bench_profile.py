@@ -5,7 +5,8 @@ forward's wall time into weight matmuls (the linear layers), attention (batchgen
 function) and the rest (norms, rotary embeddings, activations, sampling, Python). The floor of a
 phase is its weight-matmul FLOPs (2 x tokens x linear parameters, plus 2 x logit rows x vocab x
 hidden for the LM head) at the linear rate measured in the same process at the same shapes:
-what the phase would cost if it were nothing but weight matmuls at full speed. Attention GFLOP
+what the phase would cost if it were nothing but weight matmuls at full speed (each forward at
+the rate measured for its own number of rows). Attention GFLOP
 counts what its kernel calls compute (4 x query rows x keys x head size; half of it for causal
 calls): at the linear rate, it is what attention would cost with a kernel as fast as a GEMM.
 
@@ -52,6 +53,11 @@ def linear_rate(dtype: torch.dtype, m: int, model) -> float:
     return flops * 5 / (time.perf_counter() - t) / 1e9
 
 
+def bucket(rows: int) -> int:
+    """The power of two at or above `rows`: the row counts whose linear rate is measured."""
+    return 1 << max(0, (rows - 1).bit_length())
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", default="fewshot", choices=["fewshot", "system_prompt"])
@@ -81,7 +87,7 @@ def main() -> int:
 
     Engine(model, eos_token_ids=[]).generate(reqs[:2])  # warm-up: kernels, probes, allocator
     engine = Engine(model, eos_token_ids=[])
-    phases = defaultdict(lambda: defaultdict(float))
+    phases = defaultdict(lambda: defaultdict(float, by_rows=[]))
     timer = {"attention": 0.0, "linear": 0.0, "attention_gflop": 0.0}
     real_attention, real_onednn, real_linear = attention.attention, kernels._onednn_linear, torch.nn.Linear.forward
 
@@ -119,6 +125,7 @@ def main() -> int:
         ph["linear_measured"] += timer["linear"]
         ph["attention_gflop"] += timer["attention_gflop"]
         ph["flops"] += 2 * linear_params * step.tokens + head_flops * len(keep)
+        ph["by_rows"].append((step.tokens, 2 * linear_params * step.tokens + head_flops * len(keep)))
         return out
 
     engine.forward = forward
@@ -128,11 +135,14 @@ def main() -> int:
     attention.AttentionInterface.register(attention.NAME, real_attention)
     attention._attend = real_attend
     kernels._onednn_linear, torch.nn.Linear.forward = real_onednn, real_linear
-    rates = {m: linear_rate(model.dtype, m, model) for m in (64, 2048)}
+    # each forward's floor at the rate of its own row count (rounded up to a power of two): a
+    # decode step of 5 rows runs its GEMMs far below the 2,048-row rate, and so would any engine
+    needed = {bucket(m) for ph in phases.values() for m, _ in ph["by_rows"]} | {64, 2048}
+    rates = {m: linear_rate(model.dtype, m, model) for m in sorted(needed)}
 
     print(f"## {args.workload}, {args.dtype}, {args.threads} threads: {len(reqs)} jobs, prefill "
           f"{engine.stats.prefill_tokens} tokens, {engine.stats.completion_tokens} new tokens, {total:.1f} s in the engine")
-    print(f"linear rate here: {rates[2048]:.0f} GFLOP/s at 2048 rows, {rates[64]:.0f} at 64 rows (oneDNN for float32)\n")
+    print(f"linear rate here: {rates[2048]:.0f} GFLOP/s at 2048 rows, {rates[64]:.0f} at 64 rows (oneDNN)\n")
     print("| phase | forwards | tokens | wall s | linear s | attention s | other s | matmul floor s | wall / floor "
           "| attention GFLOP | attention GFLOP/s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -141,8 +151,7 @@ def main() -> int:
         ph = phases.get(name)
         if not ph:
             continue
-        rate = rates[64] if name == "decode" else rates[2048]
-        floor = ph["flops"] / rate / 1e9
+        floor = sum(f / rates[bucket(m)] for m, f in ph.pop("by_rows")) / 1e9
         other = ph["wall"] - ph["linear_measured"] - ph["attention"]
         print(f"| {name} | {ph['forwards']:.0f} | {ph['tokens']:.0f} | {ph['wall']:.2f} | {ph['linear_measured']:.2f} | "
               f"{ph['attention']:.2f} | {other:.2f} | {floor:.2f} | {ph['wall'] / floor:.2f} | "
