@@ -260,7 +260,8 @@ class Engine:
 
     def _sample(self, logits: torch.Tensor, running: list[Live], kv: RowKV) -> Iterator[Completion]:
         """The next token of every running row (logits (len(running), V), in order); finished rows leave."""
-        finite = torch.isfinite(logits.sum(dim=-1)).tolist()  # one pass: a NaN or an infinity makes the sum one
+        low, high = torch.aminmax(logits, dim=-1)  # one pass; a NaN or inf shows here (a float16 sum overflows)
+        finite = (torch.isfinite(low) & torch.isfinite(high)).tolist()
         chosen = sample(logits, [r.state for r in running])  # (B,)
         record_logprobs(logits, chosen, running)
         tokens = chosen.tolist()

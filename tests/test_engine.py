@@ -140,6 +140,7 @@ def test_non_finite_logits_fail_one_row_alone(tok, monkeypatch):
         if not calls:
             logits[0, 5] = float("nan")  # one logit of one row of the first forward
             logits[1, 7] = float("inf")  # and an infinite one of another
+            logits[2] = 3e38  # finite, though the row's sum is not: it runs on
         calls.append(1)
         return logits
 
