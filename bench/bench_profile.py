@@ -124,8 +124,9 @@ def main() -> int:
         ph["attention"] += timer["attention"]
         ph["linear_measured"] += timer["linear"]
         ph["attention_gflop"] += timer["attention_gflop"]
-        ph["flops"] += 2 * linear_params * step.tokens + head_flops * len(keep)
-        ph["by_rows"].append((step.tokens, 2 * linear_params * step.tokens + head_flops * len(keep)))
+        flops = 2 * linear_params * step.tokens + head_flops * len(keep)
+        ph["flops"] += flops
+        ph["by_rows"].append((step.tokens, flops))  # each forward's floor at its own row count's rate
         return out
 
     engine.forward = forward
