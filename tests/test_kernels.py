@@ -36,20 +36,50 @@ def test_threads_follow_omp_num_threads_then_the_available_cores(monkeypatch):
         torch.set_num_threads(before)
 
 
-def test_onednn_linears_equal_f_linear_and_are_put_back():
-    model = make_model("llama")
-    layers = kernels.fast_linears(model)
-    if not kernels.onednn_ok():
+@pytest.mark.parametrize("dtype,pack", [(torch.float32, True), (torch.float32, False), (torch.bfloat16, True)])
+def test_onednn_linears_equal_f_linear_and_are_put_back(dtype, pack):
+    model = make_model("qwen2", dtype=dtype)  # q/k/v projections with a bias, the rest without
+    if not kernels.onednn_ok(dtype, packed=pack):
         pytest.skip("oneDNN's linear is not available in this torch build")
-    assert layers and all(type(m) is torch.nn.Linear for m in layers)
-    x = torch.randn(3, 5, 64)
-    want = [m(x if m.in_features == 64 else torch.randn(3, 5, m.in_features)) for m in layers[:1]]
+    layers = kernels.fast_linears(model, pack=pack)
+    assert layers and all(type(m) is torch.nn.Linear for m, _ in layers)
+    assert any(m.bias is not None for m, _ in layers) and any(m.bias is None for m, _ in layers)
+    xs = [torch.randn(3, 5, m.in_features, dtype=dtype) for m, _ in layers]
+    want = [m(x).float() for (m, _), x in zip(layers, xs)]
     with kernels.linears_on_onednn(layers):
-        assert "forward" in vars(layers[0])
-        got = [layers[0](x)]
-    assert "forward" not in vars(layers[0])  # the model's own forward again, for plain generate
-    assert torch.allclose(got[0], want[0], atol=1e-5)
-    assert kernels.fast_linears(make_model("llama", dtype=torch.bfloat16)) == []  # bfloat16 already goes to oneDNN
+        assert all("forward" in vars(m) for m, _ in layers)
+        got = [m(x) for (m, _), x in zip(layers, xs)]
+    assert all("forward" not in vars(m) for m, _ in layers)  # the model's own forward again, for plain generate
+    tol = 1e-4 if dtype == torch.float32 else 0.05
+    for g, w in zip(got, want):
+        assert g.dtype == dtype and g.shape == w.shape
+        torch.testing.assert_close(g.float(), w, atol=tol, rtol=0.02)
+
+
+def test_packed_weights_are_made_once_and_again_when_the_weight_changes():
+    model = make_model("llama")
+    if not kernels.onednn_ok(torch.float32, packed=True):
+        pytest.skip("oneDNN's linear is not available in this torch build")
+    lin = next(m for m in model.modules() if type(m) is torch.nn.Linear)
+    first = kernels._packed_weight(lin)
+    assert kernels._packed_weight(lin) is first  # a second engine on the same model reuses it
+    x = torch.randn(4, lin.in_features)
+    with torch.no_grad():
+        lin.weight.mul_(2.0)  # changed in place: the packed copy must follow
+    again = kernels._packed_weight(lin)
+    assert again is not first
+    got = kernels._packed_linear(again, lin.bias)(x)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, lin.weight, lin.bias), atol=1e-4, rtol=1e-4)
+
+
+def test_no_packing_where_memory_is_short_and_none_off_cpu_dtypes(monkeypatch):
+    model = make_model("llama")
+    monkeypatch.setattr(kernels, "_available_memory", lambda: 1024)  # far less than the weights
+    layers = kernels.fast_linears(model)
+    if kernels.onednn_ok():  # float32 still goes to oneDNN, on the plain weights
+        assert layers and all(f.__func__ is kernels._onednn_linear for _, f in layers)
+    assert kernels.fast_linears(make_model("llama", dtype=torch.bfloat16)) == []  # F.linear is oneDNN's already
+    assert kernels.fast_linears(make_model("llama", dtype=torch.float16)) == []
 
 
 def test_freed_memory_stays_with_the_process():
