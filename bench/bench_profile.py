@@ -70,7 +70,7 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     from bench import corpus
-    from pipeline import attention, kernels
+    from pipeline import attention
     from pipeline.engine import Engine
     from pipeline.model import load_model
     from pipeline.types import Request, SamplingParams
