@@ -108,7 +108,10 @@ def main() -> int:
 
     attention._attend = attend
     attention.AttentionInterface.register(attention.NAME, timing(real_attention, "attention"))
-    engine.linears = [(m, timing(f, "linear")) for m, f in engine.linears]  # oneDNN's (packed) linears
+    engine.linears = [(m, timing(f, "linear")) for m, f in engine.linears]  # oneDNN's, switched on per forward
+    packed = {m: m.forward for m in model.modules() if isinstance(m, torch.nn.Linear) and "forward" in vars(m)}
+    for m, f in packed.items():  # packed in place by load_model: oneDNN's for good
+        m.forward = timing(f, "linear")
     torch.nn.Linear.forward = timing(real_linear, "linear")
     real_forward = engine.forward
 
@@ -136,6 +139,8 @@ def main() -> int:
     attention.AttentionInterface.register(attention.NAME, real_attention)
     attention._attend = real_attend
     torch.nn.Linear.forward = real_linear
+    for m, f in packed.items():
+        m.forward = f
     # each forward's floor at the rate of its own row count (rounded up to a power of two): a
     # decode step of 5 rows runs its GEMMs far below the 2,048-row rate, and so would any engine
     needed = {bucket(m) for ph in phases.values() for m, _ in ph["by_rows"]} | {64, 2048}

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import os
 import weakref
+from collections import Counter
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -153,26 +154,54 @@ def _available_memory() -> int | None:
 PACK_SHARE = 4  # packed copies may take at most a quarter of the memory available when the engine starts
 
 
-def fast_linears(model: torch.nn.Module, pack: bool | None = None) -> list[tuple[torch.nn.Linear, object]]:
-    """The model's linear layers that call oneDNN in batchgen's forwards, each with its forward.
+def _cpu_dtype_ok(model: torch.nn.Module) -> torch.dtype | None:
+    p = next(model.parameters(), None)
+    return p.dtype if p is not None and p.device.type == "cpu" and p.dtype in (torch.float32, torch.bfloat16) else None
 
-    On a CPU in float32 or bfloat16, each layer's weight is packed once into oneDNN's blocked
-    layout (20-70% faster at decode's 16-64 rows, 5-10% at 2,048, measured here). The packed
-    copies sit beside the model's own weights (which plain `generate`, tied embeddings and the
-    user's model keep using), so they are made only where they fit in a quarter of the available
-    memory (`pack=None`), or as `pack` says. Without packing, float32 layers still call oneDNN
-    on their plain weights (MKL's sgemm is slower on this AMD CPU) and bfloat16 ones keep
-    `F.linear`, which already goes to oneDNN. None off CPU, or where the probe fails."""
-    p = next(model.parameters())
-    if p.device.type != "cpu" or p.dtype not in (torch.float32, torch.bfloat16):
+
+def pack_in_place(model: torch.nn.Module) -> int:
+    """For a model batchgen loaded and owns (`pipeline.model.load_model`): each linear layer's weight
+    is replaced by its packed oneDNN copy, the plain one freed, and the layer's forward calls
+    oneDNN for good, as IPEX's `optimize` does: the speed of packing at no extra memory. The model
+    still runs forward and `generate`; it is not for training, saving or moving to another device.
+    A weight another module shares (a tied output head, which the embedding reads) stays plain.
+    Returns the layers packed."""
+    dtype = _cpu_dtype_ok(model)
+    if dtype is None or not onednn_ok(dtype, packed=True):
+        return 0
+    holders = Counter(id(t) for m in model.modules() for t in m._parameters.values() if t is not None)
+    packed = 0
+    for m in model.modules():
+        if type(m) is torch.nn.Linear and not m.weight.is_mkldnn and holders[id(m.weight)] == 1:
+            m.weight = torch.nn.Parameter(_pack(m.weight.detach()), requires_grad=False)
+            m.forward = _packed_linear(m.weight, m.bias)
+            packed += 1
+    return packed
+
+
+def fast_linears(model: torch.nn.Module, pack: bool | None = None) -> list[tuple[torch.nn.Linear, object]]:
+    """The model's plain linear layers that call oneDNN in batchgen's forwards, each with its forward
+    (layers `pack_in_place` packed call it always, and are not listed).
+
+    On a CPU in float32 or bfloat16, each weight is packed once into oneDNN's blocked layout
+    (20-70% faster at decode's 16-64 rows, 5-10% at 2,048, measured here). For a model the user
+    passed in, the packed copies sit beside its own weights (which its plain forward and tied
+    embeddings keep using), so they are made only where they fit in a quarter of the available
+    memory (`pack=None`), or as `pack` says; never beside a model packed in place, whose leftover
+    plain layer is a tied head. Without packing, float32 layers still call oneDNN on their plain
+    weights (MKL's sgemm is slower on this AMD CPU) and bfloat16 ones keep `F.linear`, which
+    already goes to oneDNN. None off CPU, or where the probe fails."""
+    dtype = _cpu_dtype_ok(model)
+    if dtype is None:
         return []
-    layers = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.device.type == "cpu"]
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    layers = [m for m in linears if not m.weight.is_mkldnn]
     if pack is None:
         need, free = sum(m.weight.nbytes for m in layers), _available_memory()
-        pack = free is None or need * PACK_SHARE <= free
-    if pack and onednn_ok(p.dtype, packed=True):
+        pack = len(layers) == len(linears) and (free is None or need * PACK_SHARE <= free)
+    if pack and onednn_ok(dtype, packed=True):
         return [(m, _packed_linear(_packed_weight(m), m.bias)) for m in layers]
-    if p.dtype == torch.float32 and onednn_ok():
+    if dtype == torch.float32 and onednn_ok():
         return [(m, _onednn_linear.__get__(m)) for m in layers]
     return []
 

@@ -307,9 +307,12 @@ def load_model(
     device: str = "auto",
     dtype: str = "auto",
     trust_remote_code: bool = False,
+    pack_weights: bool = True,
 ) -> tuple[PreTrainedModel, str]:
     """Load a causal LM in eval mode on ``device``.
 
+    On a CPU its linear layers' weights are packed for oneDNN in place (`kernels.pack_in_place`):
+    the model is batchgen's, for inference; `pack_weights=False` keeps plain Hugging Face layers.
     Returns ``(model, tokenizer_source)``: the local directory or hub id the
     tokenizer should be loaded from (for the default model, the converted dir).
     """
@@ -361,4 +364,8 @@ def load_model(
 
     model.to(torch_device)
     model.eval()
+    if pack_weights:
+        from pipeline.kernels import pack_in_place
+
+        pack_in_place(model)
     return model, source

@@ -87,3 +87,29 @@ def test_freed_memory_stays_with_the_process():
     x = torch.empty(8 << 20, dtype=torch.uint8)  # allocations still work after the thresholds move
     x.fill_(1)
     assert int(x.sum()) == 8 << 20
+
+
+def test_packing_in_place_frees_the_plain_weights_and_keeps_the_model_running():
+    model = make_model("llama")  # tied output head: it stays plain, for the embedding
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    if not kernels.onednn_ok(torch.float32, packed=True):
+        pytest.skip("oneDNN's linear is not available in this torch build")
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.inference_mode():
+        want = model(input_ids=ids).logits
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    assert kernels.pack_in_place(model) == len(linears) - 1
+    assert model.lm_head.weight is model.model.embed_tokens.weight and not model.lm_head.weight.is_mkldnn
+    assert all(m.weight.is_mkldnn for m in linears if m is not model.lm_head)
+    assert kernels.pack_in_place(model) == 0  # once
+    # the engine's per-forward list leaves packed layers alone (their forward is theirs for good)
+    # and makes no packed copy of the one plain layer left beside a model packed in place
+    assert [m for m, _ in kernels.fast_linears(model)] == [model.lm_head]
+    assert kernels.fast_linears(model)[0][1].__func__ is kernels._onednn_linear
+    with torch.inference_mode():
+        got = model(input_ids=ids).logits
+        with kernels.linears_on_onednn(kernels.fast_linears(model)):
+            model(input_ids=ids)
+        assert all("forward" in vars(m) for m in linears if m is not model.lm_head)  # still packed after
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
