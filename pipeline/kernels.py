@@ -162,21 +162,29 @@ def _cpu_dtype_ok(model: torch.nn.Module) -> torch.dtype | None:
 def pack_in_place(model: torch.nn.Module) -> int:
     """For a model batchgen loaded and owns (`pipeline.model.load_model`): each linear layer's weight
     is replaced by its packed oneDNN copy, the plain one freed, and the layer's forward calls
-    oneDNN for good, as IPEX's `optimize` does: the speed of packing at no extra memory. The model
-    still runs forward and `generate`; it is not for training, saving or moving to another device.
-    A weight another module shares (a tied output head, which the embedding reads) stays plain.
-    Returns the layers packed."""
+    oneDNN for good, as IPEX's `optimize` does: the speed of packing at no extra memory once loaded
+    (while it packs, the checkpoint's pages and the packed copies are both held, so it packs only
+    where twice the weights fit in the available memory). The other weights are copied out of the
+    checkpoint's memory map, so the map is released. The model still runs forward and `generate`;
+    it is not for training, saving or moving to another device. A weight another module shares (a
+    tied output head, which the embedding reads) stays plain. Returns the layers packed."""
     dtype = _cpu_dtype_ok(model)
     if dtype is None or not onednn_ok(dtype, packed=True):
         return 0
     holders = Counter(id(t) for m in model.modules() for t in m._parameters.values() if t is not None)
-    packed = 0
-    for m in model.modules():
-        if type(m) is torch.nn.Linear and not m.weight.is_mkldnn and holders[id(m.weight)] == 1:
-            m.weight = torch.nn.Parameter(_pack(m.weight.detach()), requires_grad=False)
-            m.forward = _packed_linear(m.weight, m.bias)
-            packed += 1
-    return packed
+    todo = [m for m in model.modules()
+            if type(m) is torch.nn.Linear and not m.weight.is_mkldnn and holders[id(m.weight)] == 1]
+    free = _available_memory()
+    if free is not None and 2 * sum(m.weight.nbytes for m in todo) > free:
+        return 0  # while packing, the packed copies and the checkpoint's pages are both held
+    for m in todo:
+        m.weight = torch.nn.Parameter(_pack(m.weight.detach()), requires_grad=False)
+        m.forward = _packed_linear(m.weight, m.bias)
+    if todo:  # the rest leave the checkpoint's memory map too, so the map (all of the plain weights) goes
+        for t in {id(t): t for t in [*model.parameters(), *model.buffers()]}.values():
+            if not t.is_mkldnn:
+                t.data = t.data.clone()
+    return len(todo)
 
 
 def fast_linears(model: torch.nn.Module, pack: bool | None = None) -> list[tuple[torch.nn.Linear, object]]:
