@@ -159,6 +159,12 @@ def _cpu_dtype_ok(model: torch.nn.Module) -> torch.dtype | None:
     return p.dtype if p is not None and p.device.type == "cpu" and p.dtype in (torch.float32, torch.bfloat16) else None
 
 
+def _linears(model: torch.nn.Module, dtype: torch.dtype) -> list[torch.nn.Linear]:
+    """The model's `nn.Linear` layers on the CPU in `dtype` (not, say, an offloaded or upcast one)."""
+    return [m for m in model.modules()
+            if type(m) is torch.nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == dtype]
+
+
 def pack_in_place(model: torch.nn.Module) -> int:
     """For a model batchgen loaded and owns (`pipeline.model.load_model`): each linear layer's weight
     is replaced by its packed oneDNN copy, the plain one freed, and the layer's forward calls
@@ -172,8 +178,7 @@ def pack_in_place(model: torch.nn.Module) -> int:
     if dtype is None or not onednn_ok(dtype, packed=True):
         return 0
     holders = Counter(id(t) for m in model.modules() for t in m._parameters.values() if t is not None)
-    todo = [m for m in model.modules()
-            if type(m) is torch.nn.Linear and not m.weight.is_mkldnn and holders[id(m.weight)] == 1]
+    todo = [m for m in _linears(model, dtype) if not m.weight.is_mkldnn and holders[id(m.weight)] == 1]
     free = _available_memory()
     if free is not None and 2 * sum(m.weight.nbytes for m in todo) > free:
         return 0  # while packing, the packed copies and the checkpoint's pages are both held
@@ -202,7 +207,7 @@ def fast_linears(model: torch.nn.Module, pack: bool | None = None) -> list[tuple
     dtype = _cpu_dtype_ok(model)
     if dtype is None:
         return []
-    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    linears = _linears(model, dtype)
     layers = [m for m in linears if not m.weight.is_mkldnn]
     if pack is None:
         need, free = sum(m.weight.nbytes for m in layers), _available_memory()
