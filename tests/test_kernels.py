@@ -80,6 +80,11 @@ def test_no_packing_where_memory_is_short_and_none_off_cpu_dtypes(monkeypatch):
         assert layers and all(f.__func__ is kernels._onednn_linear for _, f in layers)
     assert kernels.fast_linears(make_model("llama", dtype=torch.bfloat16)) == []  # F.linear is oneDNN's already
     assert kernels.fast_linears(make_model("llama", dtype=torch.float16)) == []
+    model.lm_head.to(torch.bfloat16)  # a layer in another dtype than the model's keeps its own forward
+    assert model.lm_head not in [m for m, _ in kernels.fast_linears(model, pack=True)]
+    assert kernels.pack_in_place(model) == 0  # short of memory: no packing in place either
+    monkeypatch.setattr(kernels, "_available_memory", lambda: None)
+    assert kernels.pack_in_place(model) and not model.lm_head.weight.is_mkldnn
 
 
 def test_freed_memory_stays_with_the_process():
