@@ -238,3 +238,23 @@ def test_static_decode_steps_equal_uncached_generate(arch, tok):
         want = reference_generate(model, r, EOS)
         for s in range(r.params.n):
             assert got[(r.key, s)] == want, f"{arch}: job {r.key} sample {s}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3", "opt"])
+def test_a_model_packed_in_place_equals_the_plain_model_s_uncached_generate(arch, tok):
+    """A model batchgen loads has its linear weights packed in place (`kernels.pack_in_place`):
+    the engine on it still equals plain Hugging Face generate on the same weights, unpacked."""
+    from pipeline import kernels
+
+    if not kernels.onednn_ok(torch.float32, packed=True):
+        pytest.skip("oneDNN's linear is not available in this torch build")
+    plain, packed = make_model(arch), make_model(arch)  # same seed: same weights
+    assert kernels.pack_in_place(packed) > 0
+    reqs = edge_case_requests(tok)
+    engine = Engine(packed, eos_token_ids=EOS, min_shared_tokens=4, max_batch_tokens=250)
+    got = {(c.key, c.sample_index): c.token_ids for c in engine.run(reqs)}
+    assert engine.stats.cascade_batches > 0
+    for r in reqs:
+        want = reference_generate(plain, r, EOS)
+        for s in range(r.params.n):
+            assert got[(r.key, s)] == want, f"{arch}: job {r.key} sample {s}"
