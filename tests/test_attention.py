@@ -124,3 +124,17 @@ def test_a_model_whose_attention_bypasses_the_registry_is_refused_clearly():
         del layer.self_attn.layer_idx  # as if an architecture did not index its attention layers
     with pytest.raises(EngineError, match="batchgen"):
         Engine(model)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_kv_buffers_start_as_zeros_in_separate_views(dtype):
+    from pipeline.kv import zeroed
+
+    shapes = [(2, 3, 5, 7), (1, 2, 3, 4), (0, 3, 4, 4), (4, 1, 1000, 64)]
+    bufs = zeroed(shapes, dtype, torch.device("cpu"))
+    assert [tuple(b.shape) for b in bufs] == shapes
+    assert all(b.dtype == dtype and b.is_contiguous() and not b.any() for b in bufs)
+    bufs[0].fill_(1.0)  # a write lands in its own buffer only
+    bufs[3][1, 0, 999, 5] = 2.0
+    assert bufs[0].all() and not bufs[1].any() and float(bufs[3].sum()) == 2.0
+    assert {b.data_ptr() % 4096 for b in bufs if b.numel()} == {0}  # each starts on a page
