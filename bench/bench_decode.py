@@ -80,15 +80,15 @@ def child(system: str, b: int, p: int, threads: int, queue) -> None:
     with torch.inference_mode():
         model(input_ids=torch.tensor([[100, 101, 102]]))
     warm = _rss_mb()
-    # peaks from here on (getrusage's too): loading packs the weights in place
+    # peaks from here on: loading packs the weights in place
     # (`kernels.pack_in_place`), and while it does, the checkpoint's pages and the packed copies
     # are both mapped, a load-time peak that is not the group's
     reset = _reset_peak()
     ps = prompts(b, p)
     out = run_generate(model, ps) if system == "generate" else run_engine(model, ps, system == "cascade")
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = _status_mb("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     out["peak_rss_mb"] = peak - base
-    out["group_mb"] = (_status_mb("VmHWM") if reset else peak) - warm  # what the group added to the warmed model
+    out["group_mb"] = peak - warm  # what the group itself added on top of the loaded, warmed model
     queue.put(out)
 
 
