@@ -28,7 +28,7 @@ def zeroed(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.devi
     the last view goes. Elsewhere (CUDA; Windows), `torch.zeros`."""
     if device.type != "cpu" or not hasattr(mmap, "MAP_PRIVATE"):
         return [torch.zeros(s, dtype=dtype, device=device) for s in shapes]
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     spans = [-(-math.prod(s) * size // mmap.PAGESIZE) * mmap.PAGESIZE for s in shapes]  # each view starts on a page
     try:
         memory = mmap.mmap(-1, max(mmap.PAGESIZE, sum(spans)), flags=mmap.MAP_PRIVATE)
