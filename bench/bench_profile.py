@@ -106,7 +106,15 @@ def main() -> int:
         timer["attention_gflop"] += 4 * b * hq * n * k.shape[2] * d / (2 if causal else 1) / 1e9
         return real_attend(q, k, v, mask, scale, softcap, causal, decode)
 
+    real_native = attention.native.decode_attention
+
+    def native_attend(q, own_k, own_v, slot, own_len, anc_k, anc_v, anc_len, scale, out):
+        keys = int(own_len.sum()) + int(anc_len[anc_k != 0].sum())
+        timer["attention_gflop"] += 4 * q.shape[1] * keys * q.shape[2] / 1e9
+        return real_native(q, own_k, own_v, slot, own_len, anc_k, anc_v, anc_len, scale, out)
+
     attention._attend = attend
+    attention.native.decode_attention = native_attend
     attention.AttentionInterface.register(attention.NAME, timing(real_attention, "attention"))
     engine.linears = [(m, timing(f, "linear")) for m, f in engine.linears]  # oneDNN's, switched on per forward
     packed = {m: m.forward for m in model.modules() if isinstance(m, torch.nn.Linear) and "forward" in vars(m)}
@@ -138,6 +146,7 @@ def main() -> int:
     total = time.perf_counter() - t
     attention.AttentionInterface.register(attention.NAME, real_attention)
     attention._attend = real_attend
+    attention.native.decode_attention = real_native
     torch.nn.Linear.forward = real_linear
     for m, f in packed.items():
         m.forward = f

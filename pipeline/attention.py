@@ -14,6 +14,9 @@ Per layer, for the forward's flat list of tokens:
    continue it (queries folded per key head), the prefix's keys read once;
 4. the two partial softmaxes merged exactly by their log-sum-exps, as in vLLM's cascade
    attention, FlashInfer and Hydragen.
+On a CPU the decode tokens skip 2-4: one call of batchgen's compiled kernel (`pipeline.native`)
+reads each one's anchor and own keys in one pass, final, where it serves the layout; the anchor
+groups then hold only the other tokens.
 Each call goes to PyTorch's fused attention kernel, which also returns the log-sum-exp, where a
 probe found it agrees with the matmul reference (`partial`) for this device, dtype and head
 size; soft-capped models (Gemma2) and refused shapes use the reference.
@@ -26,6 +29,7 @@ from typing import Iterator
 import torch
 from transformers import AttentionInterface
 
+from pipeline import native
 from pipeline.kv import LayerShape
 from pipeline.step import Step
 
@@ -54,23 +58,19 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
     out = q.new_empty(t, hq, v.shape[-1], dtype=torch.float32)
     lse = q.new_empty(t, hq, dtype=torch.float32)
-    if step.n_dec:  # one token per decoding slot, against the slots' own keys, in runs of slots
-        n = step.n_dec
-        qd = q[:, :n].transpose(0, 1)  # (n, Hq, D)
-        if not step.contiguous:  # idle slots between decoding ones: give them a query, drop their output
-            qd = q.new_zeros(step.hi, hq, d).index_copy_(0, step.dec_slots, qd)
-        # the G query heads of a key head as G queries of it: each key is read once, not G times
-        qd = qd.reshape(-1, hkv, fold, d)  # (hi, Hkv, G, D)
-        mask = step.own_mask(sliding_window, q.dtype)  # (hi, 1, 1, L)
-        od = q.new_empty(step.hi, hkv, fold, v.shape[-1], dtype=torch.float32)
-        ld = q.new_empty(step.hi, hkv, fold, dtype=torch.float32)
-        for a, b, span in step.dec_runs:  # each run reads only as far as its longest row
-            keys, values = step.kv.k[layer][a:b, :, :span], step.kv.v[layer][a:b, :, :span]
-            od[a:b], ld[a:b] = _attend(qd[a:b], keys, values, mask[a:b, ..., :span], scale, softcap, decode=True)
-        od, ld = od.view(step.hi, hq, -1), ld.view(step.hi, hq)
-        if not step.contiguous:
-            od, ld = od[step.dec_slots], ld[step.dec_slots]
-        out[:n], lse[:n] = od[:n], ld[:n]
+    groups = step.groups
+    if step.n_dec and step.native is not None and sliding_window is None and softcap is None \
+            and native_ok(q.dtype, hq, hkv, d, v.shape[-1]):
+        # one pass per row over its anchor and then its own keys, final: no merge, so the decode
+        # tokens leave the anchor groups
+        nd = step.native
+        if native.decode_attention(q[:, : step.n_dec].transpose(0, 1), step.kv.k[layer], step.kv.v[layer], nd.slot,
+                                   nd.own_len, nd.anc_k[layer], nd.anc_v[layer], nd.anc_len, scale, out[: step.n_dec]):
+            groups = step.suffix_groups
+        else:
+            _decode_own(step, layer, q, out, lse, scale, softcap, sliding_window, v.shape[-1])
+    elif step.n_dec:
+        _decode_own(step, layer, q, out, lse, scale, softcap, sliding_window, v.shape[-1])
     qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (T, H, D)
     for i, b in enumerate(step.batches):  # fresh suffixes side by side, right-padded, causal
         rows, length = b.gather.shape
@@ -86,11 +86,11 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         mask = step.segment_mask(i, sliding_window, q.dtype)
         o, l = _attend(q[None, :, s.t0 : s.t1], keys, values, mask, scale, softcap, causal=mask is None)
         out[s.t0 : s.t1], lse[s.t0 : s.t1] = o[0].transpose(0, 1), l[0].transpose(0, 1)
-    for i, g in enumerate(step.groups):  # every token continuing one cached prefix, in one call
+    for g in groups:  # every token continuing one cached prefix, in one call
         n = g.positions.shape[0]
         # (1, Hkv, G*n, D): the G query heads of a key head side by side, so the prefix is read once per key head
         qg = (q[:, g.index] if isinstance(g.index, slice) else q.index_select(1, g.index)).reshape(1, hkv, fold * n, d)
-        mask, blind = step.group_mask(i, sliding_window, q.dtype, fold) or (None, None)
+        mask, blind = step.group_mask(g, sliding_window, q.dtype, fold) or (None, None)
         o, l = _attend(qg, g.prefix.k[layer], g.prefix.v[layer], mask, scale, softcap)
         o = o.reshape(hq, n, -1).transpose(0, 1).float()  # (n, Hq, Dv)
         l = l.reshape(hq, n).transpose(0, 1)  # (n, Hq)
@@ -103,6 +103,30 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         else:
             out.index_copy_(0, g.index, out.index_select(0, g.index).lerp_(o, w))
     return out.to(query.dtype)[None], None
+
+
+def _decode_own(step: Step, layer: int, q, out, lse, scale, softcap, sliding_window, dv: int) -> None:
+    """Decode tokens against their slots' own keys, in runs of slots (PyTorch's kernels): the
+    partial softmax into out/lse, which the anchor groups then merge."""
+    hq, _, d = q.shape
+    hkv = step.kv.k[layer].shape[1]
+    fold = hq // hkv
+    n = step.n_dec
+    qd = q[:, :n].transpose(0, 1)  # (n, Hq, D)
+    if not step.contiguous:  # idle slots between decoding ones: give them a query, drop their output
+        qd = q.new_zeros(step.hi, hq, d).index_copy_(0, step.dec_slots, qd)
+    # the G query heads of a key head as G queries of it: each key is read once, not G times
+    qd = qd.reshape(-1, hkv, fold, d)  # (hi, Hkv, G, D)
+    mask = step.own_mask(sliding_window, q.dtype)  # (hi, 1, 1, L)
+    od = q.new_empty(step.hi, hkv, fold, dv, dtype=torch.float32)
+    ld = q.new_empty(step.hi, hkv, fold, dtype=torch.float32)
+    for a, b, span in step.dec_runs:  # each run reads only as far as its longest row
+        keys, values = step.kv.k[layer][a:b, :, :span], step.kv.v[layer][a:b, :, :span]
+        od[a:b], ld[a:b] = _attend(qd[a:b], keys, values, mask[a:b, ..., :span], scale, softcap, decode=True)
+    od, ld = od.view(step.hi, hq, -1), ld.view(step.hi, hq)
+    if not step.contiguous:
+        od, ld = od[step.dec_slots], ld[step.dec_slots]
+    out[:n], lse[:n] = od[:n], ld[:n]
 
 
 def _attend(q, k, v, mask, scale, softcap, causal=False, decode=False):
@@ -197,6 +221,38 @@ def fused_ok(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
         except (RuntimeError, NotImplementedError, AttributeError, TypeError):
             _FUSED_OK[key] = False
     return _FUSED_OK[key]
+
+
+_NATIVE_OK: dict[tuple, bool] = {}
+
+
+def native_ok(dtype: torch.dtype, hq: int, hkv: int, d: int, dv: int) -> bool:
+    """Whether decode attention may go to the native kernel (`pipeline.native`) for this dtype and
+    head layout: built, and agreeing once with the reference on rows with and without an anchor."""
+    if not native.supports(dtype, hq, hkv, d, dv):
+        return False
+    key = (dtype, hq, hkv, d, dv)
+    if key not in _NATIVE_OK:
+        g = torch.Generator().manual_seed(0)
+        own_k, own_v = torch.randn(3, hkv, 50, d, generator=g), torch.randn(3, hkv, 50, dv, generator=g)
+        anc_k, anc_v = torch.randn(1, hkv, 70, d, generator=g), torch.randn(1, hkv, 70, dv, generator=g)
+        q = torch.randn(3, hq, d, generator=g)
+        own_k, own_v, anc_k, anc_v, q = (x.to(dtype) for x in (own_k, own_v, anc_k, anc_v, q))
+        rows = [(2, 5, True), (0, 50, False), (1, 1, True)]  # slot, own keys, anchored
+        out = torch.empty(3, hq, dv)
+        ptr = [anc_k.data_ptr() if a else 0 for _, _, a in rows], [anc_v.data_ptr() if a else 0 for _, _, a in rows]
+        ok = native.decode_attention(
+            q, own_k, own_v, torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows]),
+            torch.tensor(ptr[0]), torch.tensor(ptr[1]), torch.tensor([70 if a else 0 for *_, a in rows]),
+            d ** -0.5, out)
+        for i, (slot, n, anchored) in enumerate(rows):
+            keys, values = own_k[slot : slot + 1, :, :n], own_v[slot : slot + 1, :, :n]
+            if anchored:
+                keys, values = torch.cat([anc_k, keys], dim=2), torch.cat([anc_v, values], dim=2)
+            ref, _ = partial(q[i][None, :, None], keys, values, None, d ** -0.5)
+            ok = ok and bool(torch.allclose(out[i], ref[0, :, 0], atol=1e-4 if dtype == torch.float32 else 2e-2))
+        _NATIVE_OK[key] = ok
+    return _NATIVE_OK[key]
 
 
 @contextmanager

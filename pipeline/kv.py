@@ -65,6 +65,12 @@ class PrefixKV:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
+    def pointers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per layer, the keys' and values' data pointers (int64, for pipeline.native)."""
+        if not hasattr(self, "_pointers"):
+            self._pointers = tuple(torch.tensor([t.data_ptr() for t in ts], dtype=torch.long) for ts in (self.k, self.v))
+        return self._pointers
+
 
 class RowKV:
     """The row slots of one batch: each holds up to `capacity` of its row's own tokens (the ones

@@ -70,6 +70,33 @@ class Batch:
 
 
 @dataclass
+class NativeDecode:
+    """Per decode token, what the native decode-attention kernel reads (int64, on the CPU): its slot,
+    its own keys after this step's write, and its anchor's length and per-layer data pointers."""
+
+    slot: torch.Tensor  # (n,)
+    own_len: torch.Tensor  # (n,)
+    anc_len: torch.Tensor  # (n,) 0 for none
+    anc_k: torch.Tensor  # (layers, n) data pointers, 0 for none
+    anc_v: torch.Tensor  # (layers, n)
+
+
+def _native(decode: list[Decode], own: list[int], layers: int) -> NativeDecode:
+    anchors = {id(d.anchor): d.anchor for d in decode if d.anchor is not None}
+    which = {a: i + 1 for i, a in enumerate(anchors)}  # 0: no anchor
+    k = torch.zeros(1 + len(anchors), layers, dtype=torch.long)
+    v = torch.zeros_like(k)
+    for a, i in which.items():
+        k[i], v[i] = anchors[a].pointers()
+    index = torch.tensor([which.get(id(d.anchor), 0) for d in decode], dtype=torch.long)
+    return NativeDecode(
+        slot=torch.tensor([d.slot for d in decode], dtype=torch.long),
+        own_len=torch.tensor(own, dtype=torch.long) + 1,
+        anc_len=torch.tensor([d.anchor.length if d.anchor is not None else 0 for d in decode], dtype=torch.long),
+        anc_k=k[index].T.contiguous(), anc_v=v[index].T.contiguous())
+
+
+@dataclass
 class Step:
     input_ids: torch.Tensor  # (1, T)
     positions: torch.Tensor  # (1, T)
@@ -87,6 +114,8 @@ class Step:
     continuing: list[Segment]  # those that continue stored keys (prefixes, later chunks): one call each
     batches: list[Batch]  # the fresh suffixes
     groups: list[Group]
+    suffix_groups: list[Group]  # the groups without the decode tokens (when those go to the native kernel)
+    native: "NativeDecode | None" = None  # the decode tokens' layout for pipeline.native, on a CPU
     _masks: dict = field(default_factory=dict)
 
     @property
@@ -146,15 +175,14 @@ class Step:
             self._masks[key] = _additive((j <= q) & (q - j < window), dtype, self.input_ids.device)[None, None]
         return self._masks[key]
 
-    def group_mask(self, i: int, window: int | None, dtype: torch.dtype, fold: int):
-        """Group i's queries (folded `fold` query heads per key head) over its anchor: (mask, blind),
+    def group_mask(self, g: "Group", window: int | None, dtype: torch.dtype, fold: int):
+        """Group g's queries (folded `fold` query heads per key head) over its anchor: (mask, blind),
         None when the window, if any, still covers the whole anchor for every query; `blind` (n,)
         marks queries whose window has left the whole anchor behind (the fused kernel gives those
         a log-sum-exp of 0, not -inf)."""
-        g = self.groups[i]
         if window is None or int(g.positions.max()) < window:
             return None
-        key = ("group", i, window, dtype, fold)
+        key = ("group", id(g), window, dtype, fold)
         if key not in self._masks:
             allow = (g.positions.cpu()[:, None] - torch.arange(g.prefix.length)[None]) < window  # (n, P)
             mask = _additive(allow.repeat(fold, 1), dtype, self.input_ids.device)[None, None]
@@ -204,12 +232,9 @@ def build(decode: list[Decode], decode_ids: list[int], segments: list[tuple[Segm
     dec_lens = [1] * hi
     for s, n in zip(slots, store_at):
         dec_lens[s] = n + 1
-    groups = []
-    for prefix, index in members.values():
-        index_t = torch.tensor(index, dtype=torch.long)
-        run = index == list(range(index[0], index[0] + len(index)))
-        groups.append(Group(prefix, slice(index[0], index[0] + len(index)) if run else index_t.to(device),
-                            positions[index_t]))
+    groups = _groups(members.values(), positions, device)
+    rest = [(p, [t for t in index if t >= len(decode)]) for p, index in members.values()]
+    suffix_groups = _groups([(p, index) for p, index in rest if index], positions, device)
     everything = store_tokens == list(range(len(ids)))
     return Step(
         input_ids=torch.tensor([ids], dtype=torch.long, device=device),
@@ -228,7 +253,20 @@ def build(decode: list[Decode], decode_ids: list[int], segments: list[tuple[Segm
         continuing=continuing,
         batches=_batches(fresh, device),
         groups=groups,
+        suffix_groups=suffix_groups,
+        native=_native(decode, store_at[: len(decode)], len(kv.k)) if decode and device.type == "cpu" else None,
     )
+
+
+def _groups(members, positions: torch.Tensor, device: torch.device) -> list[Group]:
+    """A group per anchor, of the tokens (ascending indices) that read it."""
+    groups = []
+    for prefix, index in members:
+        index_t = torch.tensor(index, dtype=torch.long)
+        run = index == list(range(index[0], index[0] + len(index)))
+        groups.append(Group(prefix, slice(index[0], index[0] + len(index)) if run else index_t.to(device),
+                            positions[index_t]))
+    return groups
 
 
 def _batches(fresh: list[Segment], device: torch.device) -> list[Batch]:
@@ -293,4 +331,4 @@ class StaticDecode:
             input_ids=self.ids[:, :size], positions=self.positions[:, :size], kv=self.kv, n_dec=size,
             dec_slots=self.slots[:size], contiguous=True, hi=size, dec_runs=[(0, size, self.kv.capacity)],
             dec_lens=self.lens[:size], store_tokens=slice(None), store_slots=self.slots[:size],
-            store_at=self.at[:size], segments=[], continuing=[], batches=[], groups=groups)
+            store_at=self.at[:size], segments=[], continuing=[], batches=[], groups=groups, suffix_groups=[])

@@ -1,0 +1,109 @@
+"""The native decode-attention kernel (pipeline/decode_attention.c) against the matmul reference,
+and the engine on it against the engine on PyTorch's kernels and against plain generate."""
+import pytest
+import torch
+
+from jobsets import edge_case_requests, tokenizer
+from pipeline import attention, native
+from pipeline.engine import Engine
+from reference import reference_generate
+from tiny_models import make_model
+
+needs_kernel = pytest.mark.skipif(not native.supports(torch.float32, 4, 2, 64, 64),
+                                  reason=f"no native kernel here: {native.why_not(torch.float32, 4, 2, 64, 64)}")
+
+
+def _case(hq, hkv, d, dtype, seed=0):
+    """Rows over shared anchors and their own keys: lengths 1 to 300, slots out of order, rows
+    without an anchor, queries a strided view as the model hands them over."""
+    g = torch.Generator().manual_seed(seed)
+    slots, cap = 7, 300
+    own_k, own_v = (torch.randn(slots, hkv, cap, d, generator=g).to(dtype) for _ in range(2))
+    anchors = [tuple(torch.randn(1, hkv, n, d, generator=g).to(dtype) for _ in range(2)) for n in (1, 90, 257)]
+    rows = [(3, 1, 0), (0, 300, None), (6, 17, 2), (1, 2, 1), (5, 64, 2), (2, 1, None)]  # slot, own keys, anchor
+    q = torch.randn(hq, len(rows) + 3, d, generator=g).to(dtype)[:, 2 : 2 + len(rows)].transpose(0, 1)  # (n, Hq, D)
+    ptr = lambda i, a: anchors[a][i].data_ptr() if a is not None else 0  # noqa: E731
+    args = (torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows]),
+            torch.tensor([ptr(0, r[2]) for r in rows]), torch.tensor([ptr(1, r[2]) for r in rows]),
+            torch.tensor([anchors[r[2]][0].shape[2] if r[2] is not None else 0 for r in rows]))
+    want = []
+    for i, (slot, n, a) in enumerate(rows):
+        keys, values = own_k[slot : slot + 1, :, :n], own_v[slot : slot + 1, :, :n]
+        if a is not None:
+            keys, values = torch.cat([anchors[a][0], keys], dim=2), torch.cat([anchors[a][1], values], dim=2)
+        o, _ = attention.partial(q[i][None, :, None].float(), keys.float(), values.float(), None, d ** -0.5)
+        want.append(o[0, :, 0])
+    return q, own_k, own_v, args, anchors, torch.stack(want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 16), (9, 3, 64), (8, 8, 32), (8, 1, 128), (12, 2, 80)])
+def test_kernel_equals_reference(hq, hkv, d, dtype):
+    q, own_k, own_v, args, _, want = _case(hq, hkv, d, dtype)
+    out = torch.full((q.shape[0], hq, d), float("nan"))
+    assert native.supports(dtype, hq, hkv, d, d)
+    assert native.decode_attention(q, own_k, own_v, *args, d ** -0.5, out)
+    # float32 scores and sums over the inputs as they are (bfloat16 widened exactly)
+    assert torch.allclose(out, want, atol=2e-6, rtol=1e-5), (out - want).abs().max()
+
+
+@needs_kernel
+def test_kernel_uses_every_thread_count():
+    q, own_k, own_v, args, _, want = _case(9, 3, 64, torch.float32, seed=1)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 5):
+            torch.set_num_threads(threads)
+            out = torch.empty(q.shape[0], 9, 64)
+            assert native.decode_attention(q, own_k, own_v, *args, 0.125, out)
+            assert torch.allclose(out, want, atol=2e-6, rtol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_layouts_it_does_not_serve():
+    assert not native.supports(torch.float16, 4, 2, 64, 64)
+    assert not native.supports(torch.float32, 9, 1, 64, 64)  # 9 query heads per key head
+    assert not native.supports(torch.float32, 4, 2, 72, 72)  # not a multiple of 16
+    assert not native.supports(torch.float32, 4, 2, 256, 256)
+    assert not native.supports(torch.float32, 4, 2, 64, 32)  # values of another size
+    assert "float32 and bfloat16 only" in native.why_not(torch.float16, 4, 2, 64, 64)
+    assert "9 query heads over 1 key heads" in native.why_not(torch.float32, 9, 1, 64, 64)
+
+
+def test_switched_off_and_unbuildable(monkeypatch, tmp_path):
+    monkeypatch.setenv("BATCHGEN_NATIVE", "0")
+    assert native.why_not(torch.float32, 4, 2, 64, 64) == "BATCHGEN_NATIVE=0"
+    monkeypatch.delenv("BATCHGEN_NATIVE")
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_libs", {})
+    assert not native.supports(torch.float32, 4, 2, 48, 48)
+    assert "could not be built" in native.why_not(torch.float32, 4, 2, 48, 48)
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "opt"])
+def test_engine_on_the_kernel(arch, monkeypatch):
+    """Decode attention goes through the kernel, and the engine's greedy output equals plain
+    generate and the engine on PyTorch's kernels. (bfloat16 through the kernel: test_engine's
+    bfloat16 equivalence, whose Llama and Qwen2 layouts the kernel serves.)"""
+    tok = tokenizer()
+    model = make_model(arch)
+    reqs = edge_case_requests(tok, max_new_tokens=6)
+    calls = []
+    real = native.decode_attention
+    monkeypatch.setattr(native, "decode_attention", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    outs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("BATCHGEN_NATIVE", flag)
+        engine = Engine(model, eos_token_ids=[2], min_shared_tokens=4, max_batch_tokens=250)
+        outs[flag] = {(c.key, c.sample_index): c.token_ids for c in engine.run(reqs)}
+        if flag == "1":
+            assert calls and max(calls) > 1  # many decoding rows in one call
+            assert engine.stats.cascade_batches > 0
+    assert outs["1"] == outs["0"]
+    for r in reqs:
+        want = reference_generate(model, r, [2])
+        assert all(outs["1"][(r.key, s)] == want for s in range(r.params.n)), f"{arch}: job {r.key}"
