@@ -113,8 +113,17 @@ def main() -> int:
         timer["attention_gflop"] += 4 * q.shape[1] * keys * q.shape[2] / 1e9
         return real_native(q, own_k, own_v, slot, own_len, anc_k, anc_v, anc_len, scale, out)
 
+    real_prefill = attention.native.prefill_attention
+
+    def prefill_attend(q, hkv, t0, t1, own_k, own_v, own_cap, own_index, offset, anc_k, anc_v, anc_len, scale, out):
+        n, before = t1 - t0, offset + anc_len * (anc_k != 0)  # a token at own index i reads before + i + 1 keys
+        keys = int((n * before + n * (n + 1) // 2).sum())
+        timer["attention_gflop"] += 4 * q.shape[1] * keys * q.shape[2] / 1e9
+        return real_prefill(q, hkv, t0, t1, own_k, own_v, own_cap, own_index, offset, anc_k, anc_v, anc_len, scale, out)
+
     attention._attend = attend
     attention.native.decode_attention = native_attend
+    attention.native.prefill_attention = prefill_attend
     attention.AttentionInterface.register(attention.NAME, timing(real_attention, "attention"))
     engine.linears = [(m, timing(f, "linear")) for m, f in engine.linears]  # oneDNN's, switched on per forward
     packed = {m: m.forward for m in model.modules() if isinstance(m, torch.nn.Linear) and "forward" in vars(m)}
@@ -147,6 +156,7 @@ def main() -> int:
     attention.AttentionInterface.register(attention.NAME, real_attention)
     attention._attend = real_attend
     attention.native.decode_attention = real_native
+    attention.native.prefill_attention = real_prefill
     torch.nn.Linear.forward = real_linear
     for m, f in packed.items():
         m.forward = f

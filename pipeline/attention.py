@@ -14,9 +14,10 @@ Per layer, for the forward's flat list of tokens:
    continue it (queries folded per key head), the prefix's keys read once;
 4. the two partial softmaxes merged exactly by their log-sum-exps, as in vLLM's cascade
    attention, FlashInfer and Hydragen.
-On a CPU the decode tokens skip 2-4: one call of batchgen's compiled kernel (`pipeline.native`)
-reads each one's anchor and own keys in one pass, final, where it serves the layout; the anchor
-groups then hold only the other tokens.
+On a CPU, where batchgen's compiled kernels serve the layout (`pipeline.native`), 2-4 are two
+calls instead: one for the decode tokens and one for every run of prefill tokens, each token
+reading its anchor and its own keys in one pass, final. The PyTorch path stays the reference for
+every other device and layout (the tests run both).
 Each call goes to PyTorch's fused attention kernel, which also returns the log-sum-exp, where a
 probe found it agrees with the matmul reference (`partial`) for this device, dtype and head
 size; soft-capped models (Gemma2) and refused shapes use the reference.
@@ -57,19 +58,11 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     step.store(layer, k, v)
 
     out = q.new_empty(t, hq, v.shape[-1], dtype=torch.float32)
+    if step.native is not None and sliding_window is None and softcap is None \
+            and native_ok(q.dtype, hq, hkv, d, v.shape[-1]) and _native(step, layer, q, hkv, scale, out):
+        return out.to(query.dtype)[None], None
     lse = q.new_empty(t, hq, dtype=torch.float32)
-    groups = step.groups
-    if step.n_dec and step.native is not None and sliding_window is None and softcap is None \
-            and native_ok(q.dtype, hq, hkv, d, v.shape[-1]):
-        # one pass per row over its anchor and then its own keys, final: no merge, so the decode
-        # tokens leave the anchor groups
-        nd = step.native
-        if native.decode_attention(q[:, : step.n_dec].transpose(0, 1), step.kv.k[layer], step.kv.v[layer], nd.slot,
-                                   nd.own_len, nd.anc_k[layer], nd.anc_v[layer], nd.anc_len, scale, out[: step.n_dec]):
-            groups = step.suffix_groups
-        else:
-            _decode_own(step, layer, q, out, lse, scale, softcap, sliding_window, v.shape[-1])
-    elif step.n_dec:
+    if step.n_dec:
         _decode_own(step, layer, q, out, lse, scale, softcap, sliding_window, v.shape[-1])
     qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (T, H, D)
     for i, b in enumerate(step.batches):  # fresh suffixes side by side, right-padded, causal
@@ -86,7 +79,7 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         mask = step.segment_mask(i, sliding_window, q.dtype)
         o, l = _attend(q[None, :, s.t0 : s.t1], keys, values, mask, scale, softcap, causal=mask is None)
         out[s.t0 : s.t1], lse[s.t0 : s.t1] = o[0].transpose(0, 1), l[0].transpose(0, 1)
-    for g in groups:  # every token continuing one cached prefix, in one call
+    for g in step.groups:  # every token continuing one cached prefix, in one call
         n = g.positions.shape[0]
         # (1, Hkv, G*n, D): the G query heads of a key head side by side, so the prefix is read once per key head
         qg = (q[:, g.index] if isinstance(g.index, slice) else q.index_select(1, g.index)).reshape(1, hkv, fold * n, d)
@@ -103,6 +96,19 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         else:
             out.index_copy_(0, g.index, out.index_select(0, g.index).lerp_(o, w))
     return out.to(query.dtype)[None], None
+
+
+def _native(step: Step, layer: int, q: torch.Tensor, hkv: int, scale: float, out: torch.Tensor) -> bool:
+    """The whole layer through the compiled kernels: decode tokens, then every segment; each token
+    against its anchor and its own keys in one pass, final. False if a kernel could not run."""
+    nat, qt = step.native, q.transpose(0, 1)  # (T, Hq, D)
+    if step.n_dec and not native.decode_attention(
+            qt[: step.n_dec], step.kv.k[layer], step.kv.v[layer], nat.slot, nat.own_len, nat.anc_k[layer],
+            nat.anc_v[layer], nat.anc_len, scale, out[: step.n_dec]):
+        return False
+    return not step.segments or native.prefill_attention(
+        qt, hkv, nat.t0, nat.t1, nat.own_k[layer], nat.own_v[layer], nat.own_cap, nat.own_index, nat.offset,
+        nat.seg_anc_k[layer], nat.seg_anc_v[layer], nat.seg_anc_len, scale, out)
 
 
 def _decode_own(step: Step, layer: int, q, out, lse, scale, softcap, sliding_window, dv: int) -> None:
@@ -227,26 +233,31 @@ _NATIVE_OK: dict[tuple, bool] = {}
 
 
 def native_ok(dtype: torch.dtype, hq: int, hkv: int, d: int, dv: int) -> bool:
-    """Whether decode attention may go to the native kernel (`pipeline.native`) for this dtype and
-    head layout: built, and agreeing once with the reference on rows with and without an anchor."""
+    """Whether the compiled kernels (`pipeline.native`) serve this dtype and head layout: built, and
+    agreeing once with the reference, token by token, on decode rows and on fresh and continuing
+    runs, with and without an anchor."""
     if not native.supports(dtype, hq, hkv, d, dv):
         return False
     key = (dtype, hq, hkv, d, dv)
     if key not in _NATIVE_OK:
         g = torch.Generator().manual_seed(0)
-        own_k, own_v = torch.randn(3, hkv, 50, d, generator=g), torch.randn(3, hkv, 50, dv, generator=g)
-        anc_k, anc_v = torch.randn(1, hkv, 70, d, generator=g), torch.randn(1, hkv, 70, dv, generator=g)
-        q = torch.randn(3, hq, d, generator=g)
-        own_k, own_v, anc_k, anc_v, q = (x.to(dtype) for x in (own_k, own_v, anc_k, anc_v, q))
-        rows = [(2, 5, True), (0, 50, False), (1, 1, True)]  # slot, own keys, anchored
-        out = torch.empty(3, hq, dv)
-        ptr = [anc_k.data_ptr() if a else 0 for _, _, a in rows], [anc_v.data_ptr() if a else 0 for _, _, a in rows]
-        ok = native.decode_attention(
-            q, own_k, own_v, torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows]),
-            torch.tensor(ptr[0]), torch.tensor(ptr[1]), torch.tensor([70 if a else 0 for *_, a in rows]),
-            d ** -0.5, out)
-        for i, (slot, n, anchored) in enumerate(rows):
-            keys, values = own_k[slot : slot + 1, :, :n], own_v[slot : slot + 1, :, :n]
+        own_k, own_v = (torch.randn(3, hkv, 50, d, generator=g).to(dtype) for _ in range(2))
+        anc_k, anc_v = (torch.randn(1, hkv, 70, d, generator=g).to(dtype) for _ in range(2))
+        q = torch.randn(31, hq, d, generator=g).to(dtype)
+        out = torch.full((31, hq, d), float("nan"))
+        lt = lambda *xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+        # decode: tokens 0-2 (slot, own keys, anchored); prefill: tokens 3-19 fresh in slot 0, no
+        # anchor; 20-30 continuing slot 1 after 4 own keys, anchored
+        rows = [(2, 5, 1), (0, 50, 0), (1, 1, 1)]
+        ak, av = lt(*(anc_k.data_ptr() * a for *_, a in rows)), lt(*(anc_v.data_ptr() * a for *_, a in rows))
+        ok = native.decode_attention(q[:3], own_k, own_v, lt(*(r[0] for r in rows)), lt(*(r[1] for r in rows)),
+                                     ak, av, lt(*(70 * a for *_, a in rows)), d ** -0.5, out[:3])
+        ok = ok and native.prefill_attention(
+            q, hkv, lt(3, 20), lt(20, 31), lt(own_k.data_ptr(), own_k.data_ptr()), lt(own_v.data_ptr(), own_v.data_ptr()),
+            lt(50, 50), lt(0, 1), lt(0, 4), lt(0, anc_k.data_ptr()), lt(0, anc_v.data_ptr()), lt(0, 70), d ** -0.5, out)
+        want = [(slot, n - 1, a) for slot, n, a in rows] + [(0, i, 0) for i in range(17)] + [(1, 4 + i, 1) for i in range(11)]
+        for i, (slot, last, anchored) in enumerate(want):  # token i sees its own keys 0..last
+            keys, values = own_k[slot : slot + 1, :, : last + 1], own_v[slot : slot + 1, :, : last + 1]
             if anchored:
                 keys, values = torch.cat([anc_k, keys], dim=2), torch.cat([anc_v, values], dim=2)
             ref, _ = partial(q[i][None, :, None], keys, values, None, d ** -0.5)

@@ -42,6 +42,14 @@ def zeroed(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.devi
     return out
 
 
+def pointers(buffers: list[torch.Tensor]) -> torch.Tensor | None:
+    """Per layer, a buffer's data pointer (int64, for the compiled kernels, `pipeline.native`), or
+    None if a buffer is not a contiguous CPU tensor (the kernels read [rows, H, tokens, D] as such)."""
+    if not all(t.is_contiguous() and t.device.type == "cpu" for t in buffers):
+        return None
+    return torch.tensor([t.data_ptr() for t in buffers], dtype=torch.long)
+
+
 @dataclass(frozen=True)
 class LayerShape:
     heads: int  # key/value heads
@@ -65,11 +73,6 @@ class PrefixKV:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def pointers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per layer, the keys' and values' data pointers (int64, for pipeline.native)."""
-        if not hasattr(self, "_pointers"):
-            self._pointers = tuple(torch.tensor([t.data_ptr() for t in ts], dtype=torch.long) for ts in (self.k, self.v))
-        return self._pointers
 
 
 class RowKV:

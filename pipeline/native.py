@@ -1,4 +1,5 @@
-"""batchgen's one compiled kernel: decode attention on a CPU (`decode_attention.c`).
+"""batchgen's compiled attention kernels for CPUs (`cpu_attention.c`): decode tokens and runs of
+prefill tokens, each against its anchor and its own keys in one pass.
 
 Built on first use with the machine's C compiler (`$CC`, else `cc`), one small library per head
 layout (query heads per key head, head size: a model has one), into batchgen's cache, keyed by
@@ -6,10 +7,11 @@ the source, the flags, the layout and the CPU's instruction set (`-march=native`
 by machines of different CPUs gets one library per CPU); loaded with ctypes. Plain C with no
 Python or torch headers compiles in a third of a second, where a torch extension takes a minute.
 
-The kernel needs AVX-512 (on AVX2 its 16-float vectors spill and it ran 9x slower than PyTorch's
-kernels). Without AVX-512, without a compiler, for another layout or dtype, or with
+The kernels need AVX-512 (on AVX2 their 16-float vectors spill: the decode kernel ran 9x slower
+than PyTorch's kernels). Without AVX-512, without a compiler, for another layout or dtype, or with
 ``BATCHGEN_NATIVE=0``, `supports` is False and the engine reads decode attention through PyTorch's
 kernels (`pipeline.attention`): the same results, more slowly. `why_not` says which.
+`pipeline.attention.native_ok` checks both kernels against the reference once per layout.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("decode_attention.c")
+SOURCE = Path(__file__).with_name("cpu_attention.c")
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-pthread"]
 # -fopenmp: the kernel's threads are torch's (the loader shares the libgomp.so.1 torch has loaded),
 # which still spin after torch's last op; new pthreads would fight them for the cores (2.4x slower
@@ -53,7 +55,7 @@ def _build(fold: int, head: int) -> ctypes.CDLL:
     compiler = os.environ.get("CC", "cc")
     layout = [f"-DBATCHGEN_G={fold}", f"-DBATCHGEN_D={head}"]
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS, *layout, _cpu_key()]).encode())
-    target = cache_dir() / "native" / f"decode_attention-g{fold}-d{head}-{key.hexdigest()[:16]}.so"
+    target = cache_dir() / "native" / f"cpu_attention-g{fold}-d{head}-{key.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # another process may build it too
@@ -72,12 +74,12 @@ def _build(fold: int, head: int) -> ctypes.CDLL:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     lib = ctypes.CDLL(str(target))
-    f = lib.batchgen_decode_attention
-    i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-    f.argtypes = [i32] * 5 + [ptr, i64, i64, ptr, ptr, i64] + [ptr] * 5 + [ctypes.c_float, ptr, i32]
-    f.restype = i32
-    lib.batchgen_decode_attention_supports.argtypes = [i32] * 5
-    lib.batchgen_decode_attention_supports.restype = i32
+    i32, i64, ptr, f32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    for f, args in ((lib.batchgen_decode_attention, [i32] * 5 + [ptr, i64, i64, ptr, ptr, i64] + [ptr] * 5),
+                    (lib.batchgen_prefill_attention, [i32] * 5 + [ptr, i64, i64] + [ptr] * 10),
+                    (lib.batchgen_supports, [i32] * 5)):
+        f.argtypes = args + ([f32, ptr, i32] if f is not lib.batchgen_supports else [])
+        f.restype = i32
     return lib
 
 
@@ -105,14 +107,24 @@ def why_not(dtype: torch.dtype, hq: int, hkv: int, d: int, dv: int) -> str | Non
     lib = _lib(hq // hkv, d)
     if lib is None:
         return f"it could not be built: {_errors[(hq // hkv, d)]}"
-    if not lib.batchgen_decode_attention_supports(hq, hkv, d, dv, DTYPES[dtype]):
+    if not lib.batchgen_supports(hq, hkv, d, dv, DTYPES[dtype]):
         return "this CPU has no AVX-512"
     return None
 
 
 def supports(dtype: torch.dtype, hq: int, hkv: int, d: int, dv: int) -> bool:
-    """Whether the kernel serves this dtype and head layout on this machine (building it if need be)."""
+    """Whether the kernels serve this dtype and head layout on this machine (building them if need be)."""
     return why_not(dtype, hq, hkv, d, dv) is None
+
+
+def _ints(*xs: torch.Tensor) -> list[int]:
+    assert all(x.dtype == torch.long and x.is_contiguous() and x.device.type == "cpu" for x in xs)
+    return [x.data_ptr() for x in xs]
+
+
+def _lib_for(q: torch.Tensor, hkv: int) -> ctypes.CDLL | None:
+    hq, d = q.shape[1], q.shape[2]
+    return _lib(hq // hkv, d) if hkv and hq % hkv == 0 and q.dtype in DTYPES else None
 
 
 def decode_attention(q: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor, slot: torch.Tensor,
@@ -127,13 +139,27 @@ def decode_attention(q: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor, 
     _, hkv, cap, _ = own_v.shape
     assert q.stride(2) == 1 and own_k.is_contiguous() and own_v.is_contiguous() and out.is_contiguous()
     assert out.dtype == torch.float32 and q.dtype == own_k.dtype == own_v.dtype and own_k.shape == own_v.shape
-    assert all(x.dtype == torch.long and x.is_contiguous() and x.numel() == n
-               for x in (slot, own_len, anc_k, anc_v, anc_len))
-    lib = _lib(hq // hkv, d) if hkv and hq % hkv == 0 and q.dtype in DTYPES else None
-    if lib is None:
-        return False
-    failed = lib.batchgen_decode_attention(
+    assert all(x.numel() == n for x in (slot, own_len, anc_k, anc_v, anc_len))
+    lib = _lib_for(q, hkv)
+    return lib is not None and not lib.batchgen_decode_attention(
         n, hq, hkv, d, DTYPES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1), own_k.data_ptr(),
-        own_v.data_ptr(), cap, slot.data_ptr(), own_len.data_ptr(), anc_k.data_ptr(), anc_v.data_ptr(),
-        anc_len.data_ptr(), scale, out.data_ptr(), torch.get_num_threads())
-    return not failed
+        own_v.data_ptr(), cap, *_ints(slot, own_len, anc_k, anc_v, anc_len), scale, out.data_ptr(),
+        torch.get_num_threads())
+
+
+def prefill_attention(q: torch.Tensor, hkv: int, t0: torch.Tensor, t1: torch.Tensor, own_k: torch.Tensor,
+                      own_v: torch.Tensor, own_cap: torch.Tensor, own_index: torch.Tensor, offset: torch.Tensor,
+                      anc_k: torch.Tensor, anc_v: torch.Tensor, anc_len: torch.Tensor, scale: float,
+                      out: torch.Tensor) -> bool:
+    """Runs of tokens, each continuing one sequence: segment s is tokens t0[s]..t1[s] of q (T, Hq, D)
+    (last dim contiguous), whose keys sit at own indices offset[s].. of row own_index[s] of its own
+    buffer (data pointers own_k/own_v of contiguous [rows, Hkv, own_cap[s], D]), already written.
+    Each token reads its anchor (as in `decode_attention`) and then its own keys up to its own
+    index. Writes the segments' rows of out (T, Hq, D) float32. False if the kernel could not run."""
+    hq, d = q.shape[1], q.shape[2]
+    assert q.stride(2) == 1 and out.is_contiguous() and out.dtype == torch.float32 and q.dtype in DTYPES
+    lib = _lib_for(q, hkv)
+    return lib is not None and not lib.batchgen_prefill_attention(
+        t0.numel(), hq, hkv, d, DTYPES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1),
+        *_ints(t0, t1, own_k, own_v, own_cap, own_index, offset, anc_k, anc_v, anc_len), scale, out.data_ptr(),
+        torch.get_num_threads())

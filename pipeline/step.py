@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipeline.kv import PrefixKV, RowKV
+from pipeline.kv import PrefixKV, RowKV, pointers
 
 DECODE_RUN = 16  # decoding slots per own-part call: each call reads only as far as its longest row
 PAD_WASTE = 1.5  # a padded call of fresh suffixes may do this much more work than their own
@@ -70,30 +70,60 @@ class Batch:
 
 
 @dataclass
-class NativeDecode:
-    """Per decode token, what the native decode-attention kernel reads (int64, on the CPU): its slot,
-    its own keys after this step's write, and its anchor's length and per-layer data pointers."""
+class Native:
+    """The forward's layout for the compiled kernels (`pipeline.native`), int64 on the CPU; per layer
+    (first dim) the data pointers of the buffers each one reads; pointer 0: no anchor.
+    Decode tokens: their slots, own keys after this step's write, and anchors. Segments: their
+    tokens [t0, t1), own buffer (row `own_index` of capacity `own_cap`), own index of their first
+    token (`offset`) and anchors."""
 
-    slot: torch.Tensor  # (n,)
-    own_len: torch.Tensor  # (n,)
-    anc_len: torch.Tensor  # (n,) 0 for none
-    anc_k: torch.Tensor  # (layers, n) data pointers, 0 for none
-    anc_v: torch.Tensor  # (layers, n)
+    slot: torch.Tensor
+    own_len: torch.Tensor
+    anc_k: torch.Tensor
+    anc_v: torch.Tensor
+    anc_len: torch.Tensor
+    t0: torch.Tensor
+    t1: torch.Tensor
+    own_k: torch.Tensor
+    own_v: torch.Tensor
+    own_cap: torch.Tensor
+    own_index: torch.Tensor
+    offset: torch.Tensor
+    seg_anc_k: torch.Tensor
+    seg_anc_v: torch.Tensor
+    seg_anc_len: torch.Tensor
 
 
-def _native(decode: list[Decode], own: list[int], layers: int) -> NativeDecode:
-    anchors = {id(d.anchor): d.anchor for d in decode if d.anchor is not None}
-    which = {a: i + 1 for i, a in enumerate(anchors)}  # 0: no anchor
-    k = torch.zeros(1 + len(anchors), layers, dtype=torch.long)
-    v = torch.zeros_like(k)
-    for a, i in which.items():
-        k[i], v[i] = anchors[a].pointers()
-    index = torch.tensor([which.get(id(d.anchor), 0) for d in decode], dtype=torch.long)
-    return NativeDecode(
-        slot=torch.tensor([d.slot for d in decode], dtype=torch.long),
-        own_len=torch.tensor(own, dtype=torch.long) + 1,
-        anc_len=torch.tensor([d.anchor.length if d.anchor is not None else 0 for d in decode], dtype=torch.long),
-        anc_k=k[index].T.contiguous(), anc_v=v[index].T.contiguous())
+def _native(decode: list[Decode], own: list[int], segments: list[Segment], layers: int) -> Native | None:
+    buffers: dict[int, torch.Tensor | None] = {}
+
+    def ptrs(tensors: list[torch.Tensor]) -> torch.Tensor | None:  # once per buffer per step
+        if id(tensors) not in buffers:
+            buffers[id(tensors)] = pointers(tensors)
+        return buffers[id(tensors)]
+
+    none, empty = torch.zeros(layers, dtype=torch.long), torch.zeros(layers, 0, dtype=torch.long)
+
+    def anchors(prefixes: list[PrefixKV | None]) -> list[torch.Tensor] | None:
+        k = [ptrs(p.k) if p is not None else none for p in prefixes]
+        v = [ptrs(p.v) if p is not None else none for p in prefixes]
+        if any(x is None for x in k + v):
+            return None
+        lens = torch.tensor([p.length if p is not None else 0 for p in prefixes], dtype=torch.long)
+        return [torch.stack(k, 1) if k else empty, torch.stack(v, 1) if v else empty, lens]
+
+    dec = anchors([d.anchor for d in decode])
+    seg = anchors([s.anchor for s in segments])
+    own_k, own_v = [ptrs(s.k) for s in segments], [ptrs(s.v) for s in segments]
+    if dec is None or seg is None or any(x is None for x in own_k + own_v):
+        return None
+    lt = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+    return Native(
+        slot=lt([d.slot for d in decode]), own_len=lt(own) + 1, anc_k=dec[0], anc_v=dec[1], anc_len=dec[2],
+        t0=lt([s.t0 for s in segments]), t1=lt([s.t1 for s in segments]),
+        own_k=torch.stack(own_k, 1) if own_k else empty, own_v=torch.stack(own_v, 1) if own_v else empty,
+        own_cap=lt([s.k[0].shape[2] for s in segments]), own_index=lt([s.index for s in segments]),
+        offset=lt([s.offset for s in segments]), seg_anc_k=seg[0], seg_anc_v=seg[1], seg_anc_len=seg[2])
 
 
 @dataclass
@@ -114,8 +144,7 @@ class Step:
     continuing: list[Segment]  # those that continue stored keys (prefixes, later chunks): one call each
     batches: list[Batch]  # the fresh suffixes
     groups: list[Group]
-    suffix_groups: list[Group]  # the groups without the decode tokens (when those go to the native kernel)
-    native: "NativeDecode | None" = None  # the decode tokens' layout for pipeline.native, on a CPU
+    native: Native | None = None  # for the compiled kernels, on a CPU
     _masks: dict = field(default_factory=dict)
 
     @property
@@ -232,9 +261,12 @@ def build(decode: list[Decode], decode_ids: list[int], segments: list[tuple[Segm
     dec_lens = [1] * hi
     for s, n in zip(slots, store_at):
         dec_lens[s] = n + 1
-    groups = _groups(members.values(), positions, device)
-    rest = [(p, [t for t in index if t >= len(decode)]) for p, index in members.values()]
-    suffix_groups = _groups([(p, index) for p, index in rest if index], positions, device)
+    groups = []
+    for prefix, index in members.values():
+        index_t = torch.tensor(index, dtype=torch.long)
+        run = index == list(range(index[0], index[0] + len(index)))
+        groups.append(Group(prefix, slice(index[0], index[0] + len(index)) if run else index_t.to(device),
+                            positions[index_t]))
     everything = store_tokens == list(range(len(ids)))
     return Step(
         input_ids=torch.tensor([ids], dtype=torch.long, device=device),
@@ -253,20 +285,9 @@ def build(decode: list[Decode], decode_ids: list[int], segments: list[tuple[Segm
         continuing=continuing,
         batches=_batches(fresh, device),
         groups=groups,
-        suffix_groups=suffix_groups,
-        native=_native(decode, store_at[: len(decode)], len(kv.k)) if decode and device.type == "cpu" else None,
+        native=_native(decode, store_at[: len(decode)], every, len(kv.k if kv is not None else every[0].k))
+        if device.type == "cpu" else None,
     )
-
-
-def _groups(members, positions: torch.Tensor, device: torch.device) -> list[Group]:
-    """A group per anchor, of the tokens (ascending indices) that read it."""
-    groups = []
-    for prefix, index in members:
-        index_t = torch.tensor(index, dtype=torch.long)
-        run = index == list(range(index[0], index[0] + len(index)))
-        groups.append(Group(prefix, slice(index[0], index[0] + len(index)) if run else index_t.to(device),
-                            positions[index_t]))
-    return groups
 
 
 def _batches(fresh: list[Segment], device: torch.device) -> list[Batch]:
@@ -331,4 +352,4 @@ class StaticDecode:
             input_ids=self.ids[:, :size], positions=self.positions[:, :size], kv=self.kv, n_dec=size,
             dec_slots=self.slots[:size], contiguous=True, hi=size, dec_runs=[(0, size, self.kv.capacity)],
             dec_lens=self.lens[:size], store_tokens=slice(None), store_slots=self.slots[:size],
-            store_at=self.at[:size], segments=[], continuing=[], batches=[], groups=groups, suffix_groups=[])
+            store_at=self.at[:size], segments=[], continuing=[], batches=[], groups=groups)

@@ -111,6 +111,7 @@ def test_a_kernel_that_refuses_a_shape_hands_over_to_the_reference(monkeypatch):
     model = make_model("llama", seed=1)
     reqs = group(tok, n=4)
     want = sorted((c.key, c.token_ids) for c in Engine(model, eos_token_ids=[], min_shared_tokens=8).generate(reqs))
+    monkeypatch.setenv("BATCHGEN_NATIVE", "0")  # PyTorch's kernels, not the compiled ones
     monkeypatch.setattr(attention, "_FUSED_OK", {})
     monkeypatch.setattr(attention, "_fused", refuse)
     engine = Engine(model, eos_token_ids=[], min_shared_tokens=8)

@@ -19,8 +19,13 @@ def tok():
     return tokenizer()
 
 
+@pytest.mark.parametrize("kernels", ["compiled", "pytorch"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_equals_uncached_generate(arch, tok):
+def test_greedy_equals_uncached_generate(arch, kernels, tok, monkeypatch):
+    """Through batchgen's compiled CPU attention kernels where they serve the layout, and through
+    PyTorch's kernels (BATCHGEN_NATIVE=0), the path every other device and layout takes."""
+    if kernels == "pytorch":
+        monkeypatch.setenv("BATCHGEN_NATIVE", "0")
     model = make_model(arch)
     reqs = edge_case_requests(tok)
     # a small budget: a few slots, which rows planned next keep joining as others finish

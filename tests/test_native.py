@@ -1,5 +1,5 @@
-"""The native decode-attention kernel (pipeline/decode_attention.c) against the matmul reference,
-and the engine on it against the engine on PyTorch's kernels and against plain generate."""
+"""The compiled attention kernels (pipeline/cpu_attention.c) against the matmul reference, and the
+engine on them against the engine on PyTorch's kernels and against plain generate."""
 import pytest
 import torch
 
@@ -48,6 +48,47 @@ def test_kernel_equals_reference(hq, hkv, d, dtype):
     assert torch.allclose(out, want, atol=2e-6, rtol=1e-5), (out - want).abs().max()
 
 
+def _reference(q, keys, values, anchor, last):
+    """q (Hq, D) over the anchor's keys and own keys 0..last of a [1, Hkv, cap, D] row."""
+    k, v = keys[:, :, : last + 1], values[:, :, : last + 1]
+    if anchor is not None:
+        k, v = torch.cat([anchor[0], k], dim=2), torch.cat([anchor[1], v], dim=2)
+    o, _ = attention.partial(q[None, :, None].float(), k.float(), v.float(), None, q.shape[-1] ** -0.5)
+    return o[0, :, 0]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 16), (9, 3, 64), (8, 8, 32), (8, 1, 128), (12, 2, 80)])
+def test_prefill_kernel_equals_reference(hq, hkv, d, dtype):
+    """Runs of tokens: fresh suffixes in row slots (one token; 37 tokens, no anchor), a later chunk
+    continuing its row's stored keys under a long anchor, and a prefix prefilled in its own buffer
+    after tokens copied from its parent; causal by own index, the rows' keys already stored."""
+    g = torch.Generator().manual_seed(2)
+    slots_k, slots_v = (torch.randn(4, hkv, 300, d, generator=g).to(dtype) for _ in range(2))
+    prefix_k, prefix_v = (torch.randn(1, hkv, 120, d, generator=g).to(dtype) for _ in range(2))
+    anchors = [tuple(torch.randn(1, hkv, n, d, generator=g).to(dtype) for _ in range(2)) for n in (1, 257)]
+    # (tokens, buffer, row, first own index, anchor)
+    segments = [(1, "slots", 3, 0, 0), (37, "slots", 0, 0, None), (45, "slots", 2, 100, 1), (40, "prefix", 0, 10, None)]
+    t = sum(n for n, *_ in segments)
+    q = torch.randn(hq, t + 5, d, generator=g).to(dtype)[:, 5:].transpose(0, 1)  # (T, Hq, D), strided
+    buffers = {"slots": (slots_k, slots_v), "prefix": (prefix_k, prefix_v)}
+    lt = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+    starts = [sum(n for n, *_ in segments[:i]) for i in range(len(segments))]
+    anc = lambda i, a: anchors[a][i].data_ptr() if a is not None else 0  # noqa: E731
+    out = torch.full((t, hq, d), float("nan"))
+    assert native.prefill_attention(
+        q, hkv, lt(starts), lt([a + n for a, (n, *_) in zip(starts, segments)]),
+        lt([buffers[b][0].data_ptr() for _, b, *_ in segments]), lt([buffers[b][1].data_ptr() for _, b, *_ in segments]),
+        lt([buffers[b][0].shape[2] for _, b, *_ in segments]), lt([r for _, _, r, *_ in segments]),
+        lt([o for *_, o, _ in segments]), lt([anc(0, a) for *_, a in segments]), lt([anc(1, a) for *_, a in segments]),
+        lt([anchors[a][0].shape[2] if a is not None else 0 for *_, a in segments]), d ** -0.5, out)
+    want = torch.stack([_reference(q[start + i], buffers[b][0][r : r + 1], buffers[b][1][r : r + 1],
+                                   anchors[a] if a is not None else None, offset + i)
+                        for start, (n, b, r, offset, a) in zip(starts, segments) for i in range(n)])
+    assert torch.allclose(out, want, atol=2e-6, rtol=1e-5), (out - want).abs().max()
+
+
 @needs_kernel
 def test_kernel_uses_every_thread_count():
     q, own_k, own_v, args, _, want = _case(9, 3, 64, torch.float32, seed=1)
@@ -86,15 +127,16 @@ def test_switched_off_and_unbuildable(monkeypatch, tmp_path):
 @needs_kernel
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "opt"])
 def test_engine_on_the_kernel(arch, monkeypatch):
-    """Decode attention goes through the kernel, and the engine's greedy output equals plain
+    """Attention goes through the kernels, and the engine's greedy output equals plain
     generate and the engine on PyTorch's kernels. (bfloat16 through the kernel: test_engine's
     bfloat16 equivalence, whose Llama and Qwen2 layouts the kernel serves.)"""
     tok = tokenizer()
     model = make_model(arch)
     reqs = edge_case_requests(tok, max_new_tokens=6)
-    calls = []
-    real = native.decode_attention
+    calls, prefill_calls = [], []
+    real, real_prefill = native.decode_attention, native.prefill_attention
     monkeypatch.setattr(native, "decode_attention", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    monkeypatch.setattr(native, "prefill_attention", lambda *a: prefill_calls.append(a[2].numel()) or real_prefill(*a))
     outs = {}
     for flag in ("1", "0"):
         monkeypatch.setenv("BATCHGEN_NATIVE", flag)
@@ -102,6 +144,7 @@ def test_engine_on_the_kernel(arch, monkeypatch):
         outs[flag] = {(c.key, c.sample_index): c.token_ids for c in engine.run(reqs)}
         if flag == "1":
             assert calls and max(calls) > 1  # many decoding rows in one call
+            assert prefill_calls and max(prefill_calls) > 1  # many segments in one call
             assert engine.stats.cascade_batches > 0
     assert outs["1"] == outs["0"]
     for r in reqs:
