@@ -287,6 +287,28 @@ def merge(shards, output, overwrite):
                f"-> {output}", err=True)
 
 
+def script() -> None:
+    """The `batchgen` console script: `main`, then an exit that skips tearing the interpreter down.
+    After the output is written and closed, freeing torch's and transformers' modules and every
+    object one by one took about 1 s of a 22 s job here; the operating system reclaims the memory
+    at once. Exit handlers (Ray's shutdown, logging's flush) still run."""
+    import atexit
+    import os
+
+    try:
+        main()  # click's standalone mode: always ends in SystemExit
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
+
+
 def _guard(fn, *args, **kwargs):
     """Call library code; its own errors become a clean CLI error."""
     from jobs import JobError

@@ -120,6 +120,13 @@ def test_subprocess_run_with_env_vars(tmp_path, model_dir):
     assert "3/3 jobs done" in proc.stderr
     version = subprocess.run([sys.executable, "-m", "pipeline", "--version"], capture_output=True, text=True)
     assert "batchgen, version" in version.stdout
+    # the script skips the interpreter's teardown (pipeline.cli.script): exit codes and messages stay
+    missing = subprocess.run([sys.executable, "-m", "pipeline", "process", str(tmp_path / "nope.jsonl"), "-o",
+                              str(tmp_path / "o2.parquet")], capture_output=True, text=True, env=env, timeout=300)
+    assert missing.returncode == 1 and "nope.jsonl" in missing.stderr and "Traceback" not in missing.stderr
+    usage = subprocess.run([sys.executable, "-m", "pipeline", "process", "--no-such-flag"], capture_output=True,
+                           text=True, env=env, timeout=300)
+    assert usage.returncode == 2 and "no-such-flag" in usage.stderr
 
 
 def test_every_environment_variable_is_documented_in_the_readme():
