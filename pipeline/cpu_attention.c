@@ -86,7 +86,81 @@ static int take(Work *w) {
 }
 
 /* ---------------------------------------------------------------------------------------------
- * Decode: row t's G query heads of key head h over its anchor's keys, then its slot's own. */
+ * The tile: 16 query rows (vector lanes: tokens x the query heads of one key head) against 16 keys
+ * at a time, a GEMM-style register tile, with an online softmax (flash attention). */
+typedef struct {
+    float qt[D * W]; /* [D][16] queries, scaled */
+    float ot[D * W]; /* [D][16] values weighted by e^(score - m), not yet divided by sum */
+    float tmp[W * D]; /* 16 keys or values widened from bfloat16 */
+    vf m, sum, pos;  /* running maximum and sum of weights; each lane's own index (causal part) */
+} Tile;
+
+/* Lane l is query head head[l] of token tok[l], at own index pos[l] (ascending). */
+static void tile_start(Tile *t, const void *q, int64_t q_tok, int64_t q_head, const int64_t *tok,
+                       const int64_t *head, const float *pos, float scale, int bf16) {
+    for (int l = 0; l < W; l++)
+        for (int c = 0; c < D / W; c++) {
+            vf x = ld(q, tok[l] * q_tok + head[l] * q_head + W * c, bf16) * scale;
+            for (int i = 0; i < W; i++) t->qt[(W * c + i) * W + l] = x[i];
+        }
+    memcpy(&t->pos, pos, sizeof t->pos);
+    t->m = SPLAT(-1e30f), t->sum = SPLAT(0.0f);
+    memset(t->ot, 0, sizeof t->ot);
+}
+
+/* Keys or values j0..j0+n of a [len, D] head as float32 rows: in place, or widened into tmp. */
+static inline __attribute__((always_inline)) const float *rows_f32(const char *head, int64_t j0, int n, int bf16,
+                                                                  float *tmp) {
+    if (!bf16) return (const float *)head + j0 * D;
+    for (int i = 0; i < n * D; i += W) st(tmp + i, ld(head, j0 * D + i, 1));
+    return tmp;
+}
+
+/* The tile's lanes against keys/values [0, len) of one head; `causal`: lane l sees keys <= pos[l]. */
+static void tile_keys(Tile *t, const char *keys, const char *values, int64_t len, int causal, int bf16) {
+    float first = t->pos[0];
+    for (int64_t j0 = 0; j0 < len; j0 += W) {
+        int n = len - j0 < W ? (int)(len - j0) : W;
+        const float *k = rows_f32(keys, j0, n, bf16, t->tmp);
+        vf s[W];
+        for (int j = 0; j < W; j++) s[j] = SPLAT(0.0f);
+        for (int i = 0; i < D; i++) {
+            vf qi = ld(t->qt, i * W, 0);
+            for (int j = 0; j < W; j++) s[j] += qi * k[(j < n ? j : 0) * D + i];
+        }
+        vf top = t->m;
+        for (int j = 0; j < W; j++) {
+            if (j >= n)
+                s[j] = SPLAT(-1e30f);
+            else if (causal && j0 + j > first)
+                s[j] = (vf)_mm512_mask_blend_ps(_mm512_cmp_ps_mask((__m512)SPLAT((float)(j0 + j)), (__m512)t->pos,
+                                                                   _CMP_GT_OQ),
+                                                (__m512)s[j], _mm512_set1_ps(-1e30f));
+            top = (vf)_mm512_max_ps((__m512)top, (__m512)s[j]);
+        }
+        vf rescale = exp_neg(t->m - top); /* earlier keys' weights, to the new maximum */
+        t->m = top;
+        t->sum *= rescale;
+        for (int j = 0; j < W; j++) {
+            s[j] = exp_neg(s[j] - top);
+            t->sum += s[j];
+        }
+        const float *v = rows_f32(values, j0, n, bf16, t->tmp);
+        for (int c = 0; c < D / W; c++) { /* ot [16 dims][16 lanes] += values^T x weights */
+            vf o[W];
+            for (int i = 0; i < W; i++) o[i] = ld(t->ot, (W * c + i) * W, 0) * rescale;
+            for (int j = 0; j < n; j++)
+                for (int i = 0; i < W; i++) o[i] += s[j] * v[j * D + W * c + i];
+            for (int i = 0; i < W; i++) st(t->ot + (W * c + i) * W, o[i]);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Decode, two phases. A: the rows reading one anchor, as tiles against its keys (the anchor is
+ * read once per tile of 5-16 rows, at GEMM speed); each lane's partial state (weighted values,
+ * maximum, sum) goes to `state`. B: each (row, key head) against its own keys, one row at a time
+ * (each row's keys are its own), then merged with its anchor's state. */
 typedef struct {
     Work work;
     int hq, hkv, bf16;
@@ -97,71 +171,112 @@ typedef struct {
     const int64_t *slot, *own_len, *anc_k, *anc_v, *anc_len; /* per row; anchor pointer 0: none */
     float scale;
     float *out;
-    int64_t stride; /* scores per query head in the scratch: the most keys of any row, padded to W */
+    int64_t stride;       /* own scores per query head in B's scratch: the longest row's, padded to W */
+    int64_t *order;       /* anchored rows, grouped by anchor */
+    int64_t *items;       /* A: (first of the group in `order`, rows in it, key head, first lane) */
+    float *state;         /* per (row, query head): D weighted values, maximum, sum */
 } Decode;
 
-static void decode_item(const Decode *job, int w, float *s) {
+static void anchor_item(const Decode *job, int w, Tile *t) {
+    const int64_t *it = job->items + 4 * w;
+    int64_t first = it[0], count = it[1], h = it[2], r0 = it[3], tok[W], head[W];
+    float pos[W] = {0};
+    for (int l = 0; l < W; l++) {
+        int64_t r = r0 + l < count * G ? r0 + l : count * G - 1;
+        tok[l] = job->order[first + r / G], head[l] = h * G + r % G;
+    }
+    tile_start(t, job->q, job->q_tok, job->q_head, tok, head, pos, job->scale, job->bf16);
+    int64_t t0 = tok[0], len = job->anc_len[t0], es = job->bf16 ? 2 : 4;
+    tile_keys(t, (const char *)job->anc_k[t0] + h * len * D * es, (const char *)job->anc_v[t0] + h * len * D * es,
+              len, 0, job->bf16);
+    for (int l = 0; l < W && r0 + l < count * G; l++) {
+        float *dst = job->state + (tok[l] * job->hq + head[l]) * (D + 2);
+        for (int i = 0; i < D; i++) dst[i] = t->ot[i * W + l];
+        dst[D] = t->m[l], dst[D + 1] = t->sum[l];
+    }
+}
+
+static void own_item(const Decode *job, int w, float *s) {
     int t = w / job->hkv, h = w % job->hkv, bf16 = job->bf16;
     vf qv[G][D / W], o[G][D / W];
     for (int g = 0; g < G; g++)
         for (int c = 0; c < D / W; c++)
             qv[g][c] = ld(job->q, t * job->q_tok + (int64_t)(h * G + g) * job->q_head + W * c, bf16) * job->scale;
-    int64_t la = job->anc_k[t] ? job->anc_len[t] : 0, lo = job->own_len[t], total = la + lo;
-    const void *kp[2] = {(const void *)job->anc_k[t], job->own_k}, *vp[2] = {(const void *)job->anc_v[t], job->own_v};
-    int64_t base[2] = {h * la * D, (job->slot[t] * job->hkv + h) * job->cap * D}, len[2] = {la, lo}, at[2] = {0, la};
-    for (int part = 0; part < 2; part++)
-        for (int64_t j = 0; j < len[part]; j++) {
-            vf k[D / W];
-            for (int c = 0; c < D / W; c++) k[c] = ld(kp[part], base[part] + j * D + W * c, bf16);
-            for (int g = 0; g < G; g++) {
-                vf acc = qv[g][0] * k[0];
-                for (int c = 1; c < D / W; c++) acc += qv[g][c] * k[c];
-                s[g * job->stride + at[part] + j] = _mm512_reduce_add_ps((__m512)acc);
-            }
+    int64_t lo = job->own_len[t], base = (job->slot[t] * job->hkv + h) * job->cap * D;
+    for (int64_t j = 0; j < lo; j++) {
+        vf k[D / W];
+        for (int c = 0; c < D / W; c++) k[c] = ld(job->own_k, base + j * D + W * c, bf16);
+        for (int g = 0; g < G; g++) {
+            vf acc = qv[g][0] * k[0];
+            for (int c = 1; c < D / W; c++) acc += qv[g][c] * k[c];
+            s[g * job->stride + j] = _mm512_reduce_add_ps((__m512)acc);
         }
-    int64_t padded = (total + W - 1) / W * W;
-    float sums[G];
+    }
+    int64_t padded = (lo + W - 1) / W * W;
+    float m[G], sum[G];
     for (int g = 0; g < G; g++) {
         float *sg = s + g * job->stride;
-        for (int64_t j = total; j < padded; j++) sg[j] = -1e30f; /* exp gives 0 */
-        vf m = SPLAT(-1e30f), sum = SPLAT(0.0f);
-        for (int64_t j = 0; j < padded; j += W) m = (vf)_mm512_max_ps((__m512)m, (__m512)ld(sg, j, 0));
-        vf mx = SPLAT(_mm512_reduce_max_ps((__m512)m));
+        for (int64_t j = lo; j < padded; j++) sg[j] = -1e30f; /* exp gives 0 */
+        vf mv = SPLAT(-1e30f), sv = SPLAT(0.0f);
+        for (int64_t j = 0; j < padded; j += W) mv = (vf)_mm512_max_ps((__m512)mv, (__m512)ld(sg, j, 0));
+        m[g] = _mm512_reduce_max_ps((__m512)mv);
         for (int64_t j = 0; j < padded; j += W) {
-            vf e = exp_neg(ld(sg, j, 0) - mx);
+            vf e = exp_neg(ld(sg, j, 0) - m[g]);
             st(sg + j, e);
-            sum += e;
+            sv += e;
         }
-        sums[g] = _mm512_reduce_add_ps((__m512)sum);
+        sum[g] = _mm512_reduce_add_ps((__m512)sv);
         for (int c = 0; c < D / W; c++) o[g][c] = SPLAT(0.0f);
     }
-    for (int part = 0; part < 2; part++)
-        for (int64_t j = 0; j < len[part]; j++) {
-            vf v[D / W];
-            for (int c = 0; c < D / W; c++) v[c] = ld(vp[part], base[part] + j * D + W * c, bf16);
-            for (int g = 0; g < G; g++) {
-                float p = s[g * job->stride + at[part] + j];
-                for (int c = 0; c < D / W; c++) o[g][c] += p * v[c];
-            }
+    for (int64_t j = 0; j < lo; j++) {
+        vf v[D / W];
+        for (int c = 0; c < D / W; c++) v[c] = ld(job->own_v, base + j * D + W * c, bf16);
+        for (int g = 0; g < G; g++) {
+            float p = s[g * job->stride + j];
+            for (int c = 0; c < D / W; c++) o[g][c] += p * v[c];
         }
-    for (int g = 0; g < G; g++)
-        for (int c = 0; c < D / W; c++)
-            st(job->out + ((int64_t)t * job->hq + h * G + g) * D + W * c, o[g][c] * (1.0f / sums[g]));
+    }
+    for (int g = 0; g < G; g++) {
+        int64_t row = (int64_t)t * job->hq + h * G + g;
+        float *dst = job->out + row * D, own = 1.0f, total = sum[g];
+        vf anchor = SPLAT(0.0f);
+        if (job->anc_k[t]) { /* merge with the anchor's partial softmax, both scaled to the larger maximum */
+            const float *a = job->state + row * (D + 2);
+            float top = a[D] > m[g] ? a[D] : m[g];
+            float wa = exp_neg(SPLAT(a[D] - top))[0];
+            own = exp_neg(SPLAT(m[g] - top))[0];
+            total = a[D + 1] * wa + sum[g] * own;
+            anchor = SPLAT(wa);
+            for (int c = 0; c < D / W; c++) o[g][c] = o[g][c] * own + ld(a, W * c, 0) * anchor;
+        }
+        for (int c = 0; c < D / W; c++) st(dst + W * c, o[g][c] * (1.0f / total));
+    }
 }
 
-static void *decode_worker(void *arg) {
+static void *anchor_worker(void *arg) {
+    Decode *job = arg;
+    Tile *t = aligned_alloc(64, sizeof(Tile));
+    if (!t) return NULL; /* this thread takes no items: the others do them */
+    for (int w; (w = take(&job->work)) >= 0; __atomic_fetch_add(&job->work.done, 1, __ATOMIC_RELAXED))
+        anchor_item(job, w, t);
+    free(t);
+    return NULL;
+}
+
+static void *own_worker(void *arg) {
     Decode *job = arg;
     float *scratch = malloc(sizeof(float) * G * (size_t)job->stride);
-    if (!scratch) return NULL; /* this thread takes no items: the others do them */
+    if (!scratch) return NULL;
     for (int w; (w = take(&job->work)) >= 0; __atomic_fetch_add(&job->work.done, 1, __ATOMIC_RELAXED))
-        decode_item(job, w, scratch);
+        own_item(job, w, scratch);
     free(scratch);
     return NULL;
 }
 
 /* ---------------------------------------------------------------------------------------------
- * Prefill: segment `seg` (tokens t0..t1, own indices offset.. of row own_index of its own
- * buffer), key head h, query rows r0..r0+15 of its (token, query head) rows, token-major. */
+ * Prefill: segment `seg` (tokens t0..t1, at own indices offset.. of row own_index of its own
+ * buffer), key head h, lanes r0..r0+15 of its (token, query head) rows, token-major: the
+ * anchor's keys, then its own keys up to each token's own index. */
 typedef struct {
     Work work;
     int hq, hkv, bf16;
@@ -170,92 +285,44 @@ typedef struct {
     const int64_t *t0, *t1, *own_k, *own_v, *own_cap, *own_index, *offset, *anc_k, *anc_v, *anc_len; /* per segment */
     float scale;
     float *out;
-    int64_t *items; /* (segment, key head, first row) */
+    int64_t *items; /* (segment, key head, first lane) */
 } Prefill;
 
-/* Keys or values j0..j0+n of a [len, D] head as float32 rows: in place, or bfloat16 widened into tmp. */
-static inline __attribute__((always_inline)) const float *rows_f32(const void *head, int64_t j0, int n, int bf16,
-                                                                  float *tmp) {
-    if (!bf16) return (const float *)head + j0 * D;
-    for (int i = 0; i < n * D; i += W) st(tmp + i, ld(head, j0 * D + i, 1));
-    return tmp;
-}
-
-static void prefill_item(const Prefill *job, int w, float *scratch) {
+static void prefill_item(const Prefill *job, int w, Tile *t) {
     int64_t seg = job->items[3 * w], h = job->items[3 * w + 1], r0 = job->items[3 * w + 2];
-    int64_t t0 = job->t0[seg], rows = (job->t1[seg] - t0) * G, off = job->offset[seg];
-    int bf16 = job->bf16;
-    float *qt = scratch, *ot = qt + D * W, *tmp = ot + D * W; /* queries and outputs [D][16 rows]; tmp [16][D] */
-    float posf[W];
-    int64_t tok[W], head[W];
-    for (int l = 0; l < W; l++) { /* rows past the end repeat the last one; their outputs are dropped */
+    int64_t t0 = job->t0[seg], rows = (job->t1[seg] - t0) * G, off = job->offset[seg], tok[W], head[W];
+    float pos[W];
+    for (int l = 0; l < W; l++) { /* lanes past the end repeat the last row; their outputs are dropped */
         int64_t r = r0 + l < rows ? r0 + l : rows - 1;
-        tok[l] = t0 + r / G, head[l] = h * G + r % G, posf[l] = (float)(off + r / G);
-        for (int c = 0; c < D / W; c++) {
-            vf x = ld(job->q, tok[l] * job->q_tok + head[l] * job->q_head + W * c, bf16) * job->scale;
-            for (int i = 0; i < W; i++) qt[(W * c + i) * W + l] = x[i];
-        }
+        tok[l] = t0 + r / G, head[l] = h * G + r % G, pos[l] = (float)(off + r / G);
     }
-    vf pos, m = SPLAT(-1e30f), sum = SPLAT(0.0f);
-    memcpy(&pos, posf, sizeof pos);
-    memset(ot, 0, sizeof(float) * D * W);
-    int64_t la = job->anc_k[seg] ? job->anc_len[seg] : 0, cap = job->own_cap[seg], es = bf16 ? 2 : 4;
-    const char *kp[2] = {(const char *)job->anc_k[seg] + h * la * D * es,
-                         (const char *)job->own_k[seg] + (job->own_index[seg] * job->hkv + h) * cap * D * es};
-    const char *vp[2] = {(const char *)job->anc_v[seg] + h * la * D * es,
-                         (const char *)job->own_v[seg] + (job->own_index[seg] * job->hkv + h) * cap * D * es};
-    int64_t len[2] = {la, (int64_t)posf[W - 1] + 1}; /* own keys up to the last row's (rows ascend) */
-    for (int part = 0; part < 2; part++)
-        for (int64_t j0 = 0; j0 < len[part]; j0 += W) {
-            int n = len[part] - j0 < W ? (int)(len[part] - j0) : W;
-            /* scores of 16 rows (lanes) against keys j0..j0+n: a 16 x 16 register tile */
-            const float *k = rows_f32(kp[part], j0, n, bf16, tmp);
-            vf s[W];
-            for (int j = 0; j < W; j++) s[j] = SPLAT(0.0f);
-            for (int i = 0; i < D; i++) {
-                vf qi = ld(qt, i * W, 0);
-                for (int j = 0; j < W; j++) s[j] += qi * k[(j < n ? j : 0) * D + i];
-            }
-            vf top = m;
-            for (int j = 0; j < W; j++) {
-                if (j >= n)
-                    s[j] = SPLAT(-1e30f);
-                else if (part == 1 && j0 + j > (int64_t)posf[0]) /* causal: row l sees own keys <= pos[l] */
-                    s[j] = (vf)_mm512_mask_blend_ps(_mm512_cmp_ps_mask((__m512)SPLAT((float)(j0 + j)), (__m512)pos,
-                                                                       _CMP_GT_OQ),
-                                                    (__m512)s[j], _mm512_set1_ps(-1e30f));
-                top = (vf)_mm512_max_ps((__m512)top, (__m512)s[j]);
-            }
-            vf rescale = exp_neg(m - top); /* online softmax: earlier keys' weights, to the new maximum */
-            m = top;
-            sum *= rescale;
-            for (int j = 0; j < W; j++) {
-                s[j] = exp_neg(s[j] - m);
-                sum += s[j];
-            }
-            const float *v = rows_f32(vp[part], j0, n, bf16, tmp);
-            for (int c = 0; c < D / W; c++) { /* outputs [16 dims][16 rows] += values^T x weights */
-                vf o[W];
-                for (int i = 0; i < W; i++) o[i] = ld(ot, (W * c + i) * W, 0) * rescale;
-                for (int j = 0; j < n; j++)
-                    for (int i = 0; i < W; i++) o[i] += s[j] * v[j * D + W * c + i];
-                for (int i = 0; i < W; i++) st(ot + (W * c + i) * W, o[i]);
-            }
-        }
+    tile_start(t, job->q, job->q_tok, job->q_head, tok, head, pos, job->scale, job->bf16);
+    int64_t la = job->anc_k[seg] ? job->anc_len[seg] : 0, cap = job->own_cap[seg], es = job->bf16 ? 2 : 4;
+    int64_t own = (job->own_index[seg] * job->hkv + h) * cap * D * es;
+    if (la)
+        tile_keys(t, (const char *)job->anc_k[seg] + h * la * D * es, (const char *)job->anc_v[seg] + h * la * D * es,
+                  la, 0, job->bf16);
+    tile_keys(t, (const char *)job->own_k[seg] + own, (const char *)job->own_v[seg] + own, (int64_t)pos[W - 1] + 1, 1,
+              job->bf16);
     for (int l = 0; l < W && r0 + l < rows; l++) {
-        float *dst = job->out + (tok[l] * job->hq + head[l]) * D, inv = 1.0f / sum[l];
-        for (int i = 0; i < D; i++) dst[i] = ot[i * W + l] * inv;
+        float *dst = job->out + (tok[l] * job->hq + head[l]) * D, inv = 1.0f / t->sum[l];
+        for (int i = 0; i < D; i++) dst[i] = t->ot[i * W + l] * inv;
     }
 }
 
 static void *prefill_worker(void *arg) {
     Prefill *job = arg;
-    float *scratch = malloc(sizeof(float) * 3 * D * W);
-    if (!scratch) return NULL;
+    Tile *t = aligned_alloc(64, sizeof(Tile));
+    if (!t) return NULL;
     for (int w; (w = take(&job->work)) >= 0; __atomic_fetch_add(&job->work.done, 1, __ATOMIC_RELAXED))
-        prefill_item(job, w, scratch);
-    free(scratch);
+        prefill_item(job, w, t);
+    free(t);
     return NULL;
+}
+
+static int by_anchor(const void *a, const void *b) { /* (anchor pointer, row) pairs */
+    const int64_t *x = a, *y = b;
+    return x[0] != y[0] ? (x[0] < y[0] ? -1 : 1) : (x[1] > y[1]) - (x[1] < y[1]);
 }
 
 /* Runs `worker` on `threads` threads (the caller's among them); 0 when every item was done. */
@@ -293,13 +360,37 @@ int batchgen_decode_attention(int n, int hq, int hkv, int d, int bf16, const voi
                               const int64_t *anc_len, float scale, float *out, int threads) {
     if (!ok(hq, hkv, d, bf16)) return 1;
 #if defined(__AVX512F__)
-    Decode job = {{n * hkv, 0, 0}, hq, hkv, bf16, q, q_tok, q_head, own_k, own_v, cap, slot, own_len,
-                  anc_k, anc_v, anc_len, scale, out, W};
-    for (int t = 0; t < n; t++) {
-        int64_t keys = (own_len[t] + (anc_k[t] ? anc_len[t] : 0) + W - 1) / W * W;
+    Decode job = {{0, 0, 0}, hq, hkv, bf16, q, q_tok, q_head, own_k, own_v, cap, slot, own_len,
+                  anc_k, anc_v, anc_len, scale, out, W, NULL, NULL, NULL};
+    int64_t *pairs = malloc(sizeof(int64_t) * 2 * (size_t)(n ? n : 1)), anchored = 0;
+    job.order = malloc(sizeof(int64_t) * (size_t)(n ? n : 1));
+    job.items = malloc(sizeof(int64_t) * 4 * (size_t)(n * hkv * G / W + n * hkv + 1));
+    job.state = malloc(sizeof(float) * (size_t)(n ? n : 1) * hq * (D + 2));
+    int failed = !pairs || !job.order || !job.items || !job.state;
+    for (int t = 0; !failed && t < n; t++) {
+        int64_t keys = (own_len[t] + W - 1) / W * W;
         job.stride = keys > job.stride ? keys : job.stride;
+        if (anc_k[t]) pairs[2 * anchored] = anc_k[t], pairs[2 * anchored + 1] = t, anchored++;
     }
-    return run(decode_worker, &job, &job.work, threads);
+    if (!failed && anchored) {
+        qsort(pairs, (size_t)anchored, 2 * sizeof(int64_t), by_anchor);
+        for (int64_t i = 0; i < anchored; i++) job.order[i] = pairs[2 * i + 1];
+        for (int64_t first = 0, end; first < anchored; first = end) {
+            for (end = first; end < anchored && pairs[2 * end] == pairs[2 * first]; end++) {}
+            for (int h = 0; h < hkv; h++)
+                for (int64_t r = 0; r < (end - first) * G; r += W, job.work.items++) {
+                    int64_t *it = job.items + 4 * job.work.items;
+                    it[0] = first, it[1] = end - first, it[2] = h, it[3] = r;
+                }
+        }
+        failed = run(anchor_worker, &job, &job.work, threads);
+    }
+    if (!failed) {
+        job.work = (Work){n * hkv, 0, 0};
+        failed = run(own_worker, &job, &job.work, threads);
+    }
+    free(pairs), free(job.order), free(job.items), free(job.state);
+    return failed;
 #else
     return (void)n, (void)q, (void)q_tok, (void)q_head, (void)own_k, (void)own_v, (void)cap, (void)slot,
            (void)own_len, (void)anc_k, (void)anc_v, (void)anc_len, (void)scale, (void)out, (void)threads, 1;
