@@ -304,8 +304,11 @@ def script() -> None:
         print(code, file=sys.stderr)
         code = 1
     atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader that went away (`batchgen plan ... | head`), a closed stream
+            pass
     os._exit(code or 0)
 
 

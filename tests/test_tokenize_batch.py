@@ -47,8 +47,9 @@ def test_a_tokenizer_without_chat_template_fails_only_the_chat_jobs():
 def test_validate_and_plan_never_import_torch(tmp_path, model_dir, command):
     src = tmp_path / "jobs.jsonl"
     src.write_text("".join(json.dumps({"prompt": f"Shared words for all of them. Job {i}"}) + "\n" for i in range(5)))
-    code = ("import sys, runpy; sys.argv = ['batchgen', %r, %r, '--model', %r]\n"
-            "try:\n    runpy.run_module('pipeline', run_name='__main__')\n"
+    code = ("import sys; sys.argv = ['batchgen', %r, %r, '--model', %r]\n"
+            "from pipeline.cli import main\n"  # the script's own exit (os._exit) would skip the check below
+            "try:\n    main()\n"
             "except SystemExit as e:\n    assert not e.code, e.code\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\nprint('ok')") % (command, str(src), str(model_dir))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
