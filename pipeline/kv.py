@@ -74,7 +74,6 @@ class PrefixKV:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
 
-
 class RowKV:
     """The row slots of one batch: each holds up to `capacity` of its row's own tokens (the ones
     not read from a shared prefix). `lens[s]`: tokens slot s holds. The one owner of a batch's
