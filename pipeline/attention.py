@@ -60,7 +60,9 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     out = q.new_empty(t, hq, v.shape[-1], dtype=torch.float32)
     if step.native is not None and sliding_window is None and softcap is None \
             and native_ok(q.dtype, hq, hkv, d, v.shape[-1]) and _native(step, layer, q, hkv, scale, out):
+        step.kernel_layers[0] += 1
         return out.to(query.dtype)[None], None
+    step.kernel_layers[1] += 1
     lse = q.new_empty(t, hq, dtype=torch.float32)
     if step.n_dec:
         _decode_own(step, layer, q, out, lse, scale, softcap, sliding_window, v.shape[-1])
@@ -96,6 +98,13 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         else:
             out.index_copy_(0, g.index, out.index_select(0, g.index).lerp_(o, w))
     return out.to(query.dtype)[None], None
+
+
+def kernels_used(stats) -> str | None:
+    """Which attention kernels a run's forwards used (`RunStats`), for its summary."""
+    used = [name for name, n in (("compiled", stats.compiled_attention_layers),
+                                 ("pytorch", stats.pytorch_attention_layers)) if n]
+    return " and ".join(used) or None
 
 
 def _native(step: Step, layer: int, q: torch.Tensor, hkv: int, scale: float, out: torch.Tensor) -> bool:

@@ -209,6 +209,8 @@ class Engine:
         with attention.selected(self.model), kernels.linears_on_onednn(self.linears):
             out = self.model(input_ids=step.input_ids, position_ids=step.positions, use_cache=False,
                              logits_to_keep=index, **{attention.KWARG: step})
+        self.stats.compiled_attention_layers += step.kernel_layers[0]
+        self.stats.pytorch_attention_layers += step.kernel_layers[1]
         return out.logits[0].float()
 
     def _commit(self, step: Step, kv: RowKV, filling: list[Fill], running: list[Live]) -> None:

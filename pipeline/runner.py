@@ -200,7 +200,10 @@ class _Run:
             raise Preempted(f"stopped by a signal; finished jobs are committed in {store.dir}; "
                             "rerun the same command to resume")
         counts = self._write_output()
-        about = {"attention_path": (engine or new_engine()).attention_path, "output": self.output,
+        from pipeline.attention import kernels_used
+
+        about = {"attention_path": (engine or new_engine()).attention_path,
+                 "attention_kernels": kernels_used(committer.finished), "output": self.output,
                  "errors_file": errors_path(self.output, fmt) if counts.failed else None,
                  "resumed_jobs": int(done.sum())}
         return counts, committer.work(), about

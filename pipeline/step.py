@@ -145,6 +145,7 @@ class Step:
     batches: list[Batch]  # the fresh suffixes
     groups: list[Group]
     native: Native | None = None  # for the compiled kernels, on a CPU
+    kernel_layers: list[int] = field(default_factory=lambda: [0, 0])  # layers through the compiled kernels, PyTorch's
     _masks: dict = field(default_factory=dict)
 
     @property

@@ -111,6 +111,8 @@ class RunStats:
     cascade_batches: int = 0  # batches whose shared prefix was read once (cascade attention)
     admitted_rows: int = 0  # rows that took slots finished rows freed in a batch in flight
     oom_splits: int = 0  # batches split (or prefill chunks halved) after running out of memory
+    compiled_attention_layers: int = 0  # layer calls through batchgen's compiled CPU kernels ...
+    pytorch_attention_layers: int = 0  # ... and through PyTorch's
 
     def add(self, other: "RunStats") -> None:
         for name in self.__dataclass_fields__:

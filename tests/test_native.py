@@ -150,3 +150,20 @@ def test_engine_on_the_kernel(arch, monkeypatch):
     for r in reqs:
         want = reference_generate(model, r, [2])
         assert all(outs["1"][(r.key, s)] == want for s in range(r.params.n)), f"{arch}: job {r.key}"
+
+
+@needs_kernel
+def test_the_summary_says_which_kernels_ran(tmp_path, model_dir, monkeypatch):
+    """`attention_kernels` in OUTPUT.summary.json: the compiled kernels where they serve the model
+    (the tiny Llama: head size 16, 2 query heads per key head), PyTorch's when switched off."""
+    import json
+
+    from cli_helpers import run, write_jsonl
+
+    src = write_jsonl(tmp_path / "jobs.jsonl", [{"prompt": f"One shared system prompt here. Question {i}"}
+                                                for i in range(4)])
+    for flag, want in (("1", "compiled"), ("0", "pytorch")):
+        monkeypatch.setenv("BATCHGEN_NATIVE", flag)
+        out = tmp_path / f"out{flag}.parquet"
+        run(["process", str(src), "-o", str(out), "--max-new-tokens", "3"], model_dir)
+        assert json.loads((tmp_path / f"out{flag}.parquet.summary.json").read_text())["attention_kernels"] == want
