@@ -38,11 +38,6 @@
 enum { W = 16 }; /* floats per vector; keys per prefill tile */
 _Static_assert(D % W == 0 && D <= 8 * W && G >= 1 && G <= 8, "head size 16-128 in steps of 16, 1-8 query heads a key head");
 
-/* Work items shared by the threads of one call. */
-typedef struct {
-    int items, next, done;
-} Work;
-
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -80,9 +75,44 @@ static inline __attribute__((always_inline)) vf exp_neg(vf x) {
     return (vf)_mm512_maskz_mul_ps(~tiny, (__m512)y, _mm512_castsi512_ps(e));
 }
 
-static int take(Work *w) {
-    int i = __atomic_fetch_add(&w->next, 1, __ATOMIC_RELAXED);
-    return i < w->items ? i : -1;
+/* One parallel pass: `item` over work items 0..items-1, shared out as threads come for them; each
+ * thread has `scratch` bytes of its own. */
+typedef struct {
+    void (*item)(const void *job, int w, void *scratch);
+    const void *job;
+    size_t scratch;
+    int items, next, done;
+} Pass;
+
+static void *worker(void *arg) {
+    Pass *p = arg;
+    void *scratch = aligned_alloc(64, (p->scratch + 63) / 64 * 64);
+    if (!scratch) return NULL; /* this thread takes no items: the others do them */
+    for (int w; (w = __atomic_fetch_add(&p->next, 1, __ATOMIC_RELAXED)) < p->items;) {
+        p->item(p->job, w, scratch);
+        __atomic_fetch_add(&p->done, 1, __ATOMIC_RELAXED);
+    }
+    free(scratch);
+    return NULL;
+}
+
+/* Runs a pass on `threads` threads (the caller's among them); 0 when every item was done. */
+static int run(void (*item)(const void *, int, void *), const void *job, int items, size_t scratch, int threads) {
+    Pass p = {item, job, scratch, items, 0, 0};
+    threads = threads < 1 ? 1 : threads > items ? items : threads;
+    if (threads < 1) return 0;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads)
+    worker(&p);
+#else
+    pthread_t ids[threads];
+    int started = 0;
+    for (; started < threads - 1; started++)
+        if (pthread_create(&ids[started], NULL, worker, &p)) break;
+    worker(&p);
+    for (int i = 0; i < started; i++) pthread_join(ids[i], NULL);
+#endif
+    return p.done != items;
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -162,7 +192,6 @@ static void tile_keys(Tile *t, const char *keys, const char *values, int64_t len
  * maximum, sum) goes to `state`. B: each (row, key head) against its own keys, one row at a time
  * (each row's keys are its own), then merged with its anchor's state. */
 typedef struct {
-    Work work;
     int hq, hkv, bf16;
     const void *q;
     int64_t q_tok, q_head;
@@ -177,7 +206,9 @@ typedef struct {
     float *state;         /* per (row, query head): D weighted values, maximum, sum */
 } Decode;
 
-static void anchor_item(const Decode *job, int w, Tile *t) {
+static void anchor_item(const void *arg, int w, void *scratch) {
+    const Decode *job = arg;
+    Tile *t = scratch;
     const int64_t *it = job->items + 4 * w;
     int64_t first = it[0], count = it[1], h = it[2], r0 = it[3], tok[W], head[W];
     float pos[W] = {0};
@@ -196,7 +227,9 @@ static void anchor_item(const Decode *job, int w, Tile *t) {
     }
 }
 
-static void own_item(const Decode *job, int w, float *s) {
+static void own_item(const void *arg, int w, void *scratch) {
+    const Decode *job = arg;
+    float *s = scratch;
     int t = w / job->hkv, h = w % job->hkv, bf16 = job->bf16;
     vf qv[G][D / W], o[G][D / W];
     for (int g = 0; g < G; g++)
@@ -253,32 +286,11 @@ static void own_item(const Decode *job, int w, float *s) {
     }
 }
 
-static void *anchor_worker(void *arg) {
-    Decode *job = arg;
-    Tile *t = aligned_alloc(64, sizeof(Tile));
-    if (!t) return NULL; /* this thread takes no items: the others do them */
-    for (int w; (w = take(&job->work)) >= 0; __atomic_fetch_add(&job->work.done, 1, __ATOMIC_RELAXED))
-        anchor_item(job, w, t);
-    free(t);
-    return NULL;
-}
-
-static void *own_worker(void *arg) {
-    Decode *job = arg;
-    float *scratch = malloc(sizeof(float) * G * (size_t)job->stride);
-    if (!scratch) return NULL;
-    for (int w; (w = take(&job->work)) >= 0; __atomic_fetch_add(&job->work.done, 1, __ATOMIC_RELAXED))
-        own_item(job, w, scratch);
-    free(scratch);
-    return NULL;
-}
-
 /* ---------------------------------------------------------------------------------------------
  * Prefill: segment `seg` (tokens t0..t1, at own indices offset.. of row own_index of its own
  * buffer), key head h, lanes r0..r0+15 of its (token, query head) rows, token-major: the
  * anchor's keys, then its own keys up to each token's own index. */
 typedef struct {
-    Work work;
     int hq, hkv, bf16;
     const void *q;
     int64_t q_tok, q_head;
@@ -288,7 +300,9 @@ typedef struct {
     int64_t *items; /* (segment, key head, first lane) */
 } Prefill;
 
-static void prefill_item(const Prefill *job, int w, Tile *t) {
+static void prefill_item(const void *arg, int w, void *scratch) {
+    const Prefill *job = arg;
+    Tile *t = scratch;
     int64_t seg = job->items[3 * w], h = job->items[3 * w + 1], r0 = job->items[3 * w + 2];
     int64_t t0 = job->t0[seg], rows = (job->t1[seg] - t0) * G, off = job->offset[seg], tok[W], head[W];
     float pos[W];
@@ -310,37 +324,9 @@ static void prefill_item(const Prefill *job, int w, Tile *t) {
     }
 }
 
-static void *prefill_worker(void *arg) {
-    Prefill *job = arg;
-    Tile *t = aligned_alloc(64, sizeof(Tile));
-    if (!t) return NULL;
-    for (int w; (w = take(&job->work)) >= 0; __atomic_fetch_add(&job->work.done, 1, __ATOMIC_RELAXED))
-        prefill_item(job, w, t);
-    free(t);
-    return NULL;
-}
-
 static int by_anchor(const void *a, const void *b) { /* (anchor pointer, row) pairs */
     const int64_t *x = a, *y = b;
     return x[0] != y[0] ? (x[0] < y[0] ? -1 : 1) : (x[1] > y[1]) - (x[1] < y[1]);
-}
-
-/* Runs `worker` on `threads` threads (the caller's among them); 0 when every item was done. */
-static int run(void *(*worker)(void *), void *job, Work *work, int threads) {
-    threads = threads < 1 ? 1 : threads > work->items ? work->items : threads;
-    if (threads < 1) return 0;
-#ifdef _OPENMP
-#pragma omp parallel num_threads(threads)
-    worker(job);
-#else
-    pthread_t ids[threads];
-    int started = 0;
-    for (; started < threads - 1; started++)
-        if (pthread_create(&ids[started], NULL, worker, job)) break;
-    worker(job);
-    for (int i = 0; i < started; i++) pthread_join(ids[i], NULL);
-#endif
-    return work->done != work->items;
 }
 
 static int ok(int hq, int hkv, int d, int bf16) { return hkv > 0 && hq == hkv * G && d == D && (bf16 == 0 || bf16 == 1); }
@@ -360,9 +346,10 @@ int batchgen_decode_attention(int n, int hq, int hkv, int d, int bf16, const voi
                               const int64_t *anc_len, float scale, float *out, int threads) {
     if (!ok(hq, hkv, d, bf16)) return 1;
 #if defined(__AVX512F__)
-    Decode job = {{0, 0, 0}, hq, hkv, bf16, q, q_tok, q_head, own_k, own_v, cap, slot, own_len,
+    Decode job = {hq, hkv, bf16, q, q_tok, q_head, own_k, own_v, cap, slot, own_len,
                   anc_k, anc_v, anc_len, scale, out, W, NULL, NULL, NULL};
     int64_t *pairs = malloc(sizeof(int64_t) * 2 * (size_t)(n ? n : 1)), anchored = 0;
+    int items = 0;
     job.order = malloc(sizeof(int64_t) * (size_t)(n ? n : 1));
     job.items = malloc(sizeof(int64_t) * 4 * (size_t)(n * hkv * G / W + n * hkv + 1));
     job.state = malloc(sizeof(float) * (size_t)(n ? n : 1) * hq * (D + 2));
@@ -378,17 +365,15 @@ int batchgen_decode_attention(int n, int hq, int hkv, int d, int bf16, const voi
         for (int64_t first = 0, end; first < anchored; first = end) {
             for (end = first; end < anchored && pairs[2 * end] == pairs[2 * first]; end++) {}
             for (int h = 0; h < hkv; h++)
-                for (int64_t r = 0; r < (end - first) * G; r += W, job.work.items++) {
-                    int64_t *it = job.items + 4 * job.work.items;
+                for (int64_t r = 0; r < (end - first) * G; r += W, items++) {
+                    int64_t *it = job.items + 4 * items;
                     it[0] = first, it[1] = end - first, it[2] = h, it[3] = r;
                 }
         }
-        failed = run(anchor_worker, &job, &job.work, threads);
+        failed = run(anchor_item, &job, items, sizeof(Tile), threads);
     }
-    if (!failed) {
-        job.work = (Work){n * hkv, 0, 0};
-        failed = run(own_worker, &job, &job.work, threads);
-    }
+    if (!failed)
+        failed = run(own_item, &job, n * hkv, sizeof(float) * G * (size_t)job.stride, threads);
     free(pairs), free(job.order), free(job.items), free(job.state);
     return failed;
 #else
@@ -412,9 +397,9 @@ int batchgen_prefill_attention(int nseg, int hq, int hkv, int d, int bf16, const
     for (int s = 0; s < nseg; s++)
         for (int64_t r = 0; r < G * (t1[s] - t0[s]); r += W)
             for (int h = 0; h < hkv; h++, k++) list[3 * k] = s, list[3 * k + 1] = h, list[3 * k + 2] = r;
-    Prefill job = {{items, 0, 0}, hq, hkv, bf16, q, q_tok, q_head, t0, t1, own_k, own_v, own_cap, own_index,
+    Prefill job = {hq, hkv, bf16, q, q_tok, q_head, t0, t1, own_k, own_v, own_cap, own_index,
                    offset, anc_k, anc_v, anc_len, scale, out, list};
-    int failed = run(prefill_worker, &job, &job.work, threads);
+    int failed = run(prefill_item, &job, items, sizeof(Tile), threads);
     free(list);
     return failed;
 #else
