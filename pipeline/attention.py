@@ -64,8 +64,23 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         return out.to(query.dtype)[None], None
     step.kernel_layers[1] += 1
     lse = q.new_empty(t, hq, dtype=torch.float32)
-    if step.n_dec:
-        _decode_own(step, layer, q, out, lse, scale, softcap, sliding_window, v.shape[-1])
+    if step.n_dec:  # one token per decoding slot, against the slots' own keys, in runs of slots
+        n = step.n_dec
+        qd = q[:, :n].transpose(0, 1)  # (n, Hq, D)
+        if not step.contiguous:  # idle slots between decoding ones: give them a query, drop their output
+            qd = q.new_zeros(step.hi, hq, d).index_copy_(0, step.dec_slots, qd)
+        # the G query heads of a key head as G queries of it: each key is read once, not G times
+        qd = qd.reshape(-1, hkv, fold, d)  # (hi, Hkv, G, D)
+        mask = step.own_mask(sliding_window, q.dtype)  # (hi, 1, 1, L)
+        od = q.new_empty(step.hi, hkv, fold, v.shape[-1], dtype=torch.float32)
+        ld = q.new_empty(step.hi, hkv, fold, dtype=torch.float32)
+        for a, b, span in step.dec_runs:  # each run reads only as far as its longest row
+            keys, values = step.kv.k[layer][a:b, :, :span], step.kv.v[layer][a:b, :, :span]
+            od[a:b], ld[a:b] = _attend(qd[a:b], keys, values, mask[a:b, ..., :span], scale, softcap, decode=True)
+        od, ld = od.view(step.hi, hq, -1), ld.view(step.hi, hq)
+        if not step.contiguous:
+            od, ld = od[step.dec_slots], ld[step.dec_slots]
+        out[:n], lse[:n] = od[:n], ld[:n]
     qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (T, H, D)
     for i, b in enumerate(step.batches):  # fresh suffixes side by side, right-padded, causal
         rows, length = b.gather.shape
@@ -81,11 +96,11 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         mask = step.segment_mask(i, sliding_window, q.dtype)
         o, l = _attend(q[None, :, s.t0 : s.t1], keys, values, mask, scale, softcap, causal=mask is None)
         out[s.t0 : s.t1], lse[s.t0 : s.t1] = o[0].transpose(0, 1), l[0].transpose(0, 1)
-    for g in step.groups:  # every token continuing one cached prefix, in one call
+    for i, g in enumerate(step.groups):  # every token continuing one cached prefix, in one call
         n = g.positions.shape[0]
         # (1, Hkv, G*n, D): the G query heads of a key head side by side, so the prefix is read once per key head
         qg = (q[:, g.index] if isinstance(g.index, slice) else q.index_select(1, g.index)).reshape(1, hkv, fold * n, d)
-        mask, blind = step.group_mask(g, sliding_window, q.dtype, fold) or (None, None)
+        mask, blind = step.group_mask(i, sliding_window, q.dtype, fold) or (None, None)
         o, l = _attend(qg, g.prefix.k[layer], g.prefix.v[layer], mask, scale, softcap)
         o = o.reshape(hq, n, -1).transpose(0, 1).float()  # (n, Hq, Dv)
         l = l.reshape(hq, n).transpose(0, 1)  # (n, Hq)
@@ -118,30 +133,6 @@ def _native(step: Step, layer: int, q: torch.Tensor, hkv: int, scale: float, out
     return not step.segments or native.prefill_attention(
         qt, hkv, nat.t0, nat.t1, nat.own_k[layer], nat.own_v[layer], nat.own_cap, nat.own_index, nat.offset,
         nat.seg_anc_k[layer], nat.seg_anc_v[layer], nat.seg_anc_len, scale, out)
-
-
-def _decode_own(step: Step, layer: int, q, out, lse, scale, softcap, sliding_window, dv: int) -> None:
-    """Decode tokens against their slots' own keys, in runs of slots (PyTorch's kernels): the
-    partial softmax into out/lse, which the anchor groups then merge."""
-    hq, _, d = q.shape
-    hkv = step.kv.k[layer].shape[1]
-    fold = hq // hkv
-    n = step.n_dec
-    qd = q[:, :n].transpose(0, 1)  # (n, Hq, D)
-    if not step.contiguous:  # idle slots between decoding ones: give them a query, drop their output
-        qd = q.new_zeros(step.hi, hq, d).index_copy_(0, step.dec_slots, qd)
-    # the G query heads of a key head as G queries of it: each key is read once, not G times
-    qd = qd.reshape(-1, hkv, fold, d)  # (hi, Hkv, G, D)
-    mask = step.own_mask(sliding_window, q.dtype)  # (hi, 1, 1, L)
-    od = q.new_empty(step.hi, hkv, fold, dv, dtype=torch.float32)
-    ld = q.new_empty(step.hi, hkv, fold, dtype=torch.float32)
-    for a, b, span in step.dec_runs:  # each run reads only as far as its longest row
-        keys, values = step.kv.k[layer][a:b, :, :span], step.kv.v[layer][a:b, :, :span]
-        od[a:b], ld[a:b] = _attend(qd[a:b], keys, values, mask[a:b, ..., :span], scale, softcap, decode=True)
-    od, ld = od.view(step.hi, hq, -1), ld.view(step.hi, hq)
-    if not step.contiguous:
-        od, ld = od[step.dec_slots], ld[step.dec_slots]
-    out[:n], lse[:n] = od[:n], ld[:n]
 
 
 def _attend(q, k, v, mask, scale, softcap, causal=False, decode=False):

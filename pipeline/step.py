@@ -205,14 +205,15 @@ class Step:
             self._masks[key] = _additive((j <= q) & (q - j < window), dtype, self.input_ids.device)[None, None]
         return self._masks[key]
 
-    def group_mask(self, g: "Group", window: int | None, dtype: torch.dtype, fold: int):
-        """Group g's queries (folded `fold` query heads per key head) over its anchor: (mask, blind),
+    def group_mask(self, i: int, window: int | None, dtype: torch.dtype, fold: int):
+        """Group i's queries (folded `fold` query heads per key head) over its anchor: (mask, blind),
         None when the window, if any, still covers the whole anchor for every query; `blind` (n,)
         marks queries whose window has left the whole anchor behind (the fused kernel gives those
         a log-sum-exp of 0, not -inf)."""
+        g = self.groups[i]
         if window is None or int(g.positions.max()) < window:
             return None
-        key = ("group", id(g), window, dtype, fold)
+        key = ("group", i, window, dtype, fold)
         if key not in self._masks:
             allow = (g.positions.cpu()[:, None] - torch.arange(g.prefix.length)[None]) < window  # (n, P)
             mask = _additive(allow.repeat(fold, 1), dtype, self.input_ids.device)[None, None]
