@@ -6,8 +6,11 @@ ids, never on strings, since a prefix tokenized alone can end in different token
 """
 from __future__ import annotations
 
+import json
 import sys
 from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Iterator, Sequence
 
 from pipeline.types import StopCheck
@@ -41,6 +44,29 @@ def torch_hidden(hide: bool = True) -> Iterator[None]:
         utils.is_torch_available = import_utils.is_torch_available = real
 
 
+def _config_for_tokenizer(name_or_path: str) -> dict[str, Any]:
+    """`AutoTokenizer` loads the model's config class only to choose the tokenizer class, and with
+    torch present that import costs about 1 s (a Llama config pulls in `torch.distributed.tensor`
+    and sympy). Where the local `tokenizer_config.json` names its class and brings no custom code,
+    the choice reads only the config's `model_type`, `_name_or_path`, `tokenizer_class` and
+    `model_name` (transformers 5.24's `AutoTokenizer.from_pretrained`), so those are passed as the
+    config and the tokenizer is the same (a test compares the two). Elsewhere: nothing."""
+    d = Path(name_or_path)
+    try:
+        tc = json.loads((d / "tokenizer_config.json").read_text())
+        raw = json.loads((d / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if not (isinstance(tc, dict) and isinstance(raw, dict)) or not isinstance(tc.get("tokenizer_class"), str) \
+            or "auto_map" in tc or "auto_map" in raw or not isinstance(raw.get("model_type"), str):
+        return {}
+    fields = {"model_type": raw["model_type"], "_name_or_path": str(name_or_path),
+              "tokenizer_class": raw.get("tokenizer_class")}
+    if "model_name" in raw:
+        fields["model_name"] = raw["model_name"]
+    return {"config": SimpleNamespace(**fields)}
+
+
 class Tokenizer:
     def __init__(self, hf_tokenizer: Any) -> None:
         self.hf = hf_tokenizer
@@ -62,7 +88,8 @@ class Tokenizer:
             with torch_hidden(without_torch):
                 from transformers import AutoTokenizer
 
-                return cls(AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code))
+                return cls(AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code,
+                                                         **_config_for_tokenizer(name_or_path)))
         except (OSError, ValueError) as e:
             raise TokenizerError(f"cannot load a tokenizer from {name_or_path!r}: {e}") from e
 
