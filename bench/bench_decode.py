@@ -49,6 +49,17 @@ def run_engine(model, ps, cascade: bool) -> dict:
     return {"wall": time.perf_counter() - t, "steps": steps, "path": engine.attention_path}
 
 
+def warm_up(model) -> None:
+    from pipeline.engine import Engine
+    from pipeline.types import Request, SamplingParams
+
+    if hasattr(model, "generate"):  # transformers' model
+        with torch.inference_mode():
+            model(input_ids=torch.tensor([[100, 101, 102]]))
+    else:
+        Engine(model, eos_token_ids=[]).generate([Request(0, [100, 101, 102], SamplingParams(max_new_tokens=1))])
+
+
 def run_generate(model, ps) -> dict:
     from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
@@ -75,10 +86,10 @@ def child(system: str, b: int, p: int, threads: int, queue) -> None:
     from pipeline.model import load_model
 
     base = _rss_mb()  # the interpreter and libraries: not the group's memory
-    model, _ = load_model(None, "cpu", "float32")
+    # the engine's paths on what a CLI run loads (batchgen's decoder), `generate` on transformers' model
+    model, _ = load_model(None, "cpu", "float32", own_decoder=False if system == "generate" else None)
     # a 3-token warm-up pages the weights in and initializes the kernels (about 25 MB here)
-    with torch.inference_mode():
-        model(input_ids=torch.tensor([[100, 101, 102]]))
+    warm_up(model)
     warm = _rss_mb()
     # peaks from here on: loading packs the weights in place
     # (`kernels.pack_in_place`), and while it does, the checkpoint's pages and the packed copies
@@ -98,12 +109,13 @@ def speed_child(systems: list[str], b: int, p: int, threads: int, repeat: int, q
     torch.set_num_threads(threads)
     from pipeline.model import load_model
 
-    model, _ = load_model(None, "cpu", "float32")
+    own = load_model(None, "cpu", "float32")[0] if set(systems) - {"generate"} else None
+    hf = load_model(None, "cpu", "float32", own_decoder=False)[0] if "generate" in systems else None
     ps = prompts(b, p)
     steps: dict[str, list[float]] = {s: [] for s in systems}
     for _ in range(repeat):
         for system in systems:
-            out = run_generate(model, ps) if system == "generate" else run_engine(model, ps, system == "cascade")
+            out = run_generate(hf, ps) if system == "generate" else run_engine(own, ps, system == "cascade")
             steps[system] += out["steps"]
     queue.put(steps)
 

@@ -34,22 +34,44 @@ VIEWS = {"aten::view", "aten::reshape", "aten::transpose", "aten::slice", "aten:
          "aten::view_as", "aten::empty_like", "aten::matmul", "aten::linear", "aten::dropout"}
 
 
-def linear_rate(dtype: torch.dtype, m: int, model) -> float:
-    """GFLOP/s of the model's own linear layers at M rows (oneDNN for float32 on CPU, as the engine)."""
-    from pipeline import kernels
+def model_linears(model) -> list[tuple[str, object, int, int]]:
+    """(name, holder, in, out) of every weight matmul the model's forwards run: the decoder's fused
+    layers (`pipeline.decoder`) or a transformers model's `nn.Linear` modules."""
+    from pipeline.decoder import Decoder
 
-    layers = [l for l in model.modules() if isinstance(l, torch.nn.Linear)][:7] or []
-    x = {l.in_features: torch.randn(1, m, l.in_features, dtype=dtype) for l in layers}
-    fast = kernels.fast_linears(model)
-    flops = sum(2 * m * l.in_features * l.out_features for l in layers)
+    if isinstance(model, Decoder):
+        c = model.config
+        h, d, inter = c.hidden_size, c.head_dim, c.intermediate_size
+        shapes = {"qkv": (h, (c.num_attention_heads + 2 * c.num_key_value_heads) * d),
+                  "o": (c.num_attention_heads * d, h), "gate": (h, inter), "up": (h, inter), "down": (inter, h)}
+        out = [(f"layers.{i}.{n}", layer, *shapes[n]) for i, layer in enumerate(model.layers) for n in shapes]
+        return out + [("lm_head", model, h, c.vocab_size)]
+    return [(n, m, m.in_features, m.out_features) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+
+
+def linear_rate(dtype: torch.dtype, m: int, model) -> float:
+    """GFLOP/s of the model's own linear layers (one layer's) at M rows, run as the engine runs them."""
+    from pipeline import kernels
+    from pipeline.decoder import Decoder
+
+    if isinstance(model, Decoder):
+        layer = model.layers[0]
+        calls = [(getattr(layer, n.rsplit(".", 1)[1]), i, o) for n, _, i, o in model_linears(model)[:5]]
+        fast = []
+    else:
+        layers = [l for l in model.modules() if isinstance(l, torch.nn.Linear)][:7]
+        calls = [(l, l.in_features, l.out_features) for l in layers]
+        fast = kernels.fast_linears(model)
+    x = {i: torch.randn(m, i, dtype=dtype) for _, i, _ in calls}
+    flops = sum(2 * m * i * o for _, i, o in calls)
     with torch.inference_mode(), kernels.linears_on_onednn(fast):
         for _ in range(2):
-            for l in layers:
-                l(x[l.in_features])
+            for f, i, _ in calls:
+                f(x[i])
         t = time.perf_counter()
         for _ in range(5):
-            for l in layers:
-                l(x[l.in_features])
+            for f, i, _ in calls:
+                f(x[i])
     return flops * 5 / (time.perf_counter() - t) / 1e9
 
 
@@ -65,6 +87,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--json", default=None)
+    p.add_argument("--model-code", default="batchgen", choices=["batchgen", "transformers"],
+                   help="batchgen's own decoder (pipeline/decoder.py) or transformers' model code")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
@@ -75,21 +99,23 @@ def main() -> int:
     from pipeline.model import load_model
     from pipeline.types import Request, SamplingParams
 
-    model, source = load_model(None, "cpu", args.dtype)
+    from pipeline.decoder import Decoder
+
+    model, source = load_model(None, "cpu", args.dtype, own_decoder=args.model_code == "batchgen")
     tok = AutoTokenizer.from_pretrained(source)
     rows = corpus.WORKLOADS[args.workload](max_new_tokens=args.max_new_tokens)
     reqs = [Request(i, tok(r["prompt"]).input_ids, SamplingParams(max_new_tokens=args.max_new_tokens))
             for i, r in enumerate(rows)]
     config = model.config
-    linear_params = sum(l.in_features * l.out_features for n, l in model.named_modules()
-                        if isinstance(l, torch.nn.Linear) and "lm_head" not in n)
+    linears = model_linears(model)
+    linear_params = sum(i * o for n, _, i, o in linears if "lm_head" not in n)
     head_flops = 2 * config.vocab_size * config.hidden_size
 
     Engine(model, eos_token_ids=[]).generate(reqs[:2])  # warm-up: kernels, probes, allocator
     engine = Engine(model, eos_token_ids=[])
     phases = defaultdict(lambda: defaultdict(float, by_rows=[]))
     timer = {"attention": 0.0, "linear": 0.0, "attention_gflop": 0.0}
-    real_attention, real_linear = attention.attention, torch.nn.Linear.forward
+    real_attention, real_linear = attention.attend, torch.nn.Linear.forward
 
     def timing(fn, key):  # perf_counter around every call: light enough for a decode step's 200 linears
         def timed(*a, **kw):
@@ -124,11 +150,15 @@ def main() -> int:
     attention._attend = attend
     attention.native.decode_attention = native_attend
     attention.native.prefill_attention = prefill_attend
-    attention.AttentionInterface.register(attention.NAME, timing(real_attention, "attention"))
+    attention.attend = timing(real_attention, "attention")  # both model codes call it per layer
     engine.linears = [(m, timing(f, "linear")) for m, f in engine.linears]  # oneDNN's, switched on per forward
-    packed = {m: m.forward for m in model.modules() if isinstance(m, torch.nn.Linear) and "forward" in vars(m)}
-    for m, f in packed.items():  # packed in place by load_model: oneDNN's for good
-        m.forward = timing(f, "linear")
+    if isinstance(model, Decoder):  # its fused layers are callables on the layers
+        packed = [(holder, n.rsplit(".", 1)[-1], getattr(holder, n.rsplit(".", 1)[-1])) for n, holder, _, _ in linears]
+    else:  # packed in place by load_model: oneDNN's for good
+        packed = [(m, "forward", m.forward) for m in model.modules()
+                  if isinstance(m, torch.nn.Linear) and "forward" in vars(m)]
+    for holder, name, f in packed:
+        setattr(holder, name, timing(f, "linear"))
     torch.nn.Linear.forward = timing(real_linear, "linear")
     real_forward = engine.forward
 
@@ -153,19 +183,19 @@ def main() -> int:
     t = time.perf_counter()
     engine.generate(reqs)
     total = time.perf_counter() - t
-    attention.AttentionInterface.register(attention.NAME, real_attention)
+    attention.attend = real_attention
     attention._attend = real_attend
     attention.native.decode_attention = real_native
     attention.native.prefill_attention = real_prefill
     torch.nn.Linear.forward = real_linear
-    for m, f in packed.items():
-        m.forward = f
+    for holder, name, f in packed:
+        setattr(holder, name, f)
     # each forward's floor at the rate of its own row count (rounded up to a power of two): a
     # decode step of 5 rows runs its GEMMs far below the 2,048-row rate, and so would any engine
     needed = {bucket(m) for ph in phases.values() for m, _ in ph["by_rows"]} | {64, 2048}
-    rates = {m: linear_rate(model.dtype, m, model) for m in sorted(needed)}
+    rates = {m: linear_rate(engine.dtype, m, model) for m in sorted(needed)}
 
-    print(f"## {args.workload}, {args.dtype}, {args.threads} threads: {len(reqs)} jobs, prefill "
+    print(f"## {args.workload}, {args.dtype}, {args.model_code}'s model code, {args.threads} threads: {len(reqs)} jobs, prefill "
           f"{engine.stats.prefill_tokens} tokens, {engine.stats.completion_tokens} new tokens, {total:.1f} s in the engine")
     print(f"linear rate here: {rates[2048]:.0f} GFLOP/s at 2048 rows, {rates[64]:.0f} at 64 rows (oneDNN)\n")
     print("| phase | forwards | tokens | wall s | linear s | attention s | other s | matmul floor s | wall / floor "

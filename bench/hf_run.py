@@ -25,7 +25,7 @@ def main() -> None:
 
     from pipeline.model import load_model
 
-    model, source = load_model(None, "cpu", dtype, pack_weights=False)  # plain Hugging Face layers
+    model, source = load_model(None, "cpu", dtype, pack_weights=False, own_decoder=False)  # plain Hugging Face layers
     tok = AutoTokenizer.from_pretrained(source)
     eos = model.generation_config.eos_token_id
     rows = [json.loads(line) for line in open(jobs_path)]

@@ -28,7 +28,6 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import torch
-from transformers import AttentionInterface
 
 from pipeline import native
 from pipeline.kv import LayerShape
@@ -47,21 +46,27 @@ KWARG = "batchgen_step"
 def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask=None,
               scaling: float | None = None, dropout: float = 0.0, sliding_window: int | None = None,
               softcap: float | None = None, **kwargs):
-    """query (1, Hq, T, D), key/value (1, Hkv, T, D): the forward's new tokens; returns (1, T, Hq, Dv)."""
-    step: Step = kwargs[KWARG]
-    layer = module.layer_idx
-    q, k, v = query[0], key[0], value[0]  # (H, T, D)
+    """transformers' attention interface: query (1, Hq, T, D), key/value (1, Hkv, T, D), the
+    forward's new tokens; returns (1, T, Hq, Dv)."""
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = attend(kwargs[KWARG], module.layer_idx, query[0], key[0], value[0], scale, sliding_window, softcap)
+    return out.to(query.dtype)[None], None
+
+
+def attend(step: Step, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+           sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """One layer's attention for the step's flat tokens: q (Hq, T, D), k/v (Hkv, T, D) (views are
+    fine); the new keys/values are stored first. Returns (T, Hq, Dv) in float32."""
     hq, t, d = q.shape
     hkv = k.shape[0]
     fold = hq // hkv
-    scale = scaling if scaling is not None else d ** -0.5
     step.store(layer, k, v)
 
     out = q.new_empty(t, hq, v.shape[-1], dtype=torch.float32)
     if step.native is not None and sliding_window is None and softcap is None \
             and native_ok(q.dtype, hq, hkv, d, v.shape[-1]) and _native(step, layer, q, hkv, scale, out):
         step.kernel_layers[0] += 1
-        return out.to(query.dtype)[None], None
+        return out
     step.kernel_layers[1] += 1
     lse = q.new_empty(t, hq, dtype=torch.float32)
     if step.n_dec:  # one token per decoding slot, against the slots' own keys, in runs of slots
@@ -112,7 +117,7 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             out[g.index].lerp_(o, w)
         else:
             out.index_copy_(0, g.index, out.index_select(0, g.index).lerp_(o, w))
-    return out.to(query.dtype)[None], None
+    return out
 
 
 def kernels_used(stats) -> str | None:
@@ -269,6 +274,7 @@ def native_ok(dtype: torch.dtype, hq: int, hkv: int, d: int, dv: int) -> bool:
 @contextmanager
 def selected(model: torch.nn.Module) -> Iterator[None]:
     """Route the model's attention through this module for one forward."""
+    _register(NAME, attention)
     config = model.config
     previous = config._attn_implementation
     config._attn_implementation = NAME
@@ -281,7 +287,7 @@ def selected(model: torch.nn.Module) -> Iterator[None]:
 @contextmanager
 def probing(model: torch.nn.Module, fn) -> Iterator[None]:
     """Route the model's attention to `fn` for one forward (the engine reads the layers' shapes)."""
-    AttentionInterface.register(NAME + "_probe", fn)
+    _register(NAME + "_probe", fn)
     config = model.config
     previous = config._attn_implementation
     config._attn_implementation = NAME + "_probe"
@@ -314,4 +320,9 @@ def layer_shapes(model: torch.nn.Module) -> list[LayerShape]:
     return [seen[i] for i in sorted(seen)]
 
 
-AttentionInterface.register(NAME, attention)
+def _register(name: str, fn) -> None:
+    """transformers' registry is imported only for a transformers model: a process that runs
+    batchgen's own decoder (`pipeline.decoder`) never imports transformers' model code."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(name, fn)

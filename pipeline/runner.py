@@ -201,9 +201,11 @@ class _Run:
                             "rerun the same command to resume")
         counts = self._write_output()
         from pipeline.attention import kernels_used
+        from pipeline.decoder import model_code_used
 
         about = {"attention_path": (engine or new_engine()).attention_path,
-                 "attention_kernels": kernels_used(committer.finished), "output": self.output,
+                 "attention_kernels": kernels_used(committer.finished),
+                 "model_code": model_code_used(committer.finished), "output": self.output,
                  "errors_file": errors_path(self.output, fmt) if counts.failed else None,
                  "resumed_jobs": int(done.sum())}
         return counts, committer.work(), about

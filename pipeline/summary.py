@@ -113,7 +113,7 @@ def merged(summaries: list[Mapping[str, Any]]) -> dict[str, Any]:
     out = dict(summaries[0])
     out.update(summarize(counts, add_work(*summaries), wall))
     out["resumed_jobs"] = sum(int(s.get("resumed_jobs", 0) or 0) for s in summaries)
-    for key in ("attention_path", "attention_kernels"):
+    for key in ("attention_path", "attention_kernels", "model_code"):
         values = sorted({str(s.get(key)) for s in summaries if s.get(key)})
         out[key] = values[0] if len(values) == 1 else values or None
     return out

@@ -113,6 +113,8 @@ class RunStats:
     oom_splits: int = 0  # batches split (or prefill chunks halved) after running out of memory
     compiled_attention_layers: int = 0  # layer calls through batchgen's compiled CPU kernels ...
     pytorch_attention_layers: int = 0  # ... and through PyTorch's
+    own_decoder_forwards: int = 0  # forwards through batchgen's own decoder (pipeline/decoder.py) ...
+    transformers_forwards: int = 0  # ... and through transformers' model code
 
     def add(self, other: "RunStats") -> None:
         for name in self.__dataclass_fields__:

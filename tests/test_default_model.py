@@ -35,7 +35,7 @@ def test_default_model_greedy_output_equals_plain_generate(tmp_path):
     rows = pq.read_table(out).to_pylist()
     assert [r["id"] for r in rows] == ["dream1", "dream2", "dream3", "q0", "q1", "q2", "n", "n"]
 
-    model, source = load_model(None, "cpu", "float32")
+    model, source = load_model(None, "cpu", "float32", own_decoder=False)  # transformers' model code
     tok = Tokenizer.load(source)
     eos = model.generation_config.eos_token_id
     eos = eos if isinstance(eos, list) else [eos]
@@ -48,3 +48,4 @@ def test_default_model_greedy_output_equals_plain_generate(tmp_path):
     assert rows[4]["cached_tokens"] >= len(tok.encode_messages([{"role": "system", "content": SYSTEM}])) - 2
     summary = json.loads((tmp_path / "out.parquet.summary.json").read_text())
     assert summary["model"] == "SmolLM2-135M-Instruct" and summary["prefill_tokens"] < summary["prompt_tokens"]
+    assert summary["model_code"] == "batchgen"  # the CLI ran batchgen's own decoder, checked against transformers

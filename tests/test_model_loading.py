@@ -102,7 +102,7 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     [("auto", torch.float32), ("float32", torch.float32), ("bfloat16", torch.bfloat16)],
 )
 def test_load_model_tiny(tiny_llama_dir: Path, dtype: str, expected: torch.dtype) -> None:
-    model, source = load_model(str(tiny_llama_dir), device="cpu", dtype=dtype)
+    model, source = load_model(str(tiny_llama_dir), device="cpu", dtype=dtype, own_decoder=False)
     assert isinstance(model, LlamaForCausalLM)
     assert source == str(tiny_llama_dir)
     assert not model.training
@@ -117,7 +117,7 @@ def test_load_model_tiny(tiny_llama_dir: Path, dtype: str, expected: torch.dtype
 
 def test_load_model_falls_back_to_eager(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(LlamaForCausalLM, "_supports_sdpa", False)
-    model, _ = load_model(str(tiny_llama_dir), device="cpu")
+    model, _ = load_model(str(tiny_llama_dir), device="cpu", own_decoder=False)
     assert model.config._attn_implementation == "eager"
 
 
@@ -180,7 +180,7 @@ def test_default_model_conversion(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     assert time.perf_counter() - t0 < 5
 
     t0 = time.perf_counter()
-    model, source = load_model(None, device="cpu")
+    model, source = load_model(None, device="cpu", own_decoder=False)  # transformers' model: `generate` below
     reload_s = time.perf_counter() - t0
     print(f"\nconversion {convert_s:.1f}s, reload {reload_s:.2f}s")
     assert source == str(path)

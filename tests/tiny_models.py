@@ -28,10 +28,15 @@ CONFIGS = {
                                num_attention_heads=4, word_embed_proj_dim=64, max_position_embeddings=512),
 }
 ARCHS = list(CONFIGS)
+# more layouts batchgen's own decoder (pipeline/decoder.py) runs: Qwen3's per-head norms, Llama's biases
+EXTRA = {
+    "qwen3": lambda: T.Qwen3Config(**COMMON, **LLAMA_LIKE, head_dim=16),
+    "llama_bias": lambda: T.LlamaConfig(**COMMON, **LLAMA_LIKE, attention_bias=True, mlp_bias=True),
+}
 
 
 def make_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    config = CONFIGS[arch]()
+    config = (CONFIGS.get(arch) or EXTRA[arch])()
     config.initializer_range = 0.3
     torch.manual_seed(seed)
     try:
@@ -39,3 +44,16 @@ def make_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> 
     except ValueError:  # e.g. Gemma2 (logit soft-capping) only runs eager attention
         model = T.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=dtype)
     return model.eval()
+
+
+def make_decoder(arch: str, directory, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """The tiny model saved to `directory` and loaded into batchgen's own decoder: (transformers'
+    model, the decoder), the same weights."""
+    from pipeline.decoder import Decoder
+    from pipeline.decoder_config import read
+
+    model = make_model(arch, seed=seed, dtype=dtype)
+    model.save_pretrained(directory)
+    config, why = read(directory)
+    assert why is None, why
+    return model, Decoder(config, torch.device("cpu"), dtype)

@@ -1,0 +1,200 @@
+"""batchgen's own decoder (pipeline/decoder.py) against transformers' model code: which models it
+takes, its logits, and the engine's greedy output on it against plain uncached `generate`."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from jobsets import edge_case_requests, tokenizer
+from pipeline import decoder_config
+from pipeline.decoder import Decoder
+from pipeline.engine import Engine
+from pipeline.kv import PrefixKV
+from pipeline.model import load_config, load_model
+from pipeline.preflight import context_window, vocab_size
+from pipeline.step import Segment, build
+from reference import reference_generate
+from test_engine import _bf16_tie
+from tiny_models import ARCHS, EXTRA, make_decoder, make_model
+
+EOS = [2]
+TAKES = ["llama", "qwen2", "mistral", "qwen3", "llama_bias"]  # mistral: a sliding window of 12
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tokenizer()
+
+
+@pytest.mark.parametrize("arch", ARCHS + list(EXTRA))
+def test_which_models_it_takes(arch, tmp_path):
+    make_model(arch).save_pretrained(tmp_path)
+    config, why = decoder_config.read(tmp_path)
+    if arch in TAKES:
+        assert why is None and config.num_hidden_layers == 2
+        assert config.sliding_window == (12 if arch == "mistral" else None)
+    else:
+        assert config is None and "model type" in why
+
+
+def _edit(tmp_path, **changes):
+    path = tmp_path / "config.json"
+    raw = json.loads(path.read_text())
+    for k, v in changes.items():
+        if v is _DROP:
+            raw.pop(k)
+        else:
+            raw[k] = v
+    path.write_text(json.dumps(raw))
+
+
+_DROP = object()
+
+
+@pytest.mark.parametrize("arch, changes, why", [
+    ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}}, "rope type 'llama3'"),
+    ("llama", {"rms_norm_eps": _DROP}, "does not state rms_norm_eps"),
+    ("llama", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ("llama", {"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
+    ("llama", {"auto_map": {"AutoModelForCausalLM": "x.Y"}}, "auto_map"),
+    ("llama", {"tie_word_embeddings": True}, "holds lm_head.weight"),  # would not read its own head
+    ("llama", {"attention_bias": True}, "lacks model.layers.0.self_attn.k_proj.bias"),
+    ("qwen2", {"use_sliding_window": True, "layer_types": ["full_attention", "sliding_attention"]}, "some layers"),
+    ("mistral", {"sliding_window": _DROP}, "does not state sliding_window"),
+])
+def test_what_it_refuses(arch, changes, why, tmp_path):
+    """Anything its forward does not implement, or a value left to a config class's default, goes
+    to transformers' model code."""
+    make_model(arch).save_pretrained(tmp_path)
+    _edit(tmp_path, **changes)
+    config, reason = decoder_config.read(tmp_path)
+    assert config is None and why in reason, reason
+
+
+def test_it_refuses_a_checkpoint_with_tensors_it_would_not_use(tmp_path):
+    make_model("llama").save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    weights["model.layers.0.self_attn.extra.weight"] = torch.zeros(2)
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    assert "holds model.layers.0.self_attn.extra.weight" in decoder_config.read(tmp_path)[1]
+
+
+@pytest.mark.parametrize("arch", TAKES)
+def test_logits_equal_transformers_forward(arch, tmp_path):
+    """One 40-token sequence prefilled from scratch: every position's logits against the model's
+    own full forward (float32)."""
+    model, dec = make_decoder(arch, tmp_path)
+    ids = torch.randint(3, 250, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    kv = PrefixKV(dec.layer_shapes(), len(ids), torch.float32, torch.device("cpu"))
+    step = build([], [], [(Segment(0, 0, kv.k, kv.v, 0, 0, 0), ids)], None, torch.device("cpu"))
+    with torch.inference_mode():
+        got = dec.forward(step, torch.arange(len(ids)))
+        want = model(torch.tensor([ids])).logits[0]
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("kernels", ["compiled", "pytorch"])
+@pytest.mark.parametrize("arch", TAKES)
+def test_greedy_equals_uncached_generate(arch, kernels, tok, tmp_path, monkeypatch):
+    """The engine on the decoder: every edge case (prompt == shared prefix, one-token prompts, n
+    samples, nested prefixes, rows joining) equals transformers' uncached `generate`."""
+    if kernels == "pytorch":
+        monkeypatch.setenv("BATCHGEN_NATIVE", "0")
+    model, dec = make_decoder(arch, tmp_path)
+    reqs = edge_case_requests(tok)
+    engine = Engine(dec, eos_token_ids=EOS, min_shared_tokens=4, max_batch_tokens=250)
+    got = {(c.key, c.sample_index): c.token_ids for c in engine.run(reqs)}
+    assert engine.own_decoder and engine.stats.own_decoder_forwards > 0 and engine.stats.transformers_forwards == 0
+    assert engine.stats.cascade_batches > 0 and engine.stats.admitted_rows > 3
+    for r in reqs:
+        want = reference_generate(model, r, EOS)
+        assert all(got[(r.key, s)] == want for s in range(r.params.n)), f"{arch}: job {r.key}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_bfloat16_greedy_equals_bfloat16_uncached_generate(arch, tok, tmp_path):
+    """As test_engine's bfloat16 test: equal, or parting exactly where the reference's own
+    bfloat16 logits are tied."""
+    model, dec = make_decoder(arch, tmp_path, dtype=torch.bfloat16)
+    reqs = edge_case_requests(tok)
+    engine = Engine(dec, eos_token_ids=EOS, min_shared_tokens=4, max_batch_tokens=250)
+    got = {(c.key, c.sample_index): c.token_ids for c in engine.run(reqs)}
+    equal = 0
+    for r in reqs:
+        want = reference_generate(model, r, EOS)
+        for s in range(r.params.n):
+            equal += got[(r.key, s)] == want
+            assert got[(r.key, s)] == want or _bf16_tie(model, r.prompt_ids, want, got[(r.key, s)]), f"{arch}: {r.key}"
+    assert equal >= len(got) * 2 // 3
+
+
+def test_load_model_picks_the_decoder_on_a_cpu(tmp_path, monkeypatch):
+    make_model("llama").save_pretrained(tmp_path / "llama")
+    make_model("gpt2").save_pretrained(tmp_path / "gpt2")
+    model, _ = load_model(str(tmp_path / "llama"), "cpu", "float32")
+    assert isinstance(model, Decoder) and model.dtype == torch.float32
+    assert load_model(str(tmp_path / "llama"), "cpu", "bfloat16")[0].dtype == torch.bfloat16
+    assert not isinstance(load_model(str(tmp_path / "llama"), "cpu", own_decoder=False)[0], Decoder)
+    assert not isinstance(load_model(str(tmp_path / "gpt2"), "cpu")[0], Decoder)  # not a model it takes
+    monkeypatch.setenv("BATCHGEN_DECODER", "0")
+    assert not isinstance(load_model(str(tmp_path / "llama"), "cpu")[0], Decoder)
+
+
+@pytest.mark.parametrize("arch", TAKES)
+def test_its_config_reads_as_transformers_does(arch, tmp_path):
+    """What the checks before a run read of a model (context window, vocabulary, end-of-sequence
+    ids) equals what transformers' config and generation config say."""
+    from transformers import AutoConfig
+
+    model = make_model(arch)
+    model.generation_config.eos_token_id = [2, 5]
+    model.save_pretrained(tmp_path)
+    ours, theirs = load_config(str(tmp_path)), AutoConfig.from_pretrained(tmp_path)
+    assert isinstance(ours, decoder_config.DecoderConfig)
+    assert (context_window(ours), vocab_size(ours)) == (context_window(theirs), vocab_size(theirs))
+    hf = load_model(str(tmp_path), "cpu", own_decoder=False)[0]
+    assert load_model(str(tmp_path), "cpu")[0].generation_config.eos_token_id == hf.generation_config.eos_token_id
+
+
+def test_tokenizer_without_the_config_class_is_the_same(model_dir):
+    """`Tokenizer.load` hands AutoTokenizer the few config fields it reads instead of the config
+    class (whose import costs a second): the same tokenizer class, ids and chat text."""
+    from transformers import AutoTokenizer
+
+    from pipeline.tokenize import Tokenizer, _config_for_tokenizer
+
+    assert _config_for_tokenizer(str(model_dir))  # the fast path applies to this directory
+    ours, theirs = Tokenizer.load(str(model_dir)).hf, AutoTokenizer.from_pretrained(model_dir)
+    assert type(ours) is type(theirs)
+    for text in ("the answer", "<|im_start|>user\nhi<|im_end|>", " spaces  and\nlines"):
+        assert ours(text).input_ids == theirs(text).input_ids
+    chat = [{"role": "user", "content": "hello there"}]
+    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+
+
+def test_a_cli_run_on_the_decoder_imports_no_model_code(tmp_path, model_dir):
+    """The point of the decoder on a CPU: the process never imports transformers' model classes
+    (their import graph is most of a run's start-up), and its summary says which code ran; with
+    BATCHGEN_DECODER=0 the same run goes through transformers and writes the same text."""
+    src = tmp_path / "jobs.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"One shared system prompt here. Question {i}"}) + "\n"
+                           for i in range(4)))
+    texts = {}
+    for flag, code in (("1", "batchgen"), ("0", "transformers")):
+        out = tmp_path / f"out{flag}.parquet"
+        env = {**__import__("os").environ, "BATCHGEN_DECODER": flag}
+        run = subprocess.run([sys.executable, "-X", "importtime", "-m", "pipeline", "process", str(src), "-o",
+                              str(out), "--model", str(model_dir), "--max-new-tokens", "5", "--device", "cpu"],
+                             capture_output=True, text=True, env=env)
+        assert run.returncode == 0, run.stderr[-2000:]
+        imported = {line.split("|")[-1].strip() for line in run.stderr.splitlines() if line.startswith("import time")}
+        assert ("transformers.modeling_utils" in imported) == (code == "transformers")
+        assert json.loads(out.with_name(out.name + ".summary.json").read_text())["model_code"] == code
+        import pyarrow.parquet as pq
+
+        texts[flag] = pq.read_table(out).column("completion").to_pylist()
+    assert texts["1"] == texts["0"]
