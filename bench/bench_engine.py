@@ -8,7 +8,8 @@ Greedy everywhere, `--threads` threads everywhere, float32 unless the system's n
 every row may stop at EOS (the outputs are compared with batchgen's).
 
 Systems:
-  batchgen, batchgen-bf16      `batchgen process` (float32 / bfloat16)
+  batchgen, batchgen-bf16      `batchgen process` (float32 / bfloat16), on batchgen's own decoder
+  batchgen-transformers        `batchgen process`, float32, on transformers' model code (BATCHGEN_DECODER=0)
   openvino                     OpenVINO GenAI, continuous batching, prefix caching off (f32 compute and KV)
   openvino-prefix-warm         prefix caching on; one request per group first, then the rest
   ctranslate2-static           CTranslate2, one generate_batch per group with its common prefix as static_prompt
@@ -33,7 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = Path(os.environ.get("BATCHGEN_PEERS", Path.home() / ".cache" / "batchgen-peers"))
-ALL = ["batchgen", "batchgen-bf16", "openvino", "openvino-prefix-warm", "ctranslate2-static", "hf-batched"]
+ALL = ["batchgen", "batchgen-bf16", "batchgen-transformers", "openvino", "openvino-prefix-warm", "ctranslate2-static", "hf-batched"]
 
 
 @dataclass
@@ -48,7 +49,7 @@ def command(system: str, jobs: Path, out: Path, args) -> list[str] | None:
     """The command line of one run, or None when the system is not set up here."""
     bg = [str(Path(sys.executable).parent / "batchgen"), "process", str(jobs), "-o", str(out), "--overwrite",
           "--device", "cpu", "--threads", str(args.threads), "--max-new-tokens", str(args.max_new_tokens)]
-    if system == "batchgen":
+    if system in ("batchgen", "batchgen-transformers"):
         return bg + ["--dtype", "float32"]
     if system == "batchgen-bf16":
         return bg + ["--dtype", "bfloat16"]
@@ -73,6 +74,8 @@ def command(system: str, jobs: Path, out: Path, args) -> list[str] | None:
 
 def run_once(system: str, cmd: list[str], out: Path, result: Result) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": str(len(os.sched_getaffinity(0)))}
+    if system == "batchgen-transformers":
+        env["BATCHGEN_DECODER"] = "0"
     t = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wall = time.perf_counter() - t
@@ -84,7 +87,8 @@ def run_once(system: str, cmd: list[str], out: Path, result: Result) -> None:
 
         summary = json.loads(Path(str(out) + ".summary.json").read_text())
         result.version = f"batchgen {summary['versions']['batchgen']}, torch {summary['versions']['torch']}"
-        result.info = {k: summary[k] for k in ("prompt_tokens", "prefill_tokens", "completion_tokens", "batches")}
+        result.info = {k: summary.get(k) for k in ("prompt_tokens", "prefill_tokens", "completion_tokens", "batches",
+                                                   "model_code")}
         rows = pq.read_table(out).to_pylist()
         result.completions = {r["id"]: r["completion"] for r in rows}
     else:
