@@ -1,9 +1,10 @@
 """batchgen's attention: packed tokens, shared prefixes read once, merged exactly.
 
-The one module that touches transformers' attention API (it churns between releases). The model
-code stays Hugging Face's: batchgen registers this function in transformers' attention registry
-and, for its own forwards only, selects it and passes the forward's layout (`pipeline.step.Step`)
-as a keyword argument, which transformers forwards to every attention call.
+The one module that touches transformers' attention API (it churns between releases). batchgen's
+own decoder (`pipeline.decoder`) calls `attend` per layer. For transformers' model code, batchgen
+registers `attention` in transformers' attention registry (imported only then) and, for its own
+forwards only, selects it and passes the forward's layout (`pipeline.step.Step`) as a keyword
+argument, which transformers forwards to every attention call.
 
 Per layer, for the forward's flat list of tokens:
 1. the new keys/values are written into their buffers (row slots or a prefix being prefilled);
