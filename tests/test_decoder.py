@@ -198,3 +198,30 @@ def test_a_cli_run_on_the_decoder_imports_no_model_code(tmp_path, model_dir):
 
         texts[flag] = pq.read_table(out).column("completion").to_pylist()
     assert texts["1"] == texts["0"]
+
+
+def test_sharded_bfloat16_checkpoint_in_float32(tok, tmp_path):
+    """A checkpoint in several safetensors files, stored in bfloat16, run in float32 on the decoder
+    and on transformers' model code (both widen the same bfloat16 weights): the same greedy text."""
+    make_model("qwen2", dtype=torch.bfloat16).save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    config, why = decoder_config.read(tmp_path)
+    assert why is None and len(config.files) > 1
+    dec = load_model(str(tmp_path), "cpu", "float32")[0]
+    hf = load_model(str(tmp_path), "cpu", "float32", own_decoder=False)[0]
+    assert isinstance(dec, Decoder) and dec.dtype == torch.float32
+    reqs = edge_case_requests(tok, max_new_tokens=6)
+    got = {(c.key, c.sample_index): c.token_ids for c in Engine(dec, eos_token_ids=EOS, min_shared_tokens=4).run(reqs)}
+    for r in reqs:
+        assert got[(r.key, 0)] == reference_generate(hf, r, EOS), r.key
+
+
+def test_static_decode_steps_on_the_decoder(tok, tmp_path):
+    """Decode steps on static shapes (what a CUDA graph captures) through the decoder."""
+    model, dec = make_decoder("llama", tmp_path)
+    reqs = edge_case_requests(tok, max_new_tokens=6)
+    engine = Engine(dec, eos_token_ids=EOS, min_shared_tokens=4, max_batch_tokens=250, static_decode=True)
+    got = {(c.key, c.sample_index): c.token_ids for c in engine.run(reqs)}
+    for r in reqs:
+        want = reference_generate(model, r, EOS)
+        assert all(got[(r.key, s)] == want for s in range(r.params.n)), r.key
