@@ -308,13 +308,22 @@ def load_config(name_or_path: str | None, trust_remote_code: bool = False, witho
 
 
 def _own_decoder_config(source: str):
-    """The model's `DecoderConfig` where batchgen's own decoder runs it (a local directory whose
-    files state all it needs, `pipeline.decoder_config`), else None."""
-    if not Path(source).is_dir():
-        return None
+    """The model's `DecoderConfig` where batchgen's own decoder runs it (a local directory, or a hub
+    id's snapshot in the local Hugging Face cache, whose files state all it needs:
+    `pipeline.decoder_config`), else None."""
     from pipeline.decoder_config import read
 
-    return read(source)[0]
+    if Path(source).is_dir():
+        return read(source)[0]
+    if _looks_local(source):
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(source, "config.json")
+    except (ValueError, OSError):  # not a valid repo id
+        return None
+    return read(Path(cached).parent)[0] if isinstance(cached, str) else None
 
 
 def load_model(

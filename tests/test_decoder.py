@@ -225,3 +225,17 @@ def test_static_decode_steps_on_the_decoder(tok, tmp_path):
     for r in reqs:
         want = reference_generate(model, r, EOS)
         assert all(got[(r.key, s)] == want for s in range(r.params.n)), r.key
+
+
+def test_a_hub_id_in_the_local_cache_runs_on_the_decoder(tmp_path, monkeypatch):
+    """`--model org/name` that is in the local Hugging Face cache: the decoder reads its snapshot."""
+    from huggingface_hub import constants
+
+    snapshot = tmp_path / "hub" / "models--tiny--llama" / "snapshots" / "abc123"
+    make_model("llama").save_pretrained(snapshot)
+    (tmp_path / "hub" / "models--tiny--llama" / "refs").mkdir()
+    (tmp_path / "hub" / "models--tiny--llama" / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    model, source = load_model("tiny/llama", "cpu", "float32")
+    assert source == "tiny/llama" and isinstance(model, Decoder) and model.config.path == str(snapshot)
+    assert isinstance(load_config("tiny/llama"), decoder_config.DecoderConfig)
