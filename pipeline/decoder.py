@@ -195,6 +195,9 @@ def _read(config: DecoderConfig, device: torch.device, dtype: torch.dtype) -> di
             if kind is None:
                 raise OSError(f"{path}: tensor {name} is {meta['dtype']}, not a floating-point type")
             start, end = meta["data_offsets"]
+            if not 0 <= start <= end <= len(mm) - 8 - n:
+                raise OSError(f"{path}: tensor {name} lies at bytes {start}-{end} of the data, "
+                              f"past the file's end ({len(mm) - 8 - n} bytes of data)")
             with warnings.catch_warnings():  # a read-only map: nothing here writes to it
                 warnings.simplefilter("ignore", UserWarning)
                 t = torch.frombuffer(mm, dtype=kind, count=(end - start) // kind.itemsize, offset=8 + n + start)

