@@ -121,13 +121,6 @@ def attend(step: Step, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     return out
 
 
-def kernels_used(stats) -> str | None:
-    """Which attention kernels a run's forwards used (`RunStats`), for its summary."""
-    used = [name for name, n in (("compiled", stats.compiled_attention_layers),
-                                 ("pytorch", stats.pytorch_attention_layers)) if n]
-    return " and ".join(used) or None
-
-
 def _native(step: Step, layer: int, q: torch.Tensor, hkv: int, scale: float, out: torch.Tensor) -> bool:
     """The whole layer through the compiled kernels: decode tokens, then every segment; each token
     against its anchor and its own keys in one pass, final. False if a kernel could not run."""

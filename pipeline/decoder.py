@@ -43,13 +43,6 @@ def enabled() -> bool:
     return os.environ.get("BATCHGEN_DECODER", "1") != "0"
 
 
-def model_code_used(stats) -> str | None:
-    """Which model code a run's forwards went through (`RunStats`), for its summary."""
-    used = [name for name, n in (("batchgen", stats.own_decoder_forwards),
-                                 ("transformers", stats.transformers_forwards)) if n]
-    return " and ".join(used) or None
-
-
 @dataclass
 class Layer:
     input_norm: torch.Tensor  # (H,)

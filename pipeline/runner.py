@@ -31,7 +31,7 @@ from pipeline.preflight import Checked, check_inputs, check_output, job_seed
 from pipeline.progress import Progress
 from pipeline.results import job_rows, openai_job_fields
 from pipeline.signals import Preempted, StopOnSignal
-from pipeline.summary import JobCounts, add_work, run_summary, work_of
+from pipeline.summary import JobCounts, add_work, run_summary, used, work_of
 from pipeline.tokenize import Tokenizer
 from pipeline.expand import JobTokens, completions_expected, job_requests, order_of, tokenize_jobs
 from pipeline.types import Completion, Request, RunStats
@@ -200,12 +200,12 @@ class _Run:
             raise Preempted(f"stopped by a signal; finished jobs are committed in {store.dir}; "
                             "rerun the same command to resume")
         counts = self._write_output()
-        from pipeline.attention import kernels_used
-        from pipeline.decoder import model_code_used
-
+        stats = committer.finished
         about = {"attention_path": (engine or new_engine()).attention_path,
-                 "attention_kernels": kernels_used(committer.finished),
-                 "model_code": model_code_used(committer.finished), "output": self.output,
+                 "attention_kernels": used(compiled=stats.compiled_attention_layers,
+                                           pytorch=stats.pytorch_attention_layers),
+                 "model_code": used(batchgen=stats.own_decoder_forwards, transformers=stats.transformers_forwards),
+                 "output": self.output,
                  "errors_file": errors_path(self.output, fmt) if counts.failed else None,
                  "resumed_jobs": int(done.sum())}
         return counts, committer.work(), about

@@ -105,6 +105,12 @@ def run_summary(counts: JobCounts, work: Mapping[str, int], *, started: float, m
     }
 
 
+def used(**counts: int) -> str | None:
+    """Which of the named paths a run took (those with a count), for a summary field such as
+    `attention_kernels` or `model_code`: "a", "a and b", or None."""
+    return " and ".join(name for name, n in counts.items() if n) or None
+
+
 def merged(summaries: list[Mapping[str, Any]]) -> dict[str, Any]:
     """Shard summaries joined: counters summed, rates recomputed; every other field is the first
     shard's (model, versions, options and job set are the same for all shards of one command)."""
