@@ -18,10 +18,8 @@ cast, rotary tables in float32 then cast), so outputs agree to float rounding.
 """
 from __future__ import annotations
 
-import json
 import mmap
 import os
-import struct
 import warnings
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -31,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline import attention, kernels
-from pipeline.decoder_config import DecoderConfig
+from pipeline.decoder_config import DecoderConfig, header
 from pipeline.kv import LayerShape
 from pipeline.step import Step
 
@@ -178,22 +176,21 @@ def _read(config: DecoderConfig, device: torch.device, dtype: torch.dtype) -> di
     the files too); every other tensor is copied out, and the map goes once the views do."""
     want, out = config.tensor_names(), {}
     for path in config.files:
+        data, tensors = header(path)
         with open(path, "rb") as f:
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        (n,) = struct.unpack("<Q", mm[:8])
-        header = json.loads(mm[8 : 8 + n])
-        for name in want & header.keys():
-            meta = header[name]
+        for name in want & tensors.keys():
+            meta = tensors[name]
             kind = _DTYPES.get(meta["dtype"])
             if kind is None:
                 raise OSError(f"{path}: tensor {name} is {meta['dtype']}, not a floating-point type")
             start, end = meta["data_offsets"]
-            if not 0 <= start <= end <= len(mm) - 8 - n:
+            if not 0 <= start <= end <= len(mm) - data:
                 raise OSError(f"{path}: tensor {name} lies at bytes {start}-{end} of the data, "
-                              f"past the file's end ({len(mm) - 8 - n} bytes of data)")
+                              f"past the file's end ({len(mm) - data} bytes of data)")
             with warnings.catch_warnings():  # a read-only map: nothing here writes to it
                 warnings.simplefilter("ignore", UserWarning)
-                t = torch.frombuffer(mm, dtype=kind, count=(end - start) // kind.itemsize, offset=8 + n + start)
+                t = torch.frombuffer(mm, dtype=kind, count=(end - start) // kind.itemsize, offset=data + start)
             t = t.view(meta["shape"])
             view_ok = name.endswith("_proj.weight") or name == "lm_head.weight"
             out[name] = t.to(device=device, dtype=dtype, copy=not view_ok)

@@ -193,8 +193,13 @@ def _checkpoint(d: Path) -> tuple[list[str], set[str]]:
         return [], set()
     names: set[str] = set()
     for f in files:
-        with open(d / f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        names |= {k for k in header if k != "__metadata__"}
+        names |= {k for k in header(d / f)[1] if k != "__metadata__"}
     return [str(d / f) for f in files], names
+
+
+def header(path: str | Path) -> tuple[int, dict]:
+    """A safetensors file's header: (where its data starts, {tensor name: dtype, shape and byte
+    offsets into the data}); the file starts with the header's length, then the header as JSON."""
+    with open(path, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        return 8 + n, json.loads(fh.read(n))
