@@ -34,9 +34,10 @@ VIEWS = {"aten::view", "aten::reshape", "aten::transpose", "aten::slice", "aten:
          "aten::view_as", "aten::empty_like", "aten::matmul", "aten::linear", "aten::dropout"}
 
 
-def model_linears(model) -> list[tuple[str, object, int, int]]:
-    """(name, holder, in, out) of every weight matmul the model's forwards run: the decoder's fused
-    layers (`pipeline.decoder`) or a transformers model's `nn.Linear` modules."""
+def model_linears(model) -> list[tuple[str, object, str, int, int]]:
+    """(name, holder, attribute, in, out) of every weight matmul the model's forwards run, each
+    called as `getattr(holder, attribute)`: the decoder's fused layers (`pipeline.decoder`) or a
+    transformers model's `nn.Linear` modules."""
     from pipeline.decoder import Decoder
 
     if isinstance(model, Decoder):
@@ -44,9 +45,10 @@ def model_linears(model) -> list[tuple[str, object, int, int]]:
         h, d, inter = c.hidden_size, c.head_dim, c.intermediate_size
         shapes = {"qkv": (h, (c.num_attention_heads + 2 * c.num_key_value_heads) * d),
                   "o": (c.num_attention_heads * d, h), "gate": (h, inter), "up": (h, inter), "down": (inter, h)}
-        out = [(f"layers.{i}.{n}", layer, *shapes[n]) for i, layer in enumerate(model.layers) for n in shapes]
-        return out + [("lm_head", model, h, c.vocab_size)]
-    return [(n, m, m.in_features, m.out_features) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+        out = [(f"layers.{i}.{n}", layer, n, *shapes[n]) for i, layer in enumerate(model.layers) for n in shapes]
+        return out + [("lm_head", model, "lm_head", h, c.vocab_size)]
+    return [(n, m, "forward", m.in_features, m.out_features) for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear)]
 
 
 def linear_rate(dtype: torch.dtype, m: int, model) -> float:
@@ -55,8 +57,7 @@ def linear_rate(dtype: torch.dtype, m: int, model) -> float:
     from pipeline.decoder import Decoder
 
     if isinstance(model, Decoder):
-        layer = model.layers[0]
-        calls = [(getattr(layer, n.rsplit(".", 1)[1]), i, o) for n, _, i, o in model_linears(model)[:5]]
+        calls = [(getattr(holder, attr), i, o) for _, holder, attr, i, o in model_linears(model)[:5]]  # layer 0
         fast = []
     else:
         layers = [l for l in model.modules() if isinstance(l, torch.nn.Linear)][:7]
@@ -108,7 +109,7 @@ def main() -> int:
             for i, r in enumerate(rows)]
     config = model.config
     linears = model_linears(model)
-    linear_params = sum(i * o for n, _, i, o in linears if "lm_head" not in n)
+    linear_params = sum(i * o for n, _, _, i, o in linears if "lm_head" not in n)
     head_flops = 2 * config.vocab_size * config.hidden_size
 
     Engine(model, eos_token_ids=[]).generate(reqs[:2])  # warm-up: kernels, probes, allocator
@@ -153,7 +154,7 @@ def main() -> int:
     attention.attend = timing(real_attention, "attention")  # both model codes call it per layer
     engine.linears = [(m, timing(f, "linear")) for m, f in engine.linears]  # oneDNN's, switched on per forward
     if isinstance(model, Decoder):  # its fused layers are callables on the layers
-        packed = [(holder, n.rsplit(".", 1)[-1], getattr(holder, n.rsplit(".", 1)[-1])) for n, holder, _, _ in linears]
+        packed = [(holder, attr, getattr(holder, attr)) for _, holder, attr, _, _ in linears]
     else:  # packed in place by load_model: oneDNN's for good
         packed = [(m, "forward", m.forward) for m in model.modules()
                   if isinstance(m, torch.nn.Linear) and "forward" in vars(m)]
