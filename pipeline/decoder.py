@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline import attention, kernels
-from pipeline.decoder_config import DecoderConfig, header
+from pipeline.decoder_config import FLOAT_DTYPES, DecoderConfig, header
 from pipeline.kv import LayerShape
 from pipeline.step import Step
 
@@ -166,7 +166,7 @@ def _fused(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> Li
     return kernels.linear(w, b)
 
 
-_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+_DTYPES = dict(zip(FLOAT_DTYPES, (torch.float32, torch.bfloat16, torch.float16, torch.float64)))
 
 
 def _read(config: DecoderConfig, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -22,6 +22,7 @@ from pathlib import Path
 # model_type -> the one architecture class its checkpoints name
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")  # safetensors' names of the dtypes the decoder reads
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings")
 
@@ -88,7 +89,7 @@ def read(model_dir: str | Path) -> tuple[DecoderConfig | None, str | None]:
     if why:
         return None, why
     try:
-        files, names = _checkpoint(d)
+        files, dtypes = _checkpoint(d)
     except (OSError, ValueError, struct.error) as e:
         return None, f"cannot read its safetensors headers ({e})"
     if not files:
@@ -106,11 +107,14 @@ def read(model_dir: str | Path) -> tuple[DecoderConfig | None, str | None]:
         qk_norm=mt == "qwen3", qkv_bias=mt == "qwen2" or attention_bias, o_bias=attention_bias,
         mlp_bias=mt == "llama" and bool(raw["mlp_bias"]), eos_token_id=_eos(d, raw), files=tuple(files))
     want = config.tensor_names()
-    extra = {n for n in names - want if not n.endswith("rotary_emb.inv_freq")}
-    missing = want - names
+    extra = {n for n in dtypes.keys() - want if not n.endswith("rotary_emb.inv_freq")}
+    missing = want - dtypes.keys()
     if missing or extra:
         which = f"lacks {sorted(missing)[0]}" if missing else f"holds {sorted(extra)[0]}, which it would not use"
         return None, f"its checkpoint {which}"
+    odd = sorted(n for n in want if dtypes[n] not in FLOAT_DTYPES)
+    if odd:
+        return None, f"its checkpoint stores {odd[0]} as {dtypes[odd[0]]}, not a floating-point type"
     return config, None
 
 
@@ -182,19 +186,19 @@ def _eos(d: Path, raw: dict) -> int | list[int] | None:
     return gen.get("eos_token_id") if isinstance(gen, dict) else raw.get("eos_token_id")
 
 
-def _checkpoint(d: Path) -> tuple[list[str], set[str]]:
-    """The safetensors files and the tensor names they hold (headers only: a length, then JSON)."""
+def _checkpoint(d: Path) -> tuple[list[str], dict[str, str]]:
+    """The safetensors files, and the tensors they hold with their dtypes (headers only)."""
     index = d / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     elif (d / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
-        return [], set()
-    names: set[str] = set()
+        return [], {}
+    dtypes: dict[str, str] = {}
     for f in files:
-        names |= {k for k in header(d / f)[1] if k != "__metadata__"}
-    return [str(d / f) for f in files], names
+        dtypes |= {k: v["dtype"] for k, v in header(d / f)[1].items() if k != "__metadata__"}
+    return [str(d / f) for f in files], dtypes
 
 
 def header(path: str | Path) -> tuple[int, dict]:

@@ -82,6 +82,15 @@ def test_it_refuses_a_checkpoint_with_tensors_it_would_not_use(tmp_path):
     assert "holds model.layers.0.self_attn.extra.weight" in decoder_config.read(tmp_path)[1]
 
 
+def test_it_refuses_a_checkpoint_with_integer_weights(tmp_path):
+    """A weight stored as integers (quantized without a quantization config): transformers decides."""
+    make_model("llama").save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    weights["model.norm.weight"] = weights["model.norm.weight"].to(torch.int8)
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    assert decoder_config.read(tmp_path)[1] == "its checkpoint stores model.norm.weight as I8, not a floating-point type"
+
+
 @pytest.mark.parametrize("arch", TAKES)
 def test_logits_equal_transformers_forward(arch, tmp_path):
     """One 40-token sequence prefilled from scratch: every position's logits against the model's
