@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from jobs import InvalidRow, Job
-from jobs.openai_batch import GENERATION_FAILED, openai_fields
+from jobs.openai_batch import GENERATION_FAILED, openai_fields, request_key
 from jobs.writers import CREATED
 from pipeline.scoring import continuation_scores, prompt_scores
 from pipeline.tokenize import Tokenizer
@@ -21,7 +21,7 @@ def result_rows(job: Job, completions: list[Completion], tokenizer: Tokenizer) -
     """A finished job's rows: one per sample; one for a job that generates nothing (a scoring job,
     a prompt scored alone), whose token counts sum over its requests (continuations, windows)."""
     if job.is_scoring or job.max_new_tokens == 0:
-        return [{**job.extra, "id": job.id, "sample_index": 0, "completion": "",
+        return [{**job.extra, "id": job.id, "prompt_index": job.prompt_index, "sample_index": 0, "completion": "",
                  "finish_reason": completions[0].finish_reason,
                  "prompt_tokens": sum(c.prompt_tokens for c in completions),
                  "cached_tokens": sum(c.cached_tokens for c in completions), "completion_tokens": 0,
@@ -33,6 +33,7 @@ def result_rows(job: Job, completions: list[Completion], tokenizer: Tokenizer) -
         rows.append({
             **job.extra,
             "id": job.id,
+            "prompt_index": job.prompt_index,
             "sample_index": c.sample_index,
             "completion": text,
             "finish_reason": "stop" if stopped else c.finish_reason,
@@ -78,7 +79,15 @@ def job_rows(order: int, job: Job, completions: list[Completion],
     return [{**r, ORDER: order, CREATED: created} for r in result_rows(job, completions, tokenizer)], []
 
 
-def openai_job_fields(job: Job, tokenizer: Tokenizer) -> dict[str, Any]:
-    """`openai_fields` of a job, with its prompt's token texts where echo lists their logprobs."""
+def add_openai_fields(row: dict[str, Any], order: int, job: Job | None, tokenizer: Tokenizer) -> None:
+    """What only the OpenAI writers read, added to a result or error row at input position
+    `order`: `openai_fields` of its job (with its prompt's token texts where echo lists their
+    logprobs) and the request it belongs to (`request_key`). A row without a job (a line that
+    made none) is its own request."""
+    if job is None:
+        row["request"] = order
+        return
     echoed = job.prompt_logprobs and job.logprobs and job.prompt is not None
-    return openai_fields(job, tokenizer.token_texts(tokenizer.encode_prompt(job.prompt)) if echoed else None)
+    row.update(openai_fields(job, tokenizer.token_texts(tokenizer.encode_prompt(job.prompt)) if echoed else None),
+               request=request_key(order, job.prompt_index))
+
