@@ -48,13 +48,16 @@ def openai_fields(job: Job, prompt_tokens: list[str] | None = None) -> dict[str,
 
 
 def chat_logprobs(row: Mapping[str, Any]) -> dict[str, Any] | None:
-    """A chat choice's logprobs, as the chat API has them: each token with its UTF-8 bytes and
-    its alternatives."""
+    """A chat choice's logprobs, as the chat API has them: each token with its bytes (the
+    runner's, `results.content_logprobs`: the token's own, also of part of a character; else its
+    text's) and its alternatives."""
     if row.get("logprobs") is None:
         return None
 
     def entry(t: Mapping[str, Any]) -> dict[str, Any]:
-        return {"token": t["token"], "logprob": t["logprob"], "bytes": list(t["token"].encode("utf-8"))}
+        raw = t.get("bytes")
+        return {"token": t["token"], "logprob": t["logprob"],
+                "bytes": list(raw if raw is not None else t["token"].encode("utf-8"))}
 
     return {"content": [{**entry(t), "top_logprobs": [entry(a) for a in t["top"]]} for t in row["logprobs"]],
             "refusal": None}

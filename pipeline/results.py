@@ -11,6 +11,7 @@ from typing import Any
 
 from jobs import InvalidRow, Job
 from jobs.openai_batch import GENERATION_FAILED, openai_fields, request_key
+from jobs.schema import CHAT_ENDPOINT
 from jobs.writers import CREATED
 from pipeline.scoring import continuation_scores, prompt_scores
 from pipeline.tokenize import Tokenizer
@@ -82,12 +83,33 @@ def job_rows(order: int, job: Job, completions: list[Completion],
 def add_openai_fields(row: dict[str, Any], order: int, job: Job | None, tokenizer: Tokenizer) -> None:
     """What only the OpenAI writers read, added to a result or error row at input position
     `order`: `openai_fields` of its job (with its prompt's token texts where echo lists their
-    logprobs) and the request it belongs to (`request_key`). A row without a job (a line that
-    made none) is its own request."""
+    logprobs), the request it belongs to (`request_key`), and a chat sample's logprobs as the
+    message's tokens (`content_logprobs`). A row without a job (a line that made none) is its
+    own request."""
     if job is None:
         row["request"] = order
         return
     echoed = job.prompt_logprobs and job.logprobs and job.prompt is not None
     row.update(openai_fields(job, tokenizer.token_texts(tokenizer.encode_prompt(job.prompt)) if echoed else None),
                request=request_key(order, job.prompt_index))
+    if row["endpoint"] == CHAT_ENDPOINT and row.get("logprobs") is not None:
+        row["logprobs"] = content_logprobs(row["logprobs"], row["completion"], tokenizer)
 
+
+def content_logprobs(logprobs: list[dict[str, Any]], completion: str, tokenizer: Tokenizer) -> list[dict[str, Any]]:
+    """A chat sample's logprobs as the chat API lists them: the tokens of the message's content
+    only (not the special token that ended it, such as EOS; not the tokens past a stop string,
+    which the content is cut before: a token that the cut splits stays), each with its own bytes
+    (joined, the content's bytes) and its alternatives with theirs."""
+    ids = [t["id"] for t in logprobs]
+    pieces = tokenizer.text_bytes(ids)
+    cut = None if tokenizer.decode(ids) == completion else len(completion.encode())
+    alternatives = iter(tokenizer.token_bytes([a["id"] for t in logprobs for a in t["top"]]))
+    out, at = [], 0
+    for t, piece in zip(logprobs, pieces):
+        top = [{**a, "bytes": next(alternatives)} for a in t["top"]]
+        if piece is None or (cut is not None and at >= cut):
+            continue
+        out.append({**t, "bytes": piece, "top": top})
+        at += len(piece)
+    return out

@@ -127,12 +127,14 @@ def check_logprob_shapes(chat_body, echo_body):
     (choice,) = chat_body["choices"]
     logprobs = choice["logprobs"]
     assert set(logprobs) == {"content", "refusal"} and logprobs["refusal"] is None
-    assert len(logprobs["content"]) == chat_body["usage"]["completion_tokens"] > 0
+    # the message's tokens (not the special ones its text skips, such as EOS): joined, its content
+    assert 0 < len(logprobs["content"]) <= chat_body["usage"]["completion_tokens"]
+    assert b"".join(bytes(t["bytes"]) for t in logprobs["content"]) == choice["message"]["content"].encode()
     for t in logprobs["content"]:
-        assert set(t) == {"token", "logprob", "bytes", "top_logprobs"}
-        assert t["bytes"] == list(t["token"].encode("utf-8")) and t["logprob"] <= 0
+        assert set(t) == {"token", "logprob", "bytes", "top_logprobs"} and t["logprob"] <= 0
         assert len(t["top_logprobs"]) == 5
-        assert all(set(a) == {"token", "logprob", "bytes"} for a in t["top_logprobs"])
+        assert all(set(a) == {"token", "logprob", "bytes"} and all(0 <= b < 256 for b in a["bytes"])
+                   for a in t["top_logprobs"])
         tops = [a["logprob"] for a in t["top_logprobs"]]
         assert tops == sorted(tops, reverse=True)
         assert t["logprob"] == tops[0] and t["token"] == t["top_logprobs"][0]["token"]  # greedy: the argmax
@@ -249,3 +251,95 @@ def test_model_echoes_an_openai_requests_body_model_never_a_plain_jobs_column(tm
     assert not errors
     assert [x["response"]["body"]["model"] for x in lines] == [str(model_dir), "gpt-4o-mini"]
 
+
+# --- chat logprobs: the message's tokens, each with its own bytes ------------------------------
+
+@pytest.fixture(scope="module")
+def smol_dir(tmp_path_factory):
+    """A tiny random Llama with the default model's tokenizer (byte-level BPE, SmolLM2's)."""
+    import transformers as T
+
+    from pipeline.model import default_model_path
+
+    tok = T.AutoTokenizer.from_pretrained(default_model_path())
+    config = T.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                           bos_token_id=1, eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
+    d = tmp_path_factory.mktemp("smol-tiny")
+    T.AutoModelForCausalLM.from_config(config).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def test_chat_logprobs_list_the_messages_tokens_with_their_own_bytes(tmp_path, smol_dir):
+    """"𝔘€" comes in tokens holding parts of a character: their bytes used to be U+FFFD's, and the EOS
+    that ends the message was listed. Now the tokens' bytes, joined, are the content, and neither
+    EOS nor a token past a stop string is listed."""
+    requests = [chat("chars", "Hi.", guided_regex="𝔘€", logprobs=True, top_logprobs=3),
+                chat("stop", "Hi.", guided_regex="ab\ncd", stop=["\n"], logprobs=True),
+                chat("eos", "Hi.", logit_bias={"2": 100}, logprobs=True)]  # 2: the EOS, <|im_end|>
+    _, lines, errors, _ = run_batch(tmp_path, smol_dir, requests)
+    assert not errors
+    chars, stop, eos = (x["response"]["body"] for x in lines)
+    (choice,) = chars["choices"]
+    assert choice["message"]["content"] == "𝔘€" and choice["finish_reason"] == "stop"
+    content = choice["logprobs"]["content"]
+    parts = [bytes(t["bytes"]) for t in content]
+    assert b"".join(parts) == "𝔘€".encode()
+    assert any(not _utf8(p) for p in parts)  # some token holds part of a character
+    assert len(content) == chars["usage"]["completion_tokens"]  # the grammar ended it: no EOS was drawn
+    assert all(len(t["top_logprobs"]) == 3 for t in content)
+    (choice,) = stop["choices"]
+    assert choice["message"]["content"] == "ab" and choice["finish_reason"] == "stop"
+    parts = [bytes(t["bytes"]) for t in choice["logprobs"]["content"]]
+    # the tokens of "ab": a last one may reach into the stop string, none lies past it
+    assert b"".join(parts).startswith(b"ab") and len(b"".join(parts[:-1])) < 2
+    assert stop["usage"]["completion_tokens"] > len(parts)
+    (choice,) = eos["choices"]  # the EOS came first: an empty message has no tokens
+    assert choice["message"]["content"] == "" and choice["finish_reason"] == "stop"
+    assert choice["logprobs"]["content"] == [] and eos["usage"]["completion_tokens"] == 1
+
+
+def _utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _byte_fallback_tokenizer():
+    """A SentencePiece-style tokenizer (Llama 2's decoders): `<0xNN>` byte pieces, `▁` for a space."""
+    from tokenizers import Tokenizer as Backend, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ("▁", "a", "b", "▁a", "€"):
+        vocab.setdefault(piece, len(vocab))
+    backend = Backend(models.BPE(vocab=vocab, merges=[("▁", "a")], unk_token="<unk>", byte_fallback=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "byte-fallback", "metaspace"])
+def test_token_bytes_join_to_the_decoded_text(kind):
+    """What each token adds to the decoded text, as bytes, for the three kinds of decoder: the
+    default model's byte-level BPE, SentencePiece byte fallback, and the tests' tiny tokenizer
+    (whose word-start marker a token decoded alone loses)."""
+    from pipeline.model import default_model_path
+    from pipeline.tokenize import Tokenizer
+    from tiny_tokenizer import make_tokenizer
+
+    tok = Tokenizer({"byte-level": lambda: Tokenizer.load(str(default_model_path())).hf,
+                     "byte-fallback": _byte_fallback_tokenizer, "metaspace": make_tokenizer}[kind]())
+    text = "a b 𝔘€ a" if kind != "metaspace" else "the cat in the hat"
+    ids = tok.hf(text, add_special_tokens=False)["input_ids"] + [tok.hf.eos_token_id]
+    pieces = tok.text_bytes(ids)
+    assert pieces[-1] is None  # the EOS adds nothing: the text skips it
+    assert b"".join(p for p in pieces if p is not None) == tok.decode(ids).encode()
+    if kind != "metaspace":  # 𝔘 is split over tokens: each has its own bytes of it
+        assert any(p and not _utf8(p) for p in pieces)
+        assert b"".join(tok.token_bytes(ids[:-1])) in (text.encode(), b" " + text.encode())
+    assert tok.token_bytes([tok.hf.eos_token_id]) == [tok.hf.eos_token.encode()]
