@@ -4,11 +4,14 @@ per failed request), in the shapes the Batch API documents.
 Output line: ``{id, custom_id, response: {status_code, request_id, body}, error: null}`` with a
 ``chat.completion`` or ``text_completion`` body. Error line: ``{id, custom_id, response: null,
 error: {code, message}}``. Line ids are random per line (``batch_req_…``), so two runs never
-share one; ``created`` is when the request's last sample finished; ``model`` echoes the
-request's ``body.model`` (else the model batchgen ran); ``system_fingerprint`` names batchgen's
-version, the model and its precision. Rows carry what only this writer reads: ``endpoint``,
-``custom_id`` and ``prompt_index`` (an element of a completions request's list prompt), set by
-the runner from the job (:func:`openai_fields`).
+share one; ``created`` is when the request's last sample finished; ``model`` echoes an OpenAI
+request's ``body.model`` (else the model batchgen ran; a plain job's ``model`` column is data, not
+a request's model); ``system_fingerprint`` names batchgen's version, the model and its precision.
+Rows carry what only this writer reads, set by the runner from the job (:func:`openai_fields`):
+``endpoint``, ``custom_id``, ``prompt_index`` (an element of a completions request's list prompt),
+``request_model``, and ``request``, the request a row belongs to (:func:`request_key`): custom_ids
+are the user's and may repeat in an input (the repeat is an error line), so rows are grouped and
+failed by ``request``, never by custom_id.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Container, Iterable, Mapping, Sequence
 
 from .atomic import AtomicWriter
 from .schema import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, InvalidRow, Job
@@ -29,23 +32,32 @@ def _rid(prefix: str) -> str:
     return prefix + secrets.token_hex(12)
 
 
+def request_key(order: int, prompt_index: int | None) -> int:
+    """The request an input item belongs to: its input position, or for an element of a list
+    prompt the position of the request's first element (a record's items are consecutive)."""
+    return order - (prompt_index or 0)
+
+
 def openai_fields(job: Job, prompt_tokens: list[str] | None = None) -> dict[str, Any]:
     """What an OpenAI output line needs of a row's job beyond its result columns; with ``echo``
     (prompt_logprobs on /v1/completions), its prompt, and its tokens' texts when it has logprobs."""
     echo = job.prompt_logprobs and job.openai_endpoint == COMPLETIONS_ENDPOINT and job.prompt is not None
     return {"endpoint": job.openai_endpoint, "custom_id": job.custom_id or str(job.id),
-            "prompt_index": job.prompt_index, "echo": job.prompt if echo else None,
-            "echo_tokens": prompt_tokens if echo else None}
+            "prompt_index": job.prompt_index, "request_model": job.request_model,
+            "echo": job.prompt if echo else None, "echo_tokens": prompt_tokens if echo else None}
 
 
 def chat_logprobs(row: Mapping[str, Any]) -> dict[str, Any] | None:
-    """A chat choice's logprobs, as the chat API has them: each token with its UTF-8 bytes and
-    its alternatives."""
+    """A chat choice's logprobs, as the chat API has them: each token with its bytes (the
+    runner's, `results.content_logprobs`: the token's own, also of part of a character; else its
+    text's) and its alternatives."""
     if row.get("logprobs") is None:
         return None
 
     def entry(t: Mapping[str, Any]) -> dict[str, Any]:
-        return {"token": t["token"], "logprob": t["logprob"], "bytes": list(t["token"].encode("utf-8"))}
+        raw = t.get("bytes")
+        return {"token": t["token"], "logprob": t["logprob"],
+                "bytes": list(raw if raw is not None else t["token"].encode("utf-8"))}
 
     return {"content": [{**entry(t), "top_logprobs": [entry(a) for a in t["top"]]} for t in row["logprobs"]],
             "refusal": None}
@@ -74,11 +86,11 @@ def completion_logprobs(row: Mapping[str, Any]) -> dict[str, Any] | None:
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
-def whole_requests(rows: list[dict[str, Any]], errors: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The result rows of requests that did not fail: a request whose list prompt had one element
-    fail is an error line only, as the API fails a request whole."""
-    failed = {e.get("custom_id") for e in errors}
-    return [r for r in rows if r["custom_id"] not in failed]
+def whole_requests(rows: list[dict[str, Any]], failed: Container[int]) -> list[dict[str, Any]]:
+    """The result rows of requests that did not fail (`failed`: the ``request`` of each error
+    row): a request whose list prompt had one element fail is an error line only, as the API
+    fails a request whole. Another request with the same custom_id is not this one."""
+    return [r for r in rows if r["request"] not in failed]
 
 
 class OpenAIBatchWriter(AtomicWriter):
@@ -93,18 +105,19 @@ class OpenAIBatchWriter(AtomicWriter):
             raise ValueError(f"unknown endpoint {endpoint!r}")
         self.schema, self.model, self.endpoint = schema, model, endpoint
         self.fingerprint = fingerprint or f"batchgen:{model}"
-        self._requests: dict[str, list[Mapping[str, Any]]] = {}
+        self._requests: dict[Any, list[Mapping[str, Any]]] = {}
 
     _allow_gzip = True
 
     def write(self, rows: Sequence[Mapping[str, Any]]) -> None:
         _check_required(rows, RESULT_COLUMNS)
         for r in rows:
-            self._requests.setdefault(str(r.get("custom_id") or r["id"]), []).append(r)
+            key = r.get("request")
+            self._requests.setdefault(("custom_id", _custom_id(r)) if key is None else key, []).append(r)
 
     def _finish(self) -> None:
-        for custom_id, samples in self._requests.items():
-            line = response_line(custom_id, samples, self.model, self.endpoint, self.fingerprint)
+        for samples in self._requests.values():
+            line = response_line(_custom_id(samples[0]), samples, self.model, self.endpoint, self.fingerprint)
             self._file.write((_dumps(line) + "\n").encode("utf-8"))  # type: ignore[union-attr]
         self._requests.clear()
 
@@ -137,7 +150,7 @@ def response_line(custom_id: str, samples: list[Mapping[str, Any]], model: str, 
         usage["prompt_tokens_details"]["audio_tokens"] = 0
         usage["completion_tokens_details"] = {"reasoning_tokens": 0, "audio_tokens": 0,
                                               "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}
-    echoed = samples[0].get("model")
+    echoed = samples[0].get("request_model")
     created = max((int(s[CREATED]) for s in samples if s.get(CREATED) is not None), default=int(time.time()))
     body = {
         "id": _rid("chatcmpl-" if chat else "cmpl-"),
@@ -154,13 +167,16 @@ def response_line(custom_id: str, samples: list[Mapping[str, Any]], model: str, 
             "response": {"status_code": 200, "request_id": _rid("req_"), "body": body}, "error": None}
 
 
+def _custom_id(row: Mapping[str, Any]) -> str:
+    return str(row.get("custom_id") or row["id"])
+
+
 def error_line(row: Mapping[str, Any]) -> dict[str, Any]:
     """A failed request: ``invalid_request`` when its line could not run as written (the
     message names the line and field), ``generation_failed`` when it failed while generating."""
     reason = str(row["reason"])
     code = "generation_failed" if reason.startswith(GENERATION_FAILED) else "invalid_request"
-    custom_id = row.get("custom_id") or row.get("id")
-    return {"id": _rid("batch_req_"), "custom_id": custom_id, "response": None,
+    return {"id": _rid("batch_req_"), "custom_id": row.get("custom_id") or row.get("id"), "response": None,
             "error": {"code": code, "message": f"{row['location']}: {reason}"}}
 
 
@@ -178,9 +194,9 @@ class OpenAIErrorWriter(AtomicWriter):
 
     def write(self, rows: Iterable[InvalidRow | Mapping[str, Any]]) -> None:
         for r in rows:
-            line = error_line(r.to_row() if isinstance(r, InvalidRow) else r)
-            key = line["custom_id"] if line["custom_id"] is not None else ("line", len(self._lines))
-            self._lines.setdefault(key, line)
+            row = r.to_row() if isinstance(r, InvalidRow) else r
+            key = row.get("request")  # the elements of one request: one line; else a line each
+            self._lines.setdefault(("line", len(self._lines)) if key is None else key, error_line(row))
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is None and not self._lines:

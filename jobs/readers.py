@@ -109,16 +109,15 @@ class RecordJobs:
                                    prompt_template=self.prompt_template, system=self.system)
         except JobValidationError as e:
             return [InvalidRow.from_error(e)]
-        out: list[Job | InvalidRow] = []
-        for job in jobs:
-            key = str(job.id)
-            if key in self.seen:
-                out.append(InvalidRow(location, job.id, f"duplicate id {job.id!r}: an earlier "
-                                                        "job already uses it; ids must be unique"))
-                continue
-            self.seen.add(key)
-            out.append(job)
-        return out
+        # one id per record: the elements of a list prompt share their request's (prompt_index tells them apart)
+        first = jobs[0]
+        key = str(first.id)
+        if key in self.seen:  # the whole record is refused: one request, one error
+            name, what = ("id", "job") if first.custom_id is None else ("custom_id", "request")
+            return [InvalidRow(location, first.id, f"duplicate {name} {first.id!r}: an earlier "
+                                                   f"{what} already uses it; {name}s must be unique")]
+        self.seen.add(key)
+        return list(jobs)
 
 
 def _resolve(path: str, split: str) -> list[_Source]:

@@ -13,6 +13,7 @@ from typing import Any
 
 from .checks import MESSAGE_ROLES, Checker, show
 from .errors import JobError, JobValidationError, Location
+from . import openai_limits
 from .params import (CONSTRAINTS, PARAMS, RESERVED, Constraint, completions_logprobs, constraint, continuations_field,
                      normalize, split_fields)
 from .templates import TemplateRowError, fill_template, template_fields
@@ -31,7 +32,8 @@ _OPENAI_INFO_KEYS = ("model", "user", "metadata", "store", "service_tier", "prom
 # with them (the result columns, the input position that parts and shard outputs carry, and the
 # completion time that OpenAI output reports).
 RESERVED_COLUMNS = ("sample_index", "completion", "finish_reason", "prompt_tokens", "cached_tokens",
-                    "completion_tokens", "scores", "best_continuation", "_batchgen_order", "_batchgen_created")
+                    "completion_tokens", "scores", "best_continuation", "prompt_index", "_batchgen_order",
+                    "_batchgen_created")
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -144,7 +146,10 @@ class Job:
     top_logprobs: int = 0
     prompt_logprobs: bool = False  # each prompt token's logprob after the first (echo)
     constraint: Constraint | None = None
-    prompt_index: int | None = None  # which element of an OpenAI completions request's prompt list
+    # which element of an OpenAI completions request's prompt list: the elements share the request's
+    # id (its custom_id), so a job is (id, prompt_index), never a name made from the id
+    prompt_index: int | None = None
+    request_model: str | None = None  # an OpenAI request's body.model (OpenAI output echoes it)
     # a scoring job: these are scored after the prompt, nothing is generated (pipeline/expand.py)
     continuations: tuple[str, ...] | None = None
 
@@ -231,10 +236,7 @@ class Job:
                          defaults: GenerationDefaults, default_id: int, system: str | None) -> list[Job]:
         raw_id = row.get("custom_id")
         check = Checker(location, raw_id if isinstance(raw_id, (str, int)) else None)
-        if raw_id is None:
-            raise check.fail("custom_id", "must be a non-empty string, got null")
-        custom_id = str(_check_id(check, raw_id, default_id, "custom_id"))
-        check.job_id = custom_id
+        custom_id = openai_limits.custom_id(check, raw_id)
         method = row.get("method", "POST")
         if method != "POST":
             raise check.fail("method", f"must be 'POST', got {show(method)}")
@@ -258,6 +260,7 @@ class Job:
             raise check.fail("body.echo", f"is not a parameter of {url} (only of {COMPLETIONS_ENDPOINT}); remove it")
         params, spelled = split_fields(check, body, keys=keys, prefix="body.",
                                        unknown=f"is not a parameter batchgen knows for {url}; remove it")
+        openai_limits.check_body(check, body)
         if url == COMPLETIONS_ENDPOINT:
             completions_logprobs(check, params, spelled)
         extra = {k: v for k, v in row.items() if k not in _OPENAI_TOP_KEYS}
@@ -266,11 +269,13 @@ class Job:
             extra.setdefault("model", body["model"])
         prompt = body.get("prompt")
         if url == COMPLETIONS_ENDPOINT and not isinstance(prompt, str):
-            return cls._list_prompt(check, custom_id, prompt, params, spelled, defaults, extra, system)
-        job = cls._build(check, custom_id, prompt, body.get("messages"), params, spelled, defaults, extra, system,
-                         field_prefix="body.")
-        job.custom_id, job.endpoint = custom_id, url
-        return [job]
+            jobs = cls._list_prompt(check, custom_id, prompt, params, spelled, defaults, extra, system)
+        else:
+            jobs = [cls._build(check, custom_id, prompt, body.get("messages"), params, spelled, defaults, extra,
+                               system, field_prefix="body.")]
+        for job in jobs:
+            job.custom_id, job.endpoint, job.request_model = custom_id, url, body.get("model")
+        return jobs
 
     @classmethod
     def _list_prompt(cls, check: Checker, custom_id: str, prompt: Any, params: dict[str, Any],
@@ -283,9 +288,9 @@ class Job:
                                             f"are not supported), got {show(prompt)}")
         jobs = []
         for i, text in enumerate(prompt):
-            job = cls._build(check, f"{custom_id}#{i}", text, None, params, spelled, defaults, dict(extra),
+            job = cls._build(check, custom_id, text, None, params, spelled, defaults, dict(extra),
                              system, field_prefix="body.", prompt_field=f"body.prompt[{i}]")
-            job.custom_id, job.endpoint, job.prompt_index = custom_id, COMPLETIONS_ENDPOINT, i
+            job.prompt_index = i
             jobs.append(job)
         return jobs
 

@@ -28,9 +28,11 @@ RESULT_FIELDS: tuple[pa.Field, ...] = (
 )
 RESULT_COLUMNS = ("id",) + tuple(f.name for f in RESULT_FIELDS)
 # Columns only an output whose jobs ask for them has (null in the rows of the other jobs), by the
-# output they hold: generated tokens' logprobs, prompt tokens' logprobs, continuation scores.
+# output they hold: the element of an OpenAI list prompt (its rows share the request's id),
+# generated tokens' logprobs, prompt tokens' logprobs, continuation scores.
 _TOKEN = [pa.field("token", pa.string()), pa.field("id", pa.int64()), pa.field("logprob", pa.float64())]
 OUTPUT_FIELDS: dict[str, tuple[pa.Field, ...]] = {
+    "prompt_index": (pa.field("prompt_index", pa.int32()),),
     "logprobs": (pa.field("logprobs", pa.list_(pa.struct(_TOKEN + [pa.field("top", pa.list_(pa.struct(_TOKEN)))]))),),
     "prompt_logprobs": (pa.field("prompt_logprobs", pa.list_(pa.float64())),),
     "scores": (pa.field("scores", pa.list_(pa.struct([
@@ -47,8 +49,8 @@ _ROW_GROUP_ROWS = 8192  # buffer tiny write() calls so Parquet row groups stay e
 
 def outputs_of(job: Job) -> set[str]:
     """The optional result columns a job fills (OUTPUT_FIELDS' keys)."""
-    return {name for name, on in (("logprobs", job.logprobs), ("prompt_logprobs", job.prompt_logprobs),
-                                  ("scores", job.is_scoring)) if on}
+    return {name for name, on in (("prompt_index", job.prompt_index is not None), ("logprobs", job.logprobs),
+                                  ("prompt_logprobs", job.prompt_logprobs), ("scores", job.is_scoring)) if on}
 
 
 def result_schema(extra_schema: pa.Schema | None, id_type: pa.DataType, created: bool = False,

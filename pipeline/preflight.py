@@ -57,8 +57,8 @@ class Checked:
     schema: pa.Schema  # the result schema
     tokenizer: Tokenizer
     digest: str | None  # the job set: every valid row with its position (`process`; see parts.job_set_key)
-    # refused elements of OpenAI list prompts: their request's custom_id (errors are per request)
-    custom_ids: dict[int, str]
+    # refused elements of OpenAI list prompts: their request's custom_id, their element (errors are per request)
+    custom_ids: dict[int, tuple[str, int]]
     window: int | None = None  # the model's context window: a long prompt is scored in windows of it
 
     def close(self) -> None:
@@ -164,7 +164,7 @@ class _Keep:
         self.index, self.spool, self.digest = index, spool, digest
         self.invalid = Problems()
         self.orders = array.array("q")
-        self.custom_ids: dict[int, str] = {}
+        self.custom_ids: dict[int, tuple[str, int]] = {}
 
     def tokenize(self, jobs: Mapping[int, Job], plain: list[PlainRows]):
         """In the tokenizer's thread: the jobs' tokens, the plain rows' counts and index keys."""
@@ -185,7 +185,7 @@ class _Keep:
                 continue
             bad.append((order, problem))
             if job.prompt_index is not None:
-                self.custom_ids[order] = job.custom_id
+                self.custom_ids[order] = (job.custom_id, job.prompt_index)
         # kept jobs as columns: input positions, then (for the index) keys, samples, new tokens
         columns: list[list] = [[o for o, _, _ in kept]]
         if self.index is not None:  # a scoring job by its context: its continuations stay in its group
@@ -249,7 +249,9 @@ def job_seed(run_seed: int | None, job: Job) -> int:
     batches, and different for two jobs with the same prompt."""
     if job.seed is not None:
         return job.seed
-    digest = hashlib.blake2b(f"{run_seed or 0}:{job.id!r}".encode(), digest_size=8).digest()
+    # the elements of a list prompt share their request's id: each draws its own samples
+    key = job.id if job.prompt_index is None else (job.id, job.prompt_index)
+    digest = hashlib.blake2b(f"{run_seed or 0}:{key!r}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
 

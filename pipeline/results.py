@@ -10,7 +10,8 @@ import time
 from typing import Any
 
 from jobs import InvalidRow, Job
-from jobs.openai_batch import GENERATION_FAILED, openai_fields
+from jobs.openai_batch import GENERATION_FAILED, openai_fields, request_key
+from jobs.schema import CHAT_ENDPOINT
 from jobs.writers import CREATED
 from pipeline.scoring import continuation_scores, prompt_scores
 from pipeline.tokenize import Tokenizer
@@ -21,7 +22,7 @@ def result_rows(job: Job, completions: list[Completion], tokenizer: Tokenizer) -
     """A finished job's rows: one per sample; one for a job that generates nothing (a scoring job,
     a prompt scored alone), whose token counts sum over its requests (continuations, windows)."""
     if job.is_scoring or job.max_new_tokens == 0:
-        return [{**job.extra, "id": job.id, "sample_index": 0, "completion": "",
+        return [{**job.extra, "id": job.id, "prompt_index": job.prompt_index, "sample_index": 0, "completion": "",
                  "finish_reason": completions[0].finish_reason,
                  "prompt_tokens": sum(c.prompt_tokens for c in completions),
                  "cached_tokens": sum(c.cached_tokens for c in completions), "completion_tokens": 0,
@@ -33,6 +34,7 @@ def result_rows(job: Job, completions: list[Completion], tokenizer: Tokenizer) -
         rows.append({
             **job.extra,
             "id": job.id,
+            "prompt_index": job.prompt_index,
             "sample_index": c.sample_index,
             "completion": text,
             "finish_reason": "stop" if stopped else c.finish_reason,
@@ -78,7 +80,36 @@ def job_rows(order: int, job: Job, completions: list[Completion],
     return [{**r, ORDER: order, CREATED: created} for r in result_rows(job, completions, tokenizer)], []
 
 
-def openai_job_fields(job: Job, tokenizer: Tokenizer) -> dict[str, Any]:
-    """`openai_fields` of a job, with its prompt's token texts where echo lists their logprobs."""
+def add_openai_fields(row: dict[str, Any], order: int, job: Job | None, tokenizer: Tokenizer) -> None:
+    """What only the OpenAI writers read, added to a result or error row at input position
+    `order`: `openai_fields` of its job (with its prompt's token texts where echo lists their
+    logprobs), the request it belongs to (`request_key`), and a chat sample's logprobs as the
+    message's tokens (`content_logprobs`). A row without a job (a line that made none) is its
+    own request."""
+    if job is None:
+        row["request"] = order
+        return
     echoed = job.prompt_logprobs and job.logprobs and job.prompt is not None
-    return openai_fields(job, tokenizer.token_texts(tokenizer.encode_prompt(job.prompt)) if echoed else None)
+    row.update(openai_fields(job, tokenizer.token_texts(tokenizer.encode_prompt(job.prompt)) if echoed else None),
+               request=request_key(order, job.prompt_index))
+    if row["endpoint"] == CHAT_ENDPOINT and row.get("logprobs") is not None:
+        row["logprobs"] = content_logprobs(row["logprobs"], row["completion"], tokenizer)
+
+
+def content_logprobs(logprobs: list[dict[str, Any]], completion: str, tokenizer: Tokenizer) -> list[dict[str, Any]]:
+    """A chat sample's logprobs as the chat API lists them: the tokens of the message's content
+    only (not the special token that ended it, such as EOS; not the tokens past a stop string,
+    which the content is cut before: a token that the cut splits stays), each with its own bytes
+    (joined, the content's bytes) and its alternatives with theirs."""
+    ids = [t["id"] for t in logprobs]
+    pieces = tokenizer.text_bytes(ids)
+    cut = None if tokenizer.decode(ids) == completion else len(completion.encode())
+    alternatives = iter(tokenizer.token_bytes([a["id"] for t in logprobs for a in t["top"]]))
+    out, at = [], 0
+    for t, piece in zip(logprobs, pieces):
+        top = [{**a, "bytes": next(alternatives)} for a in t["top"]]
+        if piece is None or (cut is not None and at >= cut):
+            continue
+        out.append({**t, "bytes": piece, "top": top})
+        at += len(piece)
+    return out

@@ -24,12 +24,12 @@ import pyarrow as pa
 
 from jobs import (GenerationDefaults, Job, JobError, errors_path, open_result_writer, summary_path,
                   write_summary)
-from jobs.openai_batch import whole_requests
+from jobs.openai_batch import request_key, whole_requests
 from jobs.writers import open_error_writer
 from jobs.atomic import remove_stale_temps
 from pipeline.preflight import Checked, check_inputs, check_output, job_seed
 from pipeline.progress import Progress
-from pipeline.results import job_rows, openai_job_fields
+from pipeline.results import add_openai_fields, job_rows
 from pipeline.signals import Preempted, StopOnSignal
 from pipeline.summary import JobCounts, add_work, run_summary, used, work_of
 from pipeline.tokenize import Tokenizer
@@ -250,22 +250,27 @@ class _Run:
         sharded = self.options.shard is not None
         counts = JobCounts()
         errors = in_order(store.files("errors"), ERROR_PART_SCHEMA, checked.total, store.dir)
-        failed: set[str] = set()
+        failed: set[int] = set()
         if fmt == "openai":
             # a request whose list prompt had one element fail is an error line only (the Batch API
-            # fails a request whole): the error lines first (they are few), and their custom ids
+            # fails a request whole): the error lines first (they are few), and their requests
             errors = [self._openai_rows(t) for t in errors]
-            failed = {r.get("custom_id") or r["id"] for rows in errors for r in rows}
+            failed = {r["request"] for rows in errors for r in rows}
         # shard outputs keep the input position: `batchgen merge` restores input order with it
         schema = store.schema if sharded else checked.schema
         with open_result_writer(self.output, schema, fmt, overwrite=True, model=self.model_name,
                                 fingerprint=fingerprint(self.model, self.model_name)) as w:
             for table in in_order(store.files("part"), store.schema, checked.total, store.dir):
+                if fmt == "openai":  # counted as written: a failed request's answered elements failed too
+                    rows = self._openai_rows(table)
+                    kept = [r["request"] not in failed for r in rows]  # whole_requests, as a mask
+                    counts.add(table.filter(pa.array(kept, pa.bool_())))
+                    counts.add_failed(sum(r["sample_index"] == 0 and not k for r, k in zip(rows, kept)))
+                    w.write([r for r, k in zip(rows, kept) if k])
+                    continue
                 counts.add(table)
                 if fmt == "parquet":
                     w.write_table(table)  # the writer keeps its schema's columns (ORDER: shards only)
-                elif fmt == "openai":
-                    w.write(whole_requests(self._openai_rows(table), [{"custom_id": c} for c in failed]))
                 else:
                     w.write(table.drop_columns([ORDER]).to_pylist())  # one bucket of rows, for the line writer
             _fault("final-write")
@@ -290,10 +295,10 @@ class _Run:
         jobs = checked.spool.get(sorted(set(numbers[ran].tolist())))
         out = []
         for r, n, o, is_job in zip(table.to_pylist(), numbers.tolist(), orders.tolist(), ran.tolist()):
-            if is_job:
-                r.update(openai_job_fields(jobs[n], checked.tokenizer))
-            elif o in checked.custom_ids:  # a refused element of a list prompt: its request's id
-                r["custom_id"] = checked.custom_ids[o]
+            add_openai_fields(r, o, jobs[n] if is_job else None, checked.tokenizer)
+            if not is_job and o in checked.custom_ids:  # a refused element of a list prompt: its request
+                r["custom_id"], index = checked.custom_ids[o]
+                r["request"] = request_key(o, index)
             out.append(r)
         return out
 
@@ -350,9 +355,8 @@ def write_results(output: str, fmt: str, schema, rows: list[dict[str, Any]], err
 
     if fmt == "openai":  # what only that writer reads: the request each row belongs to
         for r in rows + errors:
-            if r.get(ORDER) in jobs:
-                r.update(openai_job_fields(jobs[r[ORDER]], tokenizer))
-        rows = whole_requests(rows, errors)
+            add_openai_fields(r, r[ORDER], jobs.get(r[ORDER]), tokenizer)
+        rows = whole_requests(rows, {e["request"] for e in errors})
     for r in rows:
         del r[ORDER]
     with open_result_writer(output, schema, fmt, overwrite=True, model=model_name, fingerprint=fingerprint) as w:

@@ -6,7 +6,9 @@ ids, never on strings, since a prefix tokenized alone can end in different token
 """
 from __future__ import annotations
 
+import functools
 import json
+import re
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -71,6 +73,7 @@ class Tokenizer:
     def __init__(self, hf_tokenizer: Any) -> None:
         self.hf = hf_tokenizer
         self._grammars = None
+        self._piece_bytes: dict[int, bytes] = {}  # token_bytes' answers (at most the vocabulary)
 
     @property
     def grammars(self) -> Any:
@@ -213,6 +216,83 @@ class Tokenizer:
         holding part of a multi-byte character decodes to U+FFFD."""
         return self.hf.batch_decode([[i] for i in ids], skip_special_tokens=False)
 
+    def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
+        """Each token's own bytes (what OpenAI's logprobs call `bytes`), also of a token holding
+        part of a multi-byte character: a byte-level BPE token's bytes through GPT-2's
+        byte-to-character table, a byte-fallback token's (`<0xE2>`) byte, an added token's text;
+        any other token decodes to whole characters, taken as they read after another token (a
+        word-start marker is its space, which a token decoded alone loses)."""
+        cache = self._piece_bytes
+        missing = [i for i in dict.fromkeys(ids) if i not in cache]
+        if missing:
+            kinds, backend = self._decoder_kinds(), self._fast_backend_or_none()
+            added = self.hf.added_tokens_decoder
+            pieces = self.hf.convert_ids_to_tokens(missing)
+            for i, piece in zip(missing, pieces):
+                cache[i] = (added[i].content.encode() if i in added else
+                            _piece_bytes(piece, kinds) or self._text_after_itself(i, backend))
+        return [cache[i] for i in ids]
+
+    def text_bytes(self, ids: Sequence[int]) -> list[bytes | None]:
+        """What each token adds to `decode(ids)`, as UTF-8 bytes: joined, the text's bytes (None:
+        a special token, which the text skips). A token holding part of a multi-byte character
+        gets its own bytes of it; the text shows the character once it is whole. Where the
+        tokenizer has no incremental decoder (a slow one), each token's own bytes."""
+        special = set(self.hf.all_special_ids)
+        backend = self._fast_backend_or_none()
+        if backend is None:
+            return [None if i in special else b for i, b in zip(ids, self.token_bytes(ids))]
+        from tokenizers.decoders import DecodeStream
+
+        stream = DecodeStream(skip_special_tokens=True)  # the library's incremental detokenizer
+        out: list[bytes | None] = []
+        held: list[int] = []  # positions whose text the stream holds back (an unfinished character)
+        for k, i in enumerate(ids):
+            out.append(None)
+            if i in special:
+                continue
+            text = stream.step(backend, i)
+            if text is None:
+                held.append(k)
+                continue
+            data = text.encode()
+            own = self.token_bytes([ids[h] for h in held])
+            head = b"".join(own)
+            if held and data.startswith(head) and not _is_utf8(head):  # a character split over tokens
+                for h, b in zip(held, own):
+                    out[h] = b
+                data = data[len(head):]
+            else:
+                for h in held:
+                    out[h] = b""
+            out[k], held = data, []
+        for h, b in zip(held, self.token_bytes([ids[h] for h in held])):
+            out[h] = b  # a character left unfinished at the end: the text shows U+FFFD for it
+        return out
+
+    def _decoder_kinds(self) -> set[str]:
+        """The types of the fast tokenizer's decoder and of the decoders of its sequence."""
+        decoder = getattr(self._fast_backend_or_none(), "decoder", None)
+        if decoder is None:
+            return set()
+        spec = json.loads(decoder.__getstate__())
+        return {d.get("type") for d in [spec, *spec.get("decoders", [])]}
+
+    def _fast_backend_or_none(self) -> Any:
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        return backend if hasattr(backend, "decode") else None
+
+    def _text_after_itself(self, token: int, backend: Any) -> bytes:
+        if backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            stream = DecodeStream(skip_special_tokens=False)
+            stream.step(backend, token)
+            text = stream.step(backend, token)
+            if text is not None:
+                return text.encode()
+        return self.token_texts([token])[0].encode()
+
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=True)
 
@@ -235,3 +315,35 @@ class Tokenizer:
         text = self.decode(ids)
         cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
         return (text[:cut], True) if cut >= 0 else (text, False)
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _piece_bytes(piece: str, kinds: set[str]) -> bytes | None:
+    """A token's bytes from its vocabulary piece, where the decoder makes them from bytes: GPT-2's
+    table for byte-level BPE, `<0xNN>` for byte fallback; None elsewhere."""
+    if "ByteLevel" in kinds:
+        table = _unicode_to_bytes()
+        if all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+    if "ByteFallback" in kinds:
+        match = _BYTE_PIECE.fullmatch(piece)
+        if match:
+            return bytes([int(match.group(1), 16)])
+    return None
+
+
+@functools.cache
+def _unicode_to_bytes() -> dict[str, int]:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {c: b for b, c in bytes_to_unicode().items()}
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True

@@ -173,7 +173,7 @@ def test_openai_writer_groups_samples_of_a_job(tmp_path: Path) -> None:
     with OpenAIBatchWriter(target, SCHEMA, model="tiny-model", fingerprint="batchgen-x:tiny-model:float32") as w:
         # Samples arrive interleaved and out of order across write() calls.
         w.write([result("job-a", 1, endpoint="/v1/chat/completions"), result("job-b", 0,
-                 endpoint="/v1/completions", model="gpt-echo")])
+                 endpoint="/v1/completions", request_model="gpt-echo", model="a carried column")])
         w.write([result("job-a", 0, endpoint="/v1/chat/completions"), result(7, 0)])
     lines = [json.loads(x) for x in target.read_text().splitlines()]
     assert [x["custom_id"] for x in lines] == ["job-a", "job-b", "7"]
@@ -245,20 +245,25 @@ def test_write_summary_atomic(tmp_path: Path) -> None:
 def test_openai_error_lines_and_whole_requests(tmp_path: Path) -> None:
     from jobs.openai_batch import GENERATION_FAILED, OpenAIErrorWriter, whole_requests
 
-    rows = [{**result("c#0", 0), "custom_id": "c", "prompt_index": 0},
-            {**result("c#1", 0), "custom_id": "c", "prompt_index": 1},
-            {**result("d", 0), "custom_id": "d", "prompt_index": None}]
-    errors = [{"id": "c#1", "custom_id": "c", "location": "b.jsonl:1", "reason": GENERATION_FAILED + "out of memory"},
-              {"id": "c#2", "custom_id": "c", "location": "b.jsonl:1", "reason": GENERATION_FAILED + "dead end"},
-              {"id": None, "location": "b.jsonl:4", "reason": "malformed JSON: x"}]
-    assert [r["id"] for r in whole_requests(rows, errors)] == ["d"]  # a request fails whole
+    # request c (elements at input positions 0-2), d (3), a malformed line (4), and a repeat of d (5)
+    rows = [{**result("c", 0), "custom_id": "c", "prompt_index": 0, "request": 0},
+            {**result("c", 0), "custom_id": "c", "prompt_index": 1, "request": 0},
+            {**result("d", 0), "custom_id": "d", "prompt_index": None, "request": 3}]
+    errors = [{"id": "c", "custom_id": "c", "location": "b.jsonl:1", "reason": GENERATION_FAILED + "out of memory",
+               "request": 0},
+              {"id": "c", "custom_id": "c", "location": "b.jsonl:1", "reason": GENERATION_FAILED + "dead end",
+               "request": 0},
+              {"id": None, "location": "b.jsonl:4", "reason": "malformed JSON: x", "request": 4},
+              {"id": "d", "location": "b.jsonl:5", "reason": "duplicate custom_id 'd'", "request": 5}]
+    # a request fails whole; the repeat of d is another request, which does not fail d
+    assert [r["custom_id"] for r in whole_requests(rows, {e["request"] for e in errors})] == ["d"]
     path = tmp_path / "out.jsonl.errors.jsonl"
     with OpenAIErrorWriter(path) as w:
         w.write(errors)
         w.write([InvalidRow(Location("b.jsonl", line=5), "e", "field 'body.tools' is ...")])
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     assert [(x["custom_id"], x["error"]["code"]) for x in lines] == [
-        ("c", "generation_failed"), (None, "invalid_request"), ("e", "invalid_request")]
+        ("c", "generation_failed"), (None, "invalid_request"), ("d", "invalid_request"), ("e", "invalid_request")]
     assert lines[0]["error"]["message"] == "b.jsonl:1: generation failed: out of memory"
     assert all(x["response"] is None and x["id"].startswith("batch_req_") for x in lines)
     with OpenAIErrorWriter(path, overwrite=True):

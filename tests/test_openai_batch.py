@@ -5,8 +5,11 @@ import re
 import time
 
 import jsonschema
+import pyarrow.parquet as pq
+import pytest
 from click.testing import CliRunner
 
+import batchgen
 from pipeline.cli import main
 
 SYSTEM = "You answer briefly and kindly, in plain words, and you never make things up. "
@@ -124,12 +127,14 @@ def check_logprob_shapes(chat_body, echo_body):
     (choice,) = chat_body["choices"]
     logprobs = choice["logprobs"]
     assert set(logprobs) == {"content", "refusal"} and logprobs["refusal"] is None
-    assert len(logprobs["content"]) == chat_body["usage"]["completion_tokens"] > 0
+    # the message's tokens (not the special ones its text skips, such as EOS): joined, its content
+    assert 0 < len(logprobs["content"]) <= chat_body["usage"]["completion_tokens"]
+    assert b"".join(bytes(t["bytes"]) for t in logprobs["content"]) == choice["message"]["content"].encode()
     for t in logprobs["content"]:
-        assert set(t) == {"token", "logprob", "bytes", "top_logprobs"}
-        assert t["bytes"] == list(t["token"].encode("utf-8")) and t["logprob"] <= 0
+        assert set(t) == {"token", "logprob", "bytes", "top_logprobs"} and t["logprob"] <= 0
         assert len(t["top_logprobs"]) == 5
-        assert all(set(a) == {"token", "logprob", "bytes"} for a in t["top_logprobs"])
+        assert all(set(a) == {"token", "logprob", "bytes"} and all(0 <= b < 256 for b in a["bytes"])
+                   for a in t["top_logprobs"])
         tops = [a["logprob"] for a in t["top_logprobs"]]
         assert tops == sorted(tops, reverse=True)
         assert t["logprob"] == tops[0] and t["token"] == t["top_logprobs"][0]["token"]  # greedy: the argmax
@@ -161,3 +166,180 @@ def test_a_list_prompt_with_an_element_too_long_fails_as_one_request(tmp_path, m
     (error,) = [json.loads(x) for x in (tmp_path / "out.jsonl.errors.jsonl").read_text().splitlines()]
     assert error["custom_id"] == "half" and error["error"]["code"] == "invalid_request"
     assert error["error"]["message"].startswith(f"{src}:1: prompt of ") and "context window" in error["error"]["message"]
+
+
+# --- requests are keyed by their line, never by a name made from a custom_id -------------------
+
+def completion(cid, prompt, **body):
+    return {"custom_id": cid, "method": "POST", "url": "/v1/completions",
+            "body": {"model": "davinci-002", "prompt": prompt, "max_tokens": 3, **body}}
+
+
+def run_batch(tmp_path, model_dir, requests, fmt="openai"):
+    """`process` of these request lines: (input, output lines, error lines, summary)."""
+    src = tmp_path / "batch.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in requests))
+    out = tmp_path / ("out.jsonl" if fmt == "openai" else "out.parquet")
+    args = ["process", str(src), "-o", str(out), "--model", str(model_dir), "--overwrite"]
+    res = CliRunner().invoke(main, args + (["--output-format", "openai"] if fmt == "openai" else []))
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    summary = json.loads((tmp_path / (out.name + ".summary.json")).read_text())
+    if fmt != "openai":
+        return src, pq.read_table(out).to_pylist(), summary
+    errors = tmp_path / "out.jsonl.errors.jsonl"
+    return (src, [json.loads(x) for x in out.read_text().splitlines()],
+            [json.loads(x) for x in errors.read_text().splitlines()] if errors.exists() else [], summary)
+
+
+def test_a_repeated_custom_id_fails_the_repeat_only_and_bodies_outside_the_batch_api_limits_fail(tmp_path,
+                                                                                                 model_dir):
+    """req-1, req-2, req-1 again, req-3: the first req-1 is answered (it used to be dropped while the
+    summary said completed 3), the repeat is an error line. Bodies the Batch API refuses
+    (temperature 2.5, n 129, an integer custom_id) are error lines too, and `validate` lists them."""
+    requests = [chat("req-1", "One.", max_tokens=3), chat("req-2", "Two.", max_tokens=3),
+                chat("req-1", "Again.", max_tokens=3), chat("req-3", "Three.", max_tokens=3),
+                chat("hot", "Hot.", max_tokens=3, temperature=2.5), chat("many", "Many.", max_tokens=3, n=129),
+                chat(5, "Number.", max_tokens=3)]
+    src, lines, errors, summary = run_batch(tmp_path, model_dir, requests)
+    assert [x["custom_id"] for x in lines] == ["req-1", "req-2", "req-3"]
+    assert [len(x["response"]["body"]["choices"]) for x in lines] == [1, 1, 1]
+    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [
+        ("req-1", "invalid_request"), ("hot", "invalid_request"), ("many", "invalid_request"), ("5", "invalid_request")]
+    messages = [e["error"]["message"] for e in errors]
+    assert messages == [
+        f"{src}:3: duplicate custom_id 'req-1': an earlier request already uses it; custom_ids must be unique",
+        f"{src}:5: field 'body.temperature' must be a number in [0, 2] (the Batch API's range), got 2.5",
+        f"{src}:6: field 'body.n' must be an integer in [1, 128] (the Batch API's range), got 129",
+        f"{src}:7: field 'custom_id' must be a non-empty string, got the number 5; write it as a string (\"5\")"]
+    assert (summary["jobs"], summary["completed"], summary["failed"]) == (7, 3, 4)
+    res = CliRunner().invoke(main, ["validate", str(src), "--model", str(model_dir)])
+    assert res.exit_code == 1 and all(m in res.output for m in messages)
+
+
+def test_list_prompt_elements_never_collide_with_a_users_ids(tmp_path, model_dir):
+    """A request `a#0`, then a list prompt `a` of two elements: both answered whole (the element used
+    to be named `a#0`, which dropped the request `a#0` and half of `a`). A list prompt `c` whose
+    second element is too long fails as `c`, and the request `c#1` still runs."""
+    requests = [completion("a#0", SYSTEM + "Zero"), completion("a", [SYSTEM + "p one", SYSTEM + "q two"]),
+                completion("c", [SYSTEM + "Fine.", "word " * 400]), completion("c#1", SYSTEM + "Fine.")]
+    src, lines, errors, summary = run_batch(tmp_path, model_dir, requests)
+    assert [(x["custom_id"], len(x["response"]["body"]["choices"])) for x in lines] == [
+        ("a#0", 1), ("a", 2), ("c#1", 1)]
+    (error,) = errors
+    assert error["custom_id"] == "c" and error["error"]["message"].startswith(f"{src}:3: prompt of ")
+    # every element is a job: 6, of which the two of `c` failed (one refused, one not in the output)
+    assert (summary["jobs"], summary["completed"], summary["failed"]) == (6, 4, 2)
+
+    # Parquet: an element is (id, prompt_index); the request `a#0` has none
+    _, rows, _ = run_batch(tmp_path, model_dir, requests, fmt="parquet")
+    assert [(r["id"], r["prompt_index"]) for r in rows] == [("a#0", None), ("a", 0), ("a", 1), ("c", 0), ("c#1", None)]
+
+    # the Python API writes the same lines
+    out = tmp_path / "api.jsonl"
+    results = batchgen.Engine.load(str(model_dir)).generate(str(src), output=str(out), output_format="openai")
+    assert [json.loads(x)["custom_id"] for x in out.read_text().splitlines()] == ["a#0", "a", "c#1"]
+    assert [(r["id"], r["prompt_index"], r["error"] is None) for r in results] == [
+        ("a#0", None, True), ("a", 0, True), ("a", 1, True), ("c", 0, True), ("c", None, False), ("c#1", None, True)]
+
+
+def test_model_echoes_an_openai_requests_body_model_never_a_plain_jobs_column(tmp_path, model_dir):
+    """A judge file's `model` column is data: its OpenAI line reports --model. An OpenAI request
+    reports its body.model, also beside a carried top-level `model` field."""
+    requests = [{"id": "judge-1", "prompt": SYSTEM + "Verdict?", "model": "gpt-4o", "max_new_tokens": 3},
+                {**chat("req", "Hi.", max_tokens=3), "model": "a carried field"}]
+    _, lines, errors, _ = run_batch(tmp_path, model_dir, requests)
+    assert not errors
+    assert [x["response"]["body"]["model"] for x in lines] == [str(model_dir), "gpt-4o-mini"]
+
+
+# --- chat logprobs: the message's tokens, each with its own bytes ------------------------------
+
+@pytest.fixture(scope="module")
+def smol_dir(tmp_path_factory):
+    """A tiny random Llama with the default model's tokenizer (byte-level BPE, SmolLM2's)."""
+    import transformers as T
+
+    from pipeline.model import default_model_path
+
+    tok = T.AutoTokenizer.from_pretrained(default_model_path())
+    config = T.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                           bos_token_id=1, eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
+    d = tmp_path_factory.mktemp("smol-tiny")
+    T.AutoModelForCausalLM.from_config(config).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def test_chat_logprobs_list_the_messages_tokens_with_their_own_bytes(tmp_path, smol_dir):
+    """"𝔘€" comes in tokens holding parts of a character: their bytes used to be U+FFFD's, and the EOS
+    that ends the message was listed. Now the tokens' bytes, joined, are the content, and neither
+    EOS nor a token past a stop string is listed."""
+    requests = [chat("chars", "Hi.", guided_regex="𝔘€", logprobs=True, top_logprobs=3),
+                chat("stop", "Hi.", guided_regex="ab\ncd", stop=["\n"], logprobs=True),
+                chat("eos", "Hi.", logit_bias={"2": 100}, logprobs=True)]  # 2: the EOS, <|im_end|>
+    _, lines, errors, _ = run_batch(tmp_path, smol_dir, requests)
+    assert not errors
+    chars, stop, eos = (x["response"]["body"] for x in lines)
+    (choice,) = chars["choices"]
+    assert choice["message"]["content"] == "𝔘€" and choice["finish_reason"] == "stop"
+    content = choice["logprobs"]["content"]
+    parts = [bytes(t["bytes"]) for t in content]
+    assert b"".join(parts) == "𝔘€".encode()
+    assert any(not _utf8(p) for p in parts)  # some token holds part of a character
+    assert len(content) == chars["usage"]["completion_tokens"]  # the grammar ended it: no EOS was drawn
+    assert all(len(t["top_logprobs"]) == 3 for t in content)
+    (choice,) = stop["choices"]
+    assert choice["message"]["content"] == "ab" and choice["finish_reason"] == "stop"
+    parts = [bytes(t["bytes"]) for t in choice["logprobs"]["content"]]
+    # the tokens of "ab": a last one may reach into the stop string, none lies past it
+    assert b"".join(parts).startswith(b"ab") and len(b"".join(parts[:-1])) < 2
+    assert stop["usage"]["completion_tokens"] > len(parts)
+    (choice,) = eos["choices"]  # the EOS came first: an empty message has no tokens
+    assert choice["message"]["content"] == "" and choice["finish_reason"] == "stop"
+    assert choice["logprobs"]["content"] == [] and eos["usage"]["completion_tokens"] == 1
+
+
+def _utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _byte_fallback_tokenizer():
+    """A SentencePiece-style tokenizer (Llama 2's decoders): `<0xNN>` byte pieces, `▁` for a space."""
+    from tokenizers import Tokenizer as Backend, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ("▁", "a", "b", "▁a", "€"):
+        vocab.setdefault(piece, len(vocab))
+    backend = Backend(models.BPE(vocab=vocab, merges=[("▁", "a")], unk_token="<unk>", byte_fallback=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "byte-fallback", "metaspace"])
+def test_token_bytes_join_to_the_decoded_text(kind):
+    """What each token adds to the decoded text, as bytes, for the three kinds of decoder: the
+    default model's byte-level BPE, SentencePiece byte fallback, and the tests' tiny tokenizer
+    (whose word-start marker a token decoded alone loses)."""
+    from pipeline.model import default_model_path
+    from pipeline.tokenize import Tokenizer
+    from tiny_tokenizer import make_tokenizer
+
+    tok = Tokenizer({"byte-level": lambda: Tokenizer.load(str(default_model_path())).hf,
+                     "byte-fallback": _byte_fallback_tokenizer, "metaspace": make_tokenizer}[kind]())
+    text = "a b 𝔘€ a" if kind != "metaspace" else "the cat in the hat"
+    ids = tok.hf(text, add_special_tokens=False)["input_ids"] + [tok.hf.eos_token_id]
+    pieces = tok.text_bytes(ids)
+    assert pieces[-1] is None  # the EOS adds nothing: the text skips it
+    assert b"".join(p for p in pieces if p is not None) == tok.decode(ids).encode()
+    if kind != "metaspace":  # 𝔘 is split over tokens: each has its own bytes of it
+        assert any(p and not _utf8(p) for p in pieces)
+        assert b"".join(tok.token_bytes(ids[:-1])) in (text.encode(), b" " + text.encode())
+    assert tok.token_bytes([tok.hf.eos_token_id]) == [tok.hf.eos_token.encode()]

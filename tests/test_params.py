@@ -131,6 +131,36 @@ def test_an_openai_request_batchgen_cannot_honour_is_refused(body, message):
     assert error_of(chat(**body)).startswith(f"jobs.jsonl:3: {message}")
 
 
+@pytest.mark.parametrize("body, message", [
+    ({"temperature": 2.5}, "field 'body.temperature' must be a number in [0, 2] (the Batch API's range), got 2.5"),
+    ({"temperature": -0.5}, "field 'body.temperature' must be a number in [0, 2] (the Batch API's range), got -0.5"),
+    ({"top_p": 1.5}, "field 'body.top_p' must be a number in [0, 1] (the Batch API's range), got 1.5"),
+    ({"n": 129}, "field 'body.n' must be an integer in [1, 128] (the Batch API's range), got 129"),
+    ({"n": 0}, "field 'body.n' must be an integer in [1, 128] (the Batch API's range), got 0"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "field 'body.stop' has 5 sequences; the Batch API takes at most 4"),
+    ({"frequency_penalty": -3}, "field 'body.frequency_penalty' must be a number in [-2, 2]"),
+    ({"logprobs": True, "top_logprobs": 21}, "field 'body.top_logprobs' must be an integer in [0, 20]"),
+    ({"model": 4}, "field 'body.model' must be a string, got 4 (int)"),
+    ({"user": ["u"]}, "field 'body.user' must be a string, got ['u'] (list)"),
+    ({"store": "yes"}, "field 'body.store' must be true or false, got the string 'yes'"),
+    ({"metadata": {"k": 1}}, "field 'body.metadata' must be an object of string values, got {'k': 1}"),
+])
+def test_a_body_outside_the_batch_api_limits_is_refused(body, message):
+    """The Batch API's own limits (wider ones are batchgen's own: a plain job may set temperature 2.5)."""
+    assert error_of(chat(**body)).startswith(f"jobs.jsonl:3: {message}")
+    completions = {"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "x", "logprobs": 6}}
+    assert error_of(completions).startswith("jobs.jsonl:3: field 'body.logprobs' must be an integer in [0, 5]")
+    (plain,) = make({"prompt": "x", "temperature": 2.5, "n": 129})
+    assert (plain.temperature, plain.n) == (2.5, 129)
+
+
+@pytest.mark.parametrize("custom_id, got", [(5, "the number 5; write it as a string (\"5\")"), ("", "''"),
+                                            (True, "True"), (["a"], "['a']")])
+def test_a_custom_id_must_be_a_string(custom_id, got):
+    assert error_of({**chat(), "custom_id": custom_id}) == f"jobs.jsonl:3: field 'custom_id' must be a non-empty " \
+                                                           f"string, got {got}"
+
+
 def test_openai_request_fields_are_honoured():
     (job,) = make(chat(max_completion_tokens=9, presence_penalty=0.5, frequency_penalty=0.25, logit_bias={"3": 1},
                        response_format={"type": "json_object"}, user="u", metadata={"k": "v"}, store=False,
@@ -143,8 +173,9 @@ def test_openai_request_fields_are_honoured():
 def test_an_openai_list_prompt_is_one_job_per_element_and_fails_whole():
     row = {"custom_id": "c7", "url": "/v1/completions", "body": {"prompt": ["one", "two", "three"], "n": 2}}
     jobs = make(row)
+    # the elements share the request's id (never an id made from it): prompt_index tells them apart
     assert [(j.id, j.custom_id, j.prompt_index, j.prompt, j.n) for j in jobs] == [
-        ("c7#0", "c7", 0, "one", 2), ("c7#1", "c7", 1, "two", 2), ("c7#2", "c7", 2, "three", 2)]
+        ("c7", "c7", 0, "one", 2), ("c7", "c7", 1, "two", 2), ("c7", "c7", 2, "three", 2)]
     bad = {**row, "body": {"prompt": ["one", "  "]}}
     assert error_of(bad) == "jobs.jsonl:3: field 'body.prompt[1]' must be a non-empty string, got '  '"
 
