@@ -226,3 +226,43 @@ def test_the_default_models_eos_text_in_a_constraint_is_written_as_text():
     assert forced_text(grammars, Constraint("json_schema", json.dumps(schema)), hf) == '{"t":"<|im_end|>"}'
     assert forced_text(grammars, Constraint("regex", r"end: <\|im_end\|>"), hf) == "end: <|im_end|>"
     assert forced_text(grammars, Constraint("regex", r"<\|endoftext\|>!"), hf) == "<|endoftext|>!"
+
+
+def test_min_tokens_holds_back_a_constraints_end_and_a_text_complete_before_it_fails_its_row():
+    """min_tokens holds back EOS while the grammar allows more; a text complete before it (3
+    digits of \\d{1,3}, a choice) ends its row with an error, never as a silent short `stop`."""
+    tok = tokenizer()
+    grammars = Grammars(tok.hf)
+    digits = grammars.factory(Constraint("regex", r"\d{1,3}"))
+    yes_no = grammars.factory(Constraint("choice", json.dumps(["yes", "no"])))
+    prompt = tok.encode_prompt(SYSTEM + "Count:")
+    reqs = [Request(m, prompt + [40 + m], SamplingParams(max_new_tokens=10, min_tokens=m, temperature=0.9, n=4),
+                    grammar=digits) for m in (2, 3, 4)]
+    reqs.append(Request(5, prompt, SamplingParams(max_new_tokens=10, min_tokens=5), grammar=yes_no))
+    done = list(Engine(make_model("llama"), eos_token_ids=EOS).run(reqs))
+    assert len(done) == 13
+    for c in done:
+        text = tok.decode(c.token_ids)
+        if c.key in (2, 3):
+            assert c.finish_reason == "stop" and c.error is None and re.fullmatch(r"\d{1,3}", text), text
+            assert len(c.token_ids) >= c.key
+        else:
+            complete = 3 if c.key == 4 else len(c.token_ids)
+            assert c.finish_reason == "error" and c.error == (
+                f"its constraint's text is complete after {complete} tokens, before min_tokens ({c.key}): "
+                "it allows no more; lower min_tokens"), (c.finish_reason, c.error, text)
+
+
+def test_validate_refuses_a_choice_with_min_tokens_naming_both_fields(tmp_path, model_dir):
+    from cli_helpers import run, write_jsonl
+
+    src = write_jsonl(tmp_path / "jobs.jsonl", [{"prompt": "x", "choice": ["yes", "no"], "min_tokens": 5},
+                                                {"prompt": "x", "regex": "[a-z]+", "min_tokens": 5, "id": "ok"}])
+    res = run(["validate", str(src)], model_dir, ok=False)
+    assert res.exit_code == 1
+    assert (f"{src}:1: field 'min_tokens' is 5, but 'choice' is set: a choice ends where its text does, so "
+            "min_tokens cannot hold back its end; remove one of them") in res.output, res.output
+    assert f"{src}:2" not in res.output
+    res = run(["validate", str(write_jsonl(tmp_path / "c.jsonl", [{"prompt": "x", "choice": ["a"]}])),
+               "--min-tokens", "2"], model_dir, ok=False)
+    assert "field 'choice' is set, with min_tokens 2 (the default)" in res.output, res.output
