@@ -8,10 +8,11 @@ encoded whole and split, an empty context becomes the prefix token), and truncat
 windows are those of its `hf` backend, so both score the same tokens.
 
 lm-eval 0.4.13 finds models only in its built-in table, not through entry points: importing this
-module registers `batchgen`, and the `batchgen-lm-eval` command (lm-eval's own command line, run
-after that import) accepts every `lm_eval` option:
+module registers `batchgen`; `lm_eval` itself finds it through a start-up hook that `make setup`
+installs (pipeline/lm_eval_plugin.py), and the `batchgen-lm-eval` command (lm-eval's own command
+line, run after that import) needs none. Both take every `lm_eval` option:
 
-    batchgen-lm-eval --model batchgen --model_args pretrained=DIR,dtype=float32 --tasks TASK --include_path TASKS_DIR
+    lm_eval --model batchgen --model_args pretrained=DIR,dtype=float32 --tasks TASK --include_path TASKS_DIR
 """
 from __future__ import annotations
 

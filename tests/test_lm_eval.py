@@ -114,6 +114,45 @@ def test_generation_kwargs_are_honoured_as_the_hf_backend_does_or_refused_by_nam
     assert want != greedy and bg.generate_until(gen()) == want
 
 
+def test_the_start_up_hook_registers_batchgen_lazily_beside_lm_evals_own_models(tmp_path):
+    """The .pth line, run by `site`: `batchgen` is in lm-eval's table once lm-eval reads it, and
+    nothing of lm-eval or of the backend is imported before."""
+    from pipeline.lm_eval_plugin import write_pth
+
+    write_pth(tmp_path)
+    code = ("import site, sys; site.addsitedir(sys.argv[1]); "
+            "print(any(m.startswith(('lm_eval', 'pipeline.evalharness')) for m in sys.modules)); "
+            "from lm_eval.api.registry import get_model; "
+            "print(get_model('batchgen').__module__, get_model('hf').__name__)")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["False", "pipeline.evalharness", "HFLM"]
+
+
+@pytest.mark.slow
+def test_lm_evals_own_command_runs_the_batchgen_model(model_dir, tasks, tmp_path):
+    """`lm_eval --model batchgen` (lm-eval's own command, as installed): the same loglikelihoods as
+    the backend in-process. Needs the .pth file `make setup` writes."""
+    import sysconfig
+
+    from pipeline.lm_eval_plugin import PTH
+
+    assert (Path(sysconfig.get_path("purelib")) / PTH).exists(), \
+        f"no {PTH} in site-packages: run `make setup` (or `python -m pipeline.lm_eval_plugin`)"
+    out = tmp_path / "results"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    proc = subprocess.run([str(Path(sys.executable).parent / "lm_eval"), "--model", "batchgen", "--model_args",
+                           f"pretrained={model_dir},dtype=float32", "--tasks", "batchgen_mc", "--include_path",
+                           str(tasks), "--limit", "6", "--output_path", str(out), "--log_samples"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    samples = [json.loads(line) for line in next(out.rglob("samples_batchgen_mc_*.jsonl")).read_text().splitlines()]
+    got = [float(x) for x in per_request({"samples": {"batchgen_mc": samples}})]
+    want = per_request(evaluate("batchgen", f"pretrained={model_dir},dtype=float32", tasks, limit=6))
+    assert len(got) == len(want) == 6 * 4
+    assert max(abs(x - y) for x, y in zip(got, want)) < 1e-5
+
+
 @pytest.mark.slow
 def test_the_command_line_runs_offline_with_the_default_model(tmp_path, tasks):
     """`batchgen-lm-eval` (lm-eval's command line, batchgen registered) on SmolLM2, offline."""
