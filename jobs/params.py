@@ -214,6 +214,19 @@ def constraint(check: Checker, params: Mapping[str, Any], spelled: Mapping[str, 
     return _response_format(check, where, _json_value(check, where, value))
 
 
+def choice_min_tokens(check: Checker, rule: Constraint | None, min_tokens: int, spelled: Mapping[str, str]) -> None:
+    """A choice ends where its text does, so min_tokens (which holds back the end) cannot apply to it.
+    (A schema or regex can allow more text: there min_tokens holds back EOS, and a text that is
+    complete before min_tokens fails its row, see pipeline/sampling.py.)"""
+    if rule is None or rule.kind != "choice" or not min_tokens:
+        return
+    choice = rule.source or "choice"
+    why = "a choice ends where its text does, so min_tokens cannot hold back its end; remove one of them"
+    if "min_tokens" in spelled:
+        raise check.fail(spelled["min_tokens"], f"is {min_tokens}, but '{choice}' is set: {why}")
+    raise check.fail(choice, f"is set, with min_tokens {min_tokens} (the default): {why}")
+
+
 def _schema(check: Checker, where: str, value: Any) -> Constraint:
     value = _json_value(check, where, value)
     if not isinstance(value, Mapping):

@@ -14,8 +14,8 @@ from typing import Any
 from .checks import MESSAGE_ROLES, Checker, show
 from .errors import JobError, JobValidationError, Location
 from . import openai_limits
-from .params import (CONSTRAINTS, PARAMS, RESERVED, Constraint, completions_logprobs, constraint, continuations_field,
-                     normalize, split_fields)
+from .params import (CONSTRAINTS, PARAMS, RESERVED, Constraint, choice_min_tokens, completions_logprobs, constraint,
+                     continuations_field, normalize, split_fields)
 from .templates import TemplateRowError, fill_template, template_fields
 from .text import bad_text_at, encodes
 
@@ -326,6 +326,7 @@ class Job:
             raise check.fail(spelled[root] + e.field[len(root):], e.reason) from None
         given = any(params.get(name) is not None for name in CONSTRAINTS)
         rule = constraint(check, params, spelled) if given else defaults.constraint
+        choice_min_tokens(check, rule, norm["min_tokens"], spelled)
 
         if system is not None:
             if messages is None:

@@ -285,6 +285,9 @@ class Engine:
                 yield self._finish(r, kv, "error", r.state.error)
                 continue
             r.state.accept(tok)
+            if r.state.error is not None:  # its grammar's text is complete before min_tokens
+                yield self._finish(r, kv, "error", r.state.error)
+                continue
             reason = self._finish_reason(r, tok)
             if reason:
                 yield self._finish(r, kv, reason)

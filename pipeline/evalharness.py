@@ -8,10 +8,11 @@ encoded whole and split, an empty context becomes the prefix token), and truncat
 windows are those of its `hf` backend, so both score the same tokens.
 
 lm-eval 0.4.13 finds models only in its built-in table, not through entry points: importing this
-module registers `batchgen`, and the `batchgen-lm-eval` command (lm-eval's own command line, run
-after that import) accepts every `lm_eval` option:
+module registers `batchgen`; `lm_eval` itself finds it through a start-up hook that `make setup`
+installs (pipeline/lm_eval_plugin.py), and the `batchgen-lm-eval` command (lm-eval's own command
+line, run after that import) needs none. Both take every `lm_eval` option:
 
-    batchgen-lm-eval --model batchgen --model_args pretrained=DIR,dtype=float32 --tasks TASK --include_path TASKS_DIR
+    lm_eval --model batchgen --model_args pretrained=DIR,dtype=float32 --tasks TASK --include_path TASKS_DIR
 """
 from __future__ import annotations
 
@@ -21,9 +22,23 @@ import lm_eval.models  # noqa: F401  lm-eval's own table first: it fills it only
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
-from lm_eval.models.utils import _add_special_kwargs, has_bos_prefix
+from lm_eval.models.utils import _add_special_kwargs, has_bos_prefix, normalize_gen_kwargs
 
+from jobs.checks import Checker
+from jobs.errors import JobValidationError, Location
+from jobs.params import PARAMS, normalize, split_fields
+from jobs.schema import GenerationDefaults
 from pipeline.types import Request, SamplingParams
+
+# generate_until's kwargs beside until, max_gen_toks, do_sample and temperature, as batchgen's job
+# fields: those of transformers' generate that the hf backend passes on and batchgen has
+# (min_new_tokens is min_tokens), and vLLM's penalties and seed. Any other is refused by name.
+GEN_FIELDS = ("top_k", "top_p", "repetition_penalty", "min_tokens", "presence_penalty", "frequency_penalty", "seed")
+_TAKES = f"batchgen takes until, max_gen_toks, do_sample, temperature, {', '.join(GEN_FIELDS)}"
+_DEFAULTS = GenerationDefaults()
+# where a request leaves them out, transformers' generate (so the hf backend) takes them from the
+# model's generation_config, and where that has none, from these defaults of its own
+HF_DEFAULTS = {"top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0}
 
 
 @register_model("batchgen")
@@ -54,6 +69,9 @@ class BatchgenLM(TemplateLM):
                              max_batch_tokens=int(max_batch_tokens))
         self.add_bos_token = None if add_bos_token is None else str(add_bos_token).lower() in ("1", "true", "yes")
         self._max_length = int(max_length) if max_length else (context_window(model.config) or 2048)
+        config = _generation_config(source, model)
+        self.gen_defaults = {name: default if getattr(config, name, None) is None else getattr(config, name)
+                             for name, default in HF_DEFAULTS.items()}
         self.source = source
 
     # -- what TemplateLM asks for -----------------------------------------------------------
@@ -109,13 +127,9 @@ class BatchgenLM(TemplateLM):
         reqs, stops = [], []
         for i, request in enumerate(requests):
             context, gen_kwargs = request.args
-            kwargs = dict(gen_kwargs)
-            until = kwargs.pop("until", None) or []
-            until = [until] if isinstance(until, str) else list(until)
-            max_gen = int(kwargs.pop("max_gen_toks", 256))
-            temperature = float(kwargs.pop("temperature", 0.0) or 0.0) if kwargs.pop("do_sample", False) else 0.0
-            ids = self.tok_encode(context)[-(self.max_length - max_gen) :]
-            params = SamplingParams(max_new_tokens=max_gen, temperature=temperature, seed=0)
+            task = getattr(request, "task_name", None)
+            until, params = generation(gen_kwargs, f"task {task}" if task else "generate_until", self.gen_defaults)
+            ids = self.tok_encode(context)[-(self.max_length - params.max_new_tokens) :]
             reqs.append(Request(i, ids or [self.prefix_token_id], params, stop=self.tok.stop_check(until)))
             stops.append(until)
         out = [""] * len(reqs)
@@ -140,6 +154,46 @@ class BatchgenLM(TemplateLM):
                 raise RuntimeError(f"scoring request {c.key} failed: {c.error}")
             out[c.key] = (c.prompt_logprobs, c.prompt_greedy)
         return out
+
+
+def _generation_config(source: str, model: Any) -> Any:
+    """The model's generation_config.json as transformers reads it (batchgen's own decoder carries
+    only its EOS), else what the model has."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(source)
+    except OSError:  # no generation_config.json
+        return model.generation_config
+
+
+def generation(gen_kwargs: dict[str, Any], where: str,
+               defaults: dict[str, Any] = HF_DEFAULTS) -> tuple[list[str], SamplingParams]:
+    """A generate_until request's stop strings and sampling parameters. lm-eval's own normalization
+    first, as in its hf backend (the aliases of max_gen_toks; do_sample false is greedy whatever the
+    temperature); each other kwarg is one of GEN_FIELDS, checked as a job's field is, or refused by
+    name (ValueError): never dropped. ``defaults`` fill what the request leaves out (the model's
+    generation_config, as the hf backend's generate does: a sampled request takes top_k 50)."""
+    kwargs = dict(normalize_gen_kwargs(gen_kwargs))
+    until = [s for s in kwargs.pop("until") if s]
+    values = {name: getattr(_DEFAULTS, name) for name in PARAMS}
+    values.update(defaults, max_new_tokens=kwargs.pop("max_gen_toks"), seed=0)
+    temperature, sample = kwargs.pop("temperature", 0.0), kwargs.pop("do_sample")
+    values["temperature"] = temperature if sample else 0.0
+    check = Checker(Location(where))
+    try:
+        given, spelled = split_fields(check, kwargs, unknown=f"is not a generation argument batchgen knows; {_TAKES}")
+        for name in given:
+            if name not in GEN_FIELDS:
+                raise check.fail(spelled[name], f"is not a generate_until argument of lm-eval's hf backend; {_TAKES}")
+        values.update(given)
+        v = normalize(check, values)
+    except JobValidationError as e:
+        raise ValueError(f"batchgen: {e}") from None
+    return until, SamplingParams(
+        max_new_tokens=v["max_new_tokens"], temperature=v["temperature"], top_p=v["top_p"], top_k=v["top_k"],
+        seed=v["seed"], repetition_penalty=v["repetition_penalty"], presence_penalty=v["presence_penalty"],
+        frequency_penalty=v["frequency_penalty"], min_tokens=v["min_tokens"])
 
 
 def main() -> None:

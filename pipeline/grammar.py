@@ -135,6 +135,48 @@ class Grammars:
 
 def _ll_tokenizer(hf: Any) -> Any:
     import llguidance
+
+    base = _hf_ll_tokenizer(hf)
+    return llguidance.LLTokenizer(_TextSpecials(base, hf.bos_token_id), eos_token=base.eos_tokens)
+
+
+class _TextSpecials:
+    """llguidance's tokenizer interface (the attributes of its TokenizerWrapper) over one of its
+    tokenizers, where the text of a special token is text.
+
+    llguidance turns the text a grammar forces (a JSON key, a regex literal) into tokens with the
+    Hugging Face tokenizer, and that one reads "<|im_end|>" in any text as the special token: a
+    constraint holding EOS's text forced the EOS token, and the row ended there. Its masks never
+    allow a special token for text otherwise (special tokens are marked in its token trie). Here
+    a special token in that tokenization is spelled with ordinary tokens instead (greedily: such
+    text is rare, and any spelling the grammar accepts is right)."""
+
+    is_tokenizer_wrapper = True
+
+    def __init__(self, base: Any, bos: int | None) -> None:
+        self.base = base
+        self.eos_token_id, self.bos_token_id = base.eos_token, bos
+        self.special_token_ids = [t for t in range(base.vocab_size) if base.is_special_token(t)]
+        self.tokens = [base.decode_bytes([t]) for t in range(base.vocab_size)]  # specials: their text
+        self._special = frozenset(self.special_token_ids)
+
+    def __call__(self, text: str) -> list[int]:
+        # called from llguidance's Rust code, which cannot take an exception: nothing here raises
+        ids = self.base.tokenize_str(text)
+        if self._special.isdisjoint(ids):
+            return ids
+        out: list[int] = []
+        for t in ids:
+            if t in self._special:
+                out.extend(self.base.greedy_tokenize(self.tokens[t].decode(errors="replace")))
+            else:
+                out.append(t)
+        # a special token that took the whitespace beside it (lstrip/rstrip) spells less than the text
+        return out if self.base.decode_bytes(out) == text.encode() else self.base.greedy_tokenize(text)
+
+
+def _hf_ll_tokenizer(hf: Any) -> Any:
+    import llguidance
     import llguidance.hf
 
     try:

@@ -55,7 +55,7 @@ class RowState:
     prompt: Sequence[int] = ()
     ends: frozenset[int] = frozenset()  # tokens that end it: EOS and its stop_token_ids
     matcher: Matcher | None = None
-    error: str | None = None  # why it cannot go on (its grammar reached a dead end)
+    error: str | None = None  # why it cannot go on (its grammar reached a dead end, or ended before min_tokens)
     _seen: torch.Tensor | None = None  # (V,) bool: prompt and output tokens (repetition penalty)
     _counts: torch.Tensor | None = None  # (V,) output token counts (presence/frequency penalties)
 
@@ -67,6 +67,10 @@ class RowState:
             self._counts[token] += 1
         if self.matcher is not None and token not in self.ends:
             self.matcher.accept(token)
+            if len(self.tokens) < self.params.min_tokens and self.matcher.done:
+                # min_tokens holds back EOS, but a complete text that allows nothing more ends here
+                self.error = (f"its constraint's text is complete after {len(self.tokens)} tokens, before "
+                              f"min_tokens ({self.params.min_tokens}): it allows no more; lower min_tokens")
 
     @property
     def finished(self) -> bool:

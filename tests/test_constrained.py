@@ -156,3 +156,113 @@ def test_a_constraint_that_cannot_compile_is_refused_with_the_reason(constraint,
     grammars = Grammars(make_tokenizer())
     with pytest.raises(GrammarError, match=message):
         grammars.factory(constraint)
+
+
+# A constraint holding a special token's text: llguidance spells the text it forces with the
+# Hugging Face tokenizer, which reads "</s>" as the EOS token; the row then ended at once with
+# '{"t":"' as a complete output. The text must be written with ordinary tokens.
+SPECIAL_TEXT = [
+    ("json_schema", {"type": "object", "additionalProperties": False, "required": ["t"],
+                     "properties": {"t": {"const": "</s>"}}}, ['{"t":"</s>"}']),
+    ("regex", r"end: </s>", ["end: </s>"]),
+    ("regex", r"end: <\|im_end\|>", ["end: <|im_end|>"]),  # a special token that is not EOS here
+    ("choice", ["<s> or </s>", "</s> and <s>"], ["<s> or </s>", "</s> and <s>"]),
+]
+
+
+def special_constraint(kind, spec) -> Constraint:
+    return Constraint(kind, spec if kind == "regex" else json.dumps(spec))
+
+
+@pytest.mark.parametrize("kind, spec, want", SPECIAL_TEXT)
+def test_a_constraint_holding_a_special_tokens_text_writes_that_text(kind, spec, want):
+    tok = tokenizer()
+    grammars = Grammars(tok.hf)
+    specials = set(tok.hf.all_special_ids)
+    reqs = [Request(0, tok.encode_prompt(SYSTEM + "Write it:"), SamplingParams(max_new_tokens=40),
+                    grammar=grammars.factory(special_constraint(kind, spec))),
+            Request(1, tok.encode_prompt(SYSTEM + "Write it again:"),
+                    SamplingParams(max_new_tokens=40, temperature=1.0, seed=3, n=2),
+                    grammar=grammars.factory(special_constraint(kind, spec)))]
+    done = list(Engine(make_model("llama"), eos_token_ids=EOS + [5]).run(reqs))
+    assert len(done) == 3
+    for c in done:
+        text = tok.decode(c.token_ids)
+        assert c.error is None and c.finish_reason == "stop", (c.finish_reason, text)
+        assert text in want and not specials & set(c.token_ids), (text, c.token_ids)
+        if kind == "json_schema":
+            jsonschema.validate(json.loads(text), spec)
+        elif kind == "regex":
+            assert re.fullmatch(spec, text)
+
+
+def forced_text(grammars: Grammars, constraint: Constraint, hf, limit: int = 64) -> str:
+    """Walk a grammar that allows one text, taking the lowest allowed token at each step."""
+    from pipeline.grammar import allowed_tokens
+
+    m = grammars.factory(constraint)()
+    ids = []
+    while not m.accepting and len(ids) < limit:
+        allowed = allowed_tokens([m], m.n_vocab)[0].nonzero().flatten().tolist()
+        assert allowed, (m.error, hf.decode(ids))
+        ids.append(allowed[0])
+        m.accept(allowed[0])
+    assert m.error is None and m.accepting
+    assert not set(hf.all_special_ids) & set(ids), ids
+    return hf.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.slow
+def test_the_default_models_eos_text_in_a_constraint_is_written_as_text():
+    """SmolLM2's EOS is <|im_end|>: a schema or regex holding that text is written out."""
+    from pipeline.model import default_model_path
+    from pipeline.tokenize import Tokenizer
+
+    hf = Tokenizer.load(str(default_model_path())).hf
+    assert hf.eos_token == "<|im_end|>"
+    grammars = Grammars(hf)
+    schema = {"type": "object", "additionalProperties": False, "required": ["t"],
+              "properties": {"t": {"const": "<|im_end|>"}}}
+    assert forced_text(grammars, Constraint("json_schema", json.dumps(schema)), hf) == '{"t":"<|im_end|>"}'
+    assert forced_text(grammars, Constraint("regex", r"end: <\|im_end\|>"), hf) == "end: <|im_end|>"
+    assert forced_text(grammars, Constraint("regex", r"<\|endoftext\|>!"), hf) == "<|endoftext|>!"
+
+
+def test_min_tokens_holds_back_a_constraints_end_and_a_text_complete_before_it_fails_its_row():
+    """min_tokens holds back EOS while the grammar allows more; a text complete before it (3
+    digits of \\d{1,3}, a choice) ends its row with an error, never as a silent short `stop`."""
+    tok = tokenizer()
+    grammars = Grammars(tok.hf)
+    digits = grammars.factory(Constraint("regex", r"\d{1,3}"))
+    yes_no = grammars.factory(Constraint("choice", json.dumps(["yes", "no"])))
+    prompt = tok.encode_prompt(SYSTEM + "Count:")
+    reqs = [Request(m, prompt + [40 + m], SamplingParams(max_new_tokens=10, min_tokens=m, temperature=0.9, n=4),
+                    grammar=digits) for m in (2, 3, 4)]
+    reqs.append(Request(5, prompt, SamplingParams(max_new_tokens=10, min_tokens=5), grammar=yes_no))
+    done = list(Engine(make_model("llama"), eos_token_ids=EOS).run(reqs))
+    assert len(done) == 13
+    for c in done:
+        text = tok.decode(c.token_ids)
+        if c.key in (2, 3):
+            assert c.finish_reason == "stop" and c.error is None and re.fullmatch(r"\d{1,3}", text), text
+            assert len(c.token_ids) >= c.key
+        else:
+            complete = 3 if c.key == 4 else len(c.token_ids)
+            assert c.finish_reason == "error" and c.error == (
+                f"its constraint's text is complete after {complete} tokens, before min_tokens ({c.key}): "
+                "it allows no more; lower min_tokens"), (c.finish_reason, c.error, text)
+
+
+def test_validate_refuses_a_choice_with_min_tokens_naming_both_fields(tmp_path, model_dir):
+    from cli_helpers import run, write_jsonl
+
+    src = write_jsonl(tmp_path / "jobs.jsonl", [{"prompt": "x", "choice": ["yes", "no"], "min_tokens": 5},
+                                                {"prompt": "x", "regex": "[a-z]+", "min_tokens": 5, "id": "ok"}])
+    res = run(["validate", str(src)], model_dir, ok=False)
+    assert res.exit_code == 1
+    assert (f"{src}:1: field 'min_tokens' is 5, but 'choice' is set: a choice ends where its text does, so "
+            "min_tokens cannot hold back its end; remove one of them") in res.output, res.output
+    assert f"{src}:2" not in res.output
+    res = run(["validate", str(write_jsonl(tmp_path / "c.jsonl", [{"prompt": "x", "choice": ["a"]}])),
+               "--min-tokens", "2"], model_dir, ok=False)
+    assert "field 'choice' is set, with min_tokens 2 (the default)" in res.output, res.output

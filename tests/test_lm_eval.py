@@ -2,6 +2,8 @@
 on a local 5-shot multiple-choice task, with the shared few-shot header prefilled once."""
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -60,6 +62,95 @@ def test_rolling_loglikelihood_and_generation_match_the_hf_backend(model_dir):
     assert all(abs(x - y) < 1e-4 for x, y in zip(a, b))
     gen = [Instance("generate_until", {}, ("Q: what is it? A:", {"until": ["\n", "Q:"], "max_gen_toks": 8}), 0)]
     assert bg.generate_until(gen) == hf.generate_until(gen)
+
+
+def test_generation_kwargs_are_honoured_as_the_hf_backend_does_or_refused_by_name(model_dir, tmp_path):
+    """top_k 1 makes sampling greedy, and repetition_penalty and min_new_tokens change the greedy
+    text: each must give the hf backend's output. A kwarg batchgen cannot honour is refused."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.registry import get_model
+
+    import pipeline.evalharness  # noqa: F401
+
+    hf = get_model("hf").create_from_arg_string(f"pretrained={model_dir},dtype=float32,device=cpu",
+                                                {"batch_size": 4})
+    bg = get_model("batchgen").create_from_arg_string(f"pretrained={model_dir},dtype=float32", {})
+
+    def gen(**kwargs):
+        args = {"until": ["Q:"], "max_gen_toks": 12, **kwargs}
+        return [Instance("generate_until", {}, (f"Q: what is {i}? A:", args), i) for i in range(3)]
+
+    greedy = hf.generate_until(gen())
+    for kwargs in ({"do_sample": True, "temperature": 1.0, "top_k": 1},
+                   {"do_sample": True, "temperature": 0.7, "top_p": 1e-6},
+                   {"repetition_penalty": 3.0}, {"min_new_tokens": 12, "max_new_tokens": 12}):
+        want = hf.generate_until(gen(**kwargs))
+        assert bg.generate_until(gen(**kwargs)) == want, kwargs
+        if "do_sample" in kwargs:
+            assert want == greedy
+    assert hf.generate_until(gen(repetition_penalty=3.0)) != greedy  # the kwarg matters on this model
+    assert bg.generate_until(gen(num_beams=1, do_sample=False, temperature=0.5)) == greedy
+    for kwargs, message in [({"num_beams": 4}, "field 'num_beams' is a generation parameter batchgen does not "
+                                               "support (batchgen samples, no beams)"),
+                            ({"typical_p": 0.5}, "field 'typical_p' is a generation parameter batchgen does not"),
+                            ({"frobnicate": 1}, "field 'frobnicate' is not a generation argument batchgen knows; "
+                                                "batchgen takes until, max_gen_toks, do_sample, temperature, top_k"),
+                            ({"n": 2}, "field 'n' is not a generate_until argument of lm-eval's hf backend"),
+                            ({"top_k": -1}, "field 'top_k' must be an integer >= 0"),
+                            ({"min_new_tokens": 20}, "field 'min_tokens' is 20, more than max_new_tokens (12)")]:
+        with pytest.raises(ValueError, match=re.escape(f"batchgen: generate_until: {message}")):
+            bg.generate_until(gen(**kwargs))
+    # what a request leaves out comes from the model's generation_config, else transformers' own
+    # defaults, as generate takes them: top_k 50 for a sampled request
+    _, sampled = pipeline.evalharness.generation({"do_sample": True, "temperature": 1.0}, "x", bg.gen_defaults)
+    assert sampled.top_k == 50
+    shutil.copytree(model_dir, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "generation_config.json").read_text())
+    (tmp_path / "m" / "generation_config.json").write_text(json.dumps({**config, "repetition_penalty": 3.0}))
+    hf = get_model("hf").create_from_arg_string(f"pretrained={tmp_path / 'm'},dtype=float32,device=cpu",
+                                                {"batch_size": 4})
+    bg = get_model("batchgen").create_from_arg_string(f"pretrained={tmp_path / 'm'},dtype=float32", {})
+    want = hf.generate_until(gen())
+    assert want != greedy and bg.generate_until(gen()) == want
+
+
+def test_the_start_up_hook_registers_batchgen_lazily_beside_lm_evals_own_models(tmp_path):
+    """The .pth line, run by `site`: `batchgen` is in lm-eval's table once lm-eval reads it, and
+    nothing of lm-eval or of the backend is imported before."""
+    from pipeline.lm_eval_plugin import write_pth
+
+    write_pth(tmp_path)
+    code = ("import site, sys; site.addsitedir(sys.argv[1]); "
+            "print(any(m.startswith(('lm_eval', 'pipeline.evalharness')) for m in sys.modules)); "
+            "from lm_eval.api.registry import get_model; "
+            "print(get_model('batchgen').__module__, get_model('hf').__name__)")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["False", "pipeline.evalharness", "HFLM"]
+
+
+@pytest.mark.slow
+def test_lm_evals_own_command_runs_the_batchgen_model(model_dir, tasks, tmp_path):
+    """`lm_eval --model batchgen` (lm-eval's own command, as installed): the same loglikelihoods as
+    the backend in-process. Needs the .pth file `make setup` writes."""
+    import sysconfig
+
+    from pipeline.lm_eval_plugin import PTH
+
+    assert (Path(sysconfig.get_path("purelib")) / PTH).exists(), \
+        f"no {PTH} in site-packages: run `make setup` (or `python -m pipeline.lm_eval_plugin`)"
+    out = tmp_path / "results"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    proc = subprocess.run([str(Path(sys.executable).parent / "lm_eval"), "--model", "batchgen", "--model_args",
+                           f"pretrained={model_dir},dtype=float32", "--tasks", "batchgen_mc", "--include_path",
+                           str(tasks), "--limit", "6", "--output_path", str(out), "--log_samples"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    samples = [json.loads(line) for line in next(out.rglob("samples_batchgen_mc_*.jsonl")).read_text().splitlines()]
+    got = [float(x) for x in per_request({"samples": {"batchgen_mc": samples}})]
+    want = per_request(evaluate("batchgen", f"pretrained={model_dir},dtype=float32", tasks, limit=6))
+    assert len(got) == len(want) == 6 * 4
+    assert max(abs(x - y) for x, y in zip(got, want)) < 1e-5
 
 
 @pytest.mark.slow

@@ -83,6 +83,9 @@ def test_new_fields_and_aliases():
      "field 'response_format.json_schema' must be an object with a 'schema'"),
     ({"guided_json": 3}, "field 'guided_json' must be a JSON Schema object, got 3 (int)"),
     ({"max_tokens": 0}, "field 'max_tokens' must be a positive integer, got 0"),
+    ({"choice": ["yes", "no"], "min_tokens": 5}, "field 'min_tokens' is 5, but 'choice' is set: a choice ends "
+                                                 "where its text does, so min_tokens cannot hold back its end"),
+    ({"guided_choice": ["a"], "min_new_tokens": 2}, "field 'min_new_tokens' is 2, but 'guided_choice' is set"),
 ])
 def test_new_field_errors_name_the_field_as_written(extra, message):
     assert error_of({"prompt": "x", **extra}).startswith(f"jobs.jsonl:3: {message}")
@@ -104,10 +107,14 @@ def test_defaults_give_every_new_field_and_a_constraint():
     d = GenerationDefaults(repetition_penalty=1.1, logit_bias='{"3": -1}', min_tokens=2, constraint=rule)
     (job,) = Job.from_record({"prompt": "x"}, LOC, d, 0)
     assert (job.repetition_penalty, job.logit_bias, job.min_tokens, job.constraint) == (1.1, ((3, -1.0),), 2, rule)
-    (own,) = Job.from_record({"prompt": "x", "choice": ["a"]}, LOC, d, 0)
-    assert own.constraint.kind == "choice"  # a job's own constraint replaces the default
+    (own,) = Job.from_record({"prompt": "x", "regex": "a+"}, LOC, d, 0)
+    assert own.constraint.kind == "regex" and own.min_tokens == 2  # a job's own constraint replaces the default
     with pytest.raises(JobValidationError, match="defaults: field 'presence_penalty'"):
         GenerationDefaults(presence_penalty=9)
+    with pytest.raises(JobValidationError, match="field 'choice' is set, with min_tokens 2 .the default.: a choice"):
+        Job.from_record({"prompt": "x", "choice": ["a"]}, LOC, d, 0)
+    (own,) = Job.from_record({"prompt": "x", "choice": ["a"], "min_tokens": 0}, LOC, d, 0)
+    assert own.constraint.kind == "choice"  # a job's own constraint replaces the default
 
 
 # --- OpenAI bodies ---------------------------------------------------------------------------
