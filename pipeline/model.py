@@ -16,16 +16,18 @@ finding the default model's directory, or a model's config, must not cost a torc
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import importlib.util
 import json
 import os
 import pickle
+import re
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 if TYPE_CHECKING:
     import torch
@@ -207,6 +209,44 @@ def _needs_repair(target: Path) -> bool:
         return False  # the loader reports an unreadable config with its own message
 
 
+@contextmanager
+def _held_load_report() -> Iterator[list[str]]:
+    """transformers logs a table of the checkpoint's tensors that did not load as they are, then
+    raises if any had the wrong size. The table is held back here (the caller words a size
+    mismatch in one line from it) and logged as usual after a load that succeeds."""
+    from transformers.utils import logging as hf_logging
+
+    logger, held = hf_logging.get_logger("transformers.modeling_utils"), []
+
+    def hold(record) -> bool:
+        if "LOAD REPORT" not in record.getMessage():
+            return True
+        held.append(record)
+        return False
+
+    lines: list[str] = []
+    logger.addFilter(hold)
+    try:
+        yield lines
+    except BaseException:
+        lines += [line for r in held for line in r.getMessage().splitlines()]
+        raise
+    finally:
+        logger.removeFilter(hold)
+    for record in held:
+        logger.handle(record)
+
+
+def _mismatch(report: list[str]) -> str:
+    """The first size mismatch of transformers' load report, in words."""
+    for line in report:
+        m = re.search(r"^\s*(\S+)\s*\|.*MISMATCH.*ckpt: torch\.Size\((\[[^\]]*\])\) vs model: ?torch\.Size\((\[[^\]]*\])\)",
+                      re.sub(r"\x1b\[[0-9;]*m", "", line))
+        if m:
+            return f"its checkpoint's {m[1]} has shape {m[2]}, but config.json makes it {m[3]}"
+    return "its checkpoint's tensors have other shapes than config.json makes them"
+
+
 def resolve_device(device: str) -> torch.device:
     """``auto`` → cuda, else mps, else cpu; explicit names are checked for availability."""
     import torch
@@ -295,38 +335,82 @@ def load_config(name_or_path: str | None, trust_remote_code: bool = False, witho
     from pipeline.tokenize import torch_hidden
 
     label, source = model_source(name_or_path)
-    own = _own_decoder_config(source)
+    own, _ = _own_decoder_config(source, label)
     if own is not None:  # what batchgen's decoder runs: read from the files, no config class imported
         return own
     try:
         with torch_hidden(without_torch):
             from transformers import AutoConfig
 
-            return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
+            config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as e:  # KeyError: rope parameters that lack a required key
         hint = ("it needs custom code: pass --trust-remote-code only if you trust that code"
                 if "trust_remote_code" in str(e) and not trust_remote_code
                 else "pass a local directory written by save_pretrained, or a hub id that is in the local HF cache")
         raise ModelLoadError(f"model {label!r}: cannot read its config: {str(e)[:300]}\nFix: {hint}") from e
+    _check_runnable(config, label)
+    return config
 
 
-def _own_decoder_config(source: str):
-    """The model's `DecoderConfig` where batchgen's own decoder runs it (a local directory, or a hub
-    id's snapshot in the local Hugging Face cache, whose files state all it needs:
-    `pipeline.decoder_config`), else None."""
-    from pipeline.decoder_config import read
+def _own_decoder_config(source: str, label: str):
+    """`(config, None)`: the model's `DecoderConfig`, where batchgen's own decoder runs it (a local
+    directory, or a hub id's snapshot in the local Hugging Face cache, whose files state all it
+    needs: `pipeline.decoder_config`); else `(None, why not)`. A model no model code runs as
+    transformers does, or whose tensors disagree with its config, is a ModelLoadError."""
+    from pipeline.decoder_config import Refused, read
 
     if Path(source).is_dir():
-        return read(source)[0]
-    if _looks_local(source):
-        return None
-    try:
-        from huggingface_hub import try_to_load_from_cache
+        directory = source
+    elif _looks_local(source):
+        return None, "not a model directory"
+    else:
+        try:
+            from huggingface_hub import try_to_load_from_cache
 
-        cached = try_to_load_from_cache(source, "config.json")
-    except (ValueError, OSError):  # not a valid repo id
-        return None
-    return read(Path(cached).parent)[0] if isinstance(cached, str) else None
+            cached = try_to_load_from_cache(source, "config.json")
+        except (ValueError, OSError):  # not a valid repo id
+            return None, "not a valid hub id"
+        if not isinstance(cached, str):
+            return None, "not in the local Hugging Face cache"
+        directory = Path(cached).parent
+    try:
+        return read(directory)
+    except Refused as e:
+        raise ModelLoadError(f"model {label!r}: {e}") from None
+
+
+def _check_runnable(config, label: str) -> None:
+    """transformers' config of a model: refused where no model code of batchgen's runs it as
+    transformers' uncached `generate` would (`rope.refusal`)."""
+    from pipeline.rope import refusal
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    why = refusal(getattr(text, "is_causal", True), getattr(text, "rope_parameters", None)) or _cache_problem(text)
+    if why:
+        raise ModelLoadError(f"model {label!r}: {why}")
+
+
+def _cache_problem(config) -> str | None:
+    """transformers' `generate` builds its KV cache's layers from the config's `layer_types`, else
+    from `sliding_window` or `attention_chunk_size`, and a windowed cache layer drops keys at decode
+    steps even where the model's own masks attend to all of them. A config class that does not
+    declare such a key leaves it to the cache alone (a Llama with `sliding_window`): its generate
+    is windowed at decode steps only, which batchgen's forwards do not reproduce. Chunked attention
+    batchgen does not implement."""
+    declared = {f.name for f in dataclasses.fields(config)} if dataclasses.is_dataclass(config) else None
+    read = ("layer_types",) if getattr(config, "layer_types", None) is not None else \
+        ("sliding_window", "attention_chunk_size")  # what the cache reads: layer_types, where there are
+    for key in read:
+        value = getattr(config, key, None)
+        if key == "layer_types" and value is not None and all(t == "full_attention" for t in value):
+            continue  # full attention on every layer, as the model's own masks
+        if declared is not None and key not in declared and value is not None:
+            return (f"its config.json sets {key}, which {type(config).__name__}'s model code does not read but "
+                    "transformers' generate applies to its cache; batchgen does not run this model")
+    types = getattr(config, "layer_types", None) or ()
+    if "chunked_attention" in types or (not types and getattr(config, "attention_chunk_size", None) is not None):
+        return "chunked attention (attention_chunk_size): batchgen does not run it"
+    return None
 
 
 def load_model(
@@ -355,7 +439,10 @@ def load_model(
         from pipeline.decoder import enabled
 
         own_decoder = torch_device.type == "cpu" and enabled()
-    config = _own_decoder_config(source) if own_decoder else None
+        declined = "BATCHGEN_DECODER=0" if torch_device.type == "cpu" else f"a {torch_device.type} device"
+    else:
+        declined = "own_decoder=False"
+    config, why = _own_decoder_config(source, label) if own_decoder else (None, declined)
     if config is not None:
         from pipeline.decoder import Decoder
 
@@ -373,13 +460,14 @@ def load_model(
         )
 
     try:
-        try:
-            model = _load("sdpa")
-        except ValueError as e:
-            # Architectures without an SDPA path raise ValueError; anything else is a real error.
-            if "scaled_dot_product_attention" not in str(e) and "sdpa" not in str(e):
-                raise
-            model = _load("eager")
+        with _held_load_report() as report:
+            try:
+                model = _load("sdpa")
+            except ValueError as e:
+                # Architectures without an SDPA path raise ValueError; anything else is a real error.
+                if "scaled_dot_product_attention" not in str(e) and "sdpa" not in str(e):
+                    raise
+                model = _load("eager")
     except ModelLoadError:
         raise
     except ValueError as e:
@@ -403,12 +491,21 @@ def load_model(
         ) from e
     except SafetensorError as e:  # a damaged or truncated checkpoint file
         raise ModelLoadError(f"model {label!r}: {_DAMAGED} ({e})") from e
+    except RuntimeError as e:
+        if "ignore_mismatched_sizes" not in str(e) and "size mismatch" not in str(e):
+            raise
+        raise ModelLoadError(f"model {label!r}: {_mismatch(report)}: the config does not match the weights") from None
+    except (KeyError, TypeError) as e:  # e.g. rope parameters that lack a key, a head_dim of null
+        raise ModelLoadError(f"model {label!r}: transformers cannot build it from its config.json "
+                             f"({type(e).__name__}: {str(e)[:300]})") from None
     except OSError as e:
         raise ModelLoadError(
             f"model {label!r} could not be loaded: {e}\n"
             "Fix: pass a local directory written by save_pretrained, or a hub id that is in the local HF cache"
         ) from e
 
+    _check_runnable(model.config, label)
+    model.batchgen_decoder_declined = why  # the summary's `decoder_declined`
     model.to(torch_device)
     model.eval()
     if pack_weights:
