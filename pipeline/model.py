@@ -429,6 +429,8 @@ def load_model(
     instead, as every other model and device does. A transformers model is in eval mode, and on a
     CPU its linear layers' weights are packed for oneDNN in place (`kernels.pack_in_place`):
     the model is batchgen's, for inference; `pack_weights=False` keeps plain Hugging Face layers.
+    A model neither model code runs as transformers' uncached `generate` would (`rope.refusal`,
+    `_cache_problem`), or whose tensors disagree with its config, is a one-line ModelLoadError.
     Returns ``(model, tokenizer_source)``: the local directory or hub id the
     tokenizer should be loaded from (for the default model, the converted dir).
     """

@@ -206,7 +206,9 @@ def test_a_cli_run_on_the_decoder_imports_no_model_code(tmp_path, model_dir):
         assert run.returncode == 0, run.stderr[-2000:]
         imported = {line.split("|")[-1].strip() for line in run.stderr.splitlines() if line.startswith("import time")}
         assert ("transformers.modeling_utils" in imported) == (code == "transformers")
-        assert json.loads(out.with_name(out.name + ".summary.json").read_text())["model_code"] == code
+        summary = json.loads(out.with_name(out.name + ".summary.json").read_text())
+        assert summary["model_code"] == code
+        assert summary["decoder_declined"] == (None if flag == "1" else "BATCHGEN_DECODER=0")  # why not the decoder
         import pyarrow.parquet as pq
 
         texts[flag] = pq.read_table(out).column("completion").to_pylist()
