@@ -16,18 +16,15 @@ finding the default model's directory, or a model's config, must not cost a torc
 
 from __future__ import annotations
 
-import dataclasses
 import fcntl
 import importlib.util
 import json
 import os
 import pickle
-import re
 import shutil
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -209,44 +206,6 @@ def _needs_repair(target: Path) -> bool:
         return False  # the loader reports an unreadable config with its own message
 
 
-@contextmanager
-def _held_load_report() -> Iterator[list[str]]:
-    """transformers logs a table of the checkpoint's tensors that did not load as they are, then
-    raises if any had the wrong size. The table is held back here (the caller words a size
-    mismatch in one line from it) and logged as usual after a load that succeeds."""
-    from transformers.utils import logging as hf_logging
-
-    logger, held = hf_logging.get_logger("transformers.modeling_utils"), []
-
-    def hold(record) -> bool:
-        if "LOAD REPORT" not in record.getMessage():
-            return True
-        held.append(record)
-        return False
-
-    lines: list[str] = []
-    logger.addFilter(hold)
-    try:
-        yield lines
-    except BaseException:
-        lines += [line for r in held for line in r.getMessage().splitlines()]
-        raise
-    finally:
-        logger.removeFilter(hold)
-    for record in held:
-        logger.handle(record)
-
-
-def _mismatch(report: list[str]) -> str:
-    """The first size mismatch of transformers' load report, in words."""
-    for line in report:
-        m = re.search(r"^\s*(\S+)\s*\|.*MISMATCH.*ckpt: torch\.Size\((\[[^\]]*\])\) vs model: ?torch\.Size\((\[[^\]]*\])\)",
-                      re.sub(r"\x1b\[[0-9;]*m", "", line))
-        if m:
-            return f"its checkpoint's {m[1]} has shape {m[2]}, but config.json makes it {m[3]}"
-    return "its checkpoint's tensors have other shapes than config.json makes them"
-
-
 def resolve_device(device: str) -> torch.device:
     """``auto`` → cuda, else mps, else cpu; explicit names are checked for availability."""
     import torch
@@ -381,36 +340,12 @@ def _own_decoder_config(source: str, label: str):
 
 def _check_runnable(config, label: str) -> None:
     """transformers' config of a model: refused where no model code of batchgen's runs it as
-    transformers' uncached `generate` would (`rope.refusal`)."""
-    from pipeline.rope import refusal
+    transformers' uncached `generate` would (`pipeline.runnable.problem`)."""
+    from pipeline.runnable import problem
 
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    why = refusal(getattr(text, "is_causal", True), getattr(text, "rope_parameters", None)) or _cache_problem(text)
+    why = problem(config)
     if why:
         raise ModelLoadError(f"model {label!r}: {why}")
-
-
-def _cache_problem(config) -> str | None:
-    """transformers' `generate` builds its KV cache's layers from the config's `layer_types`, else
-    from `sliding_window` or `attention_chunk_size`, and a windowed cache layer drops keys at decode
-    steps even where the model's own masks attend to all of them. A config class that does not
-    declare such a key leaves it to the cache alone (a Llama with `sliding_window`): its generate
-    is windowed at decode steps only, which batchgen's forwards do not reproduce. Chunked attention
-    batchgen does not implement."""
-    declared = {f.name for f in dataclasses.fields(config)} if dataclasses.is_dataclass(config) else None
-    read = ("layer_types",) if getattr(config, "layer_types", None) is not None else \
-        ("sliding_window", "attention_chunk_size")  # what the cache reads: layer_types, where there are
-    for key in read:
-        value = getattr(config, key, None)
-        if key == "layer_types" and value is not None and all(t == "full_attention" for t in value):
-            continue  # full attention on every layer, as the model's own masks
-        if declared is not None and key not in declared and value is not None:
-            return (f"its config.json sets {key}, which {type(config).__name__}'s model code does not read but "
-                    "transformers' generate applies to its cache; batchgen does not run this model")
-    types = getattr(config, "layer_types", None) or ()
-    if "chunked_attention" in types or (not types and getattr(config, "attention_chunk_size", None) is not None):
-        return "chunked attention (attention_chunk_size): batchgen does not run it"
-    return None
 
 
 def load_model(
@@ -429,8 +364,7 @@ def load_model(
     instead, as every other model and device does. A transformers model is in eval mode, and on a
     CPU its linear layers' weights are packed for oneDNN in place (`kernels.pack_in_place`):
     the model is batchgen's, for inference; `pack_weights=False` keeps plain Hugging Face layers.
-    A model neither model code runs as transformers' uncached `generate` would (`rope.refusal`,
-    `_cache_problem`), or whose tensors disagree with its config, is a one-line ModelLoadError.
+    A model neither model code runs as transformers' uncached `generate` would (`pipeline.runnable`), or whose tensors disagree with its config, is a one-line ModelLoadError.
     Returns ``(model, tokenizer_source)``: the local directory or hub id the
     tokenizer should be loaded from (for the default model, the converted dir).
     """
@@ -456,13 +390,15 @@ def load_model(
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
+    from pipeline.runnable import held_load_report, mismatch
+
     def _load(attn: str) -> PreTrainedModel:
         return AutoModelForCausalLM.from_pretrained(
             source, dtype=torch_dtype, attn_implementation=attn, trust_remote_code=trust_remote_code
         )
 
     try:
-        with _held_load_report() as report:
+        with held_load_report() as report:
             try:
                 model = _load("sdpa")
             except ValueError as e:
@@ -496,7 +432,7 @@ def load_model(
     except RuntimeError as e:
         if "ignore_mismatched_sizes" not in str(e) and "size mismatch" not in str(e):
             raise
-        raise ModelLoadError(f"model {label!r}: {_mismatch(report)}: the config does not match the weights") from None
+        raise ModelLoadError(f"model {label!r}: {mismatch(report)}: the config does not match the weights") from None
     except (KeyError, TypeError) as e:  # e.g. rope parameters that lack a key, a head_dim of null
         raise ModelLoadError(f"model {label!r}: transformers cannot build it from its config.json "
                              f"({type(e).__name__}: {str(e)[:300]})") from None
