@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from pipeline import attention, kernels
+from pipeline import attention, kernels, rope
 from pipeline.decoder_config import FLOAT_DTYPES, DecoderConfig, header
 from pipeline.kv import LayerShape
 from pipeline.step import Step
@@ -104,7 +104,7 @@ class Decoder:
         ids, pos = step.input_ids[0], step.positions[0]  # (T,), (T,)
         t, hq, hkv, d = ids.shape[0], self.hq, self.hkv, self.d
         cos, sin = self._rope(pos)  # (T, 1, D) each; sin with the first half negated
-        window = self.config.sliding_window
+        windows = self.config.layer_windows
         x = F.embedding(ids, self.embed)  # (T, H)
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(self._norm(x, layer.input_norm)).view(t, hq + 2 * hkv, d)
@@ -116,7 +116,7 @@ class Decoder:
                 qk = _rotate(qkv[:, : hq + hkv], cos, sin)
                 q, k = qk[:, :hq], qk[:, hq:]
             out = attention.attend(step, i, q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                   self.scale, window)  # (T, Hq, D) float32
+                                   self.scale, windows[i])  # (T, Hq, D) float32
             x = x + layer.o(out.to(self.dtype).view(t, hq * d))
             h = self._norm(x, layer.post_norm)
             x = x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
@@ -133,17 +133,19 @@ class Decoder:
 
     def _rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin (T, 1, D) at these positions, from a table grown on demand and
-        computed as transformers computes it (float32 frequencies, then cast)."""
+        computed as transformers computes it (its float32 frequencies, `rope.inv_freq`, and scale
+        factor, then cast)."""
         need = int(pos.max()) + 1 if pos.numel() else 0
         if need > self._cos.shape[0]:
             n = max(need, 2 * self._cos.shape[0], 256)
-            d = self.d
-            inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-            freqs = torch.arange(n, dtype=torch.int64).float()[:, None] * inv_freq[None, :]  # (n, D/2)
+            d, c = self.d, self.config
+            inv_freq, scale = rope.inv_freq(c.rope_parameters, c.hidden_size, c.num_attention_heads, d,
+                                            c.max_position_embeddings)
+            freqs = torch.arange(n, dtype=torch.int64).float()[:, None] * inv_freq.float()[None, :]  # (n, D/2)
             emb = torch.cat((freqs, freqs), dim=-1)
-            sin = emb.sin()
+            sin = emb.sin() * scale
             sin[:, : d // 2].neg_()  # rotate_half(x) * sin == roll(x, D/2) * (sin, first half negated)
-            self._cos, self._sin = emb.cos().to(self.device, self.dtype), sin.to(self.device, self.dtype)
+            self._cos, self._sin = (emb.cos() * scale).to(self.device, self.dtype), sin.to(self.device, self.dtype)
         return self._cos[pos][:, None], self._sin[pos][:, None]
 
 

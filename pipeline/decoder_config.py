@@ -6,11 +6,16 @@ class pulls in `torch.distributed.tensor`, sympy and `torch._dynamo` (about 1 s)
 classes another second. A process that runs a model through the decoder reads its context window,
 vocabulary and end-of-sequence ids here instead.
 
-The decoder takes a model only when these files state every value its forward depends on: a
-value left to a config class's default (which differs between classes and releases) sends the
-model to transformers' own code, which stays the reference path. So does anything the forward
-does not implement: another rope type, an activation other than SiLU, quantized weights, custom
-code, a sliding window on only some layers, or a checkpoint holding tensors it would not use.
+The decoder runs a model exactly as transformers 5.24 does, or not at all. Acceptance is an
+allow-list: every `config.json` key is one the forward reads here (as transformers' config
+classes and model code read it), one transformers never reads in a forward (token ids, metadata,
+generation settings), or a reason to send the model to transformers' own code, which stays the
+reference path. So is a value left to a config class's default (which differs between classes
+and releases), and anything the forward does not implement: another rope type, an activation
+other than SiLU, quantized weights, custom code, a layer type other than full and sliding
+attention, or a checkpoint holding tensors it would not use. A model that neither model code
+runs as transformers would (`rope.refusal`), or whose tensors' shapes disagree with its config
+(transformers refuses those too), raises `Refused`.
 """
 from __future__ import annotations
 
@@ -19,12 +24,40 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline import rope
+
 # model_type -> the one architecture class its checkpoints name
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")  # safetensors' names of the dtypes the decoder reads
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings")
+# the keys read below, by every model type and by some
+_READ = frozenset(_REQUIRED) | {"model_type", "architectures", "head_dim", "hidden_act", "is_causal", "rope_parameters",
+                                "rope_scaling", "rope_theta", "partial_rotary_factor", "original_max_position_embeddings"}
+_READ_BY_TYPE = {"llama": {"attention_bias", "mlp_bias"}, "mistral": {"sliding_window", "layer_types"},
+                 "qwen2": {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"},
+                 "qwen3": {"attention_bias", "use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}}
+# keys no forward of these models reads in transformers 5.24: metadata, settings for training or
+# for the module's start, and keys SmolLM2's and transformers.js' exports write (every key ending
+# in `_token_id` is harmless too: the end-of-sequence ids are read apart, from the generation config)
+_HARMLESS = frozenset({"transformers_version", "torch_dtype", "dtype", "_name_or_path", "_model_name_or_path",
+                       "initializer_range", "use_cache", "attention_dropout", "pretraining_tp", "is_llama_config",
+                       "rope_interleaved", "transformers.js_config", "tokenizer_class"})
+# generation settings, which transformers' configs drop on load (`GenerationConfig._get_default_generation_params`)
+_GENERATION = frozenset({
+    "assistant_confidence_threshold", "assistant_lookbehind", "bad_words_ids", "begin_suppress_tokens",
+    "diversity_penalty", "do_sample", "early_stopping", "encoder_no_repeat_ngram_size", "encoder_repetition_penalty",
+    "epsilon_cutoff", "eta_cutoff", "exponential_decay_length_penalty", "length_penalty", "max_length",
+    "min_length", "no_repeat_ngram_size", "num_assistant_tokens", "num_assistant_tokens_schedule", "num_beam_groups",
+    "num_beams", "num_return_sequences", "output_scores", "remove_invalid_values", "repetition_penalty",
+    "return_dict_in_generate", "suppress_tokens", "target_lookbehind", "temperature", "top_k", "top_p", "typical_p"})
+_FULL, _SLIDING = "full_attention", "sliding_attention"
+
+
+class Refused(Exception):
+    """A model no model code of batchgen's runs as transformers does, or a checkpoint whose tensors
+    disagree with its config; the message says which, in one line."""
 
 
 @dataclass(frozen=True)
@@ -42,10 +75,10 @@ class DecoderConfig:
     num_key_value_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
+    rope_parameters: dict  # standardized as transformers holds them (`rope.parameters`)
     max_position_embeddings: int
     tie_word_embeddings: bool
-    sliding_window: int | None  # every layer's, or None
+    layer_windows: tuple[int | None, ...]  # each layer's sliding window, or None for full attention
     qk_norm: bool  # Qwen3: RMSNorm over each query and key head before rotary embeddings
     qkv_bias: bool  # Qwen2's always; Llama's and Qwen3's where `attention_bias`
     o_bias: bool  # Llama's and Qwen3's where `attention_bias`
@@ -57,27 +90,35 @@ class DecoderConfig:
     def _name_or_path(self) -> str:  # as a transformers config names its model
         return self.path
 
-    def tensor_names(self) -> set[str]:
-        """The checkpoint's tensors the forward reads, every one of them."""
-        names = {"model.embed_tokens.weight", "model.norm.weight"}
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The checkpoint's tensors the forward reads, every one of them, with the shapes
+        transformers' modules give them for this config."""
+        h, i, d, v = self.hidden_size, self.intermediate_size, self.head_dim, self.vocab_size
+        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
+        shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
         if not self.tie_word_embeddings:
-            names.add("lm_head.weight")
-        for i in range(self.num_hidden_layers):
-            p = f"model.layers.{i}."
-            names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
-            names |= {f"{p}self_attn.{x}_proj.weight" for x in "qkvo"}
-            names |= {f"{p}mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
-            if self.qk_norm:
-                names |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
-            for on, part, xs in ((self.qkv_bias, "self_attn", "qkv"), (self.o_bias, "self_attn", "o"),
-                                 (self.mlp_bias, "mlp", ("gate", "up", "down"))):
+            shapes["lm_head.weight"] = (v, h)
+        for n in range(self.num_hidden_layers):
+            p = f"model.layers.{n}."
+            shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+            for part, x, rows, cols, on in (("self_attn", "q", q, h, self.qkv_bias), ("self_attn", "k", kv, h, self.qkv_bias),
+                                            ("self_attn", "v", kv, h, self.qkv_bias), ("self_attn", "o", h, q, self.o_bias),
+                                            ("mlp", "gate", i, h, self.mlp_bias), ("mlp", "up", i, h, self.mlp_bias),
+                                            ("mlp", "down", h, i, self.mlp_bias)):
+                shapes[f"{p}{part}.{x}_proj.weight"] = (rows, cols)
                 if on:
-                    names |= {f"{p}{part}.{x}_proj.bias" for x in xs}
-        return names
+                    shapes[f"{p}{part}.{x}_proj.bias"] = (rows,)
+            if self.qk_norm:
+                shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+        return shapes
+
+    def tensor_names(self) -> set[str]:
+        return set(self.tensor_shapes())
 
 
 def read(model_dir: str | Path) -> tuple[DecoderConfig | None, str | None]:
-    """`(config, None)` if the decoder runs this model directory, else `(None, why not)`."""
+    """`(config, None)` if the decoder runs this model directory, else `(None, why not)`: then
+    transformers' model code runs it. Raises `Refused` (see the module's docstring)."""
     d = Path(model_dir)
     try:
         raw = json.loads((d / "config.json").read_text())
@@ -85,75 +126,69 @@ def read(model_dir: str | Path) -> tuple[DecoderConfig | None, str | None]:
         return None, f"no readable config.json in {d} ({e})"
     if not isinstance(raw, dict):
         return None, "config.json is not an object"
-    why = _unsupported(raw)
+    mt = raw.get("model_type")
+    if mt not in ARCHITECTURES:
+        return None, f"model type {mt!r} (the decoder runs {', '.join(ARCHITECTURES)})"
+    params = rope.parameters(raw)
+    refused = rope.refusal(raw.get("is_causal", True), params)
+    if refused:
+        raise Refused(refused)
+    why = _unsupported(raw) or (params if isinstance(params, str) else rope.unsupported(params))
     if why:
         return None, why
+    head_dim, windows = _head_dim(raw), _windows(raw)
+    for why in (head_dim, windows):
+        if isinstance(why, str):
+            return None, why
     try:
-        files, dtypes = _checkpoint(d)
+        files, tensors = _checkpoint(d)
     except (OSError, ValueError, struct.error) as e:
         return None, f"cannot read its safetensors headers ({e})"
     if not files:
         return None, "its weights are not in safetensors files"
-    heads, mt = raw["num_attention_heads"], raw["model_type"]
-    attention_bias = mt in ("llama", "qwen3") and bool(raw["attention_bias"])
-    window = raw.get("sliding_window") if mt == "mistral" else None
+    attention_bias = mt in ("llama", "qwen3") and raw["attention_bias"]
     config = DecoderConfig(
         path=str(d), model_type=mt, vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
         intermediate_size=raw["intermediate_size"], num_hidden_layers=raw["num_hidden_layers"],
-        num_attention_heads=heads, num_key_value_heads=raw["num_key_value_heads"],
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads, rms_norm_eps=float(raw["rms_norm_eps"]),
-        rope_theta=float(_rope(raw)[1]), max_position_embeddings=raw["max_position_embeddings"],
-        tie_word_embeddings=bool(raw["tie_word_embeddings"]), sliding_window=window,
-        qk_norm=mt == "qwen3", qkv_bias=mt == "qwen2" or attention_bias, o_bias=attention_bias,
-        mlp_bias=mt == "llama" and bool(raw["mlp_bias"]), eos_token_id=_eos(d, raw), files=tuple(files))
-    want = config.tensor_names()
-    extra = {n for n in dtypes.keys() - want if not n.endswith("rotary_emb.inv_freq")}
-    missing = want - dtypes.keys()
+        num_attention_heads=raw["num_attention_heads"], num_key_value_heads=raw["num_key_value_heads"],
+        head_dim=head_dim, rms_norm_eps=float(raw["rms_norm_eps"]), rope_parameters=params,
+        max_position_embeddings=raw["max_position_embeddings"], tie_word_embeddings=raw["tie_word_embeddings"],
+        layer_windows=windows, qk_norm=mt == "qwen3", qkv_bias=mt == "qwen2" or attention_bias,
+        o_bias=attention_bias, mlp_bias=mt == "llama" and raw["mlp_bias"], eos_token_id=_eos(d, raw),
+        files=tuple(files))
+    want = config.tensor_shapes()
+    extra = {n for n in tensors.keys() - want.keys() if not n.endswith("rotary_emb.inv_freq")}
+    missing = want.keys() - tensors.keys()
     if missing or extra:
         which = f"lacks {sorted(missing)[0]}" if missing else f"holds {sorted(extra)[0]}, which it would not use"
         return None, f"its checkpoint {which}"
-    odd = sorted(n for n in want if dtypes[n] not in FLOAT_DTYPES)
+    wrong = sorted(n for n in want if tuple(tensors[n]["shape"]) != want[n])
+    if wrong:
+        n, more = wrong[0], f" (and {len(wrong) - 1} more tensors)" if len(wrong) > 1 else ""
+        raise Refused(f"its checkpoint's {n} has shape {list(tensors[n]['shape'])}, but config.json makes it "
+                      f"{list(want[n])}{more}: the config does not match the weights")
+    odd = sorted(n for n in want if tensors[n]["dtype"] not in FLOAT_DTYPES)
     if odd:
-        return None, f"its checkpoint stores {odd[0]} as {dtypes[odd[0]]}, not a floating-point type"
+        return None, f"its checkpoint stores {odd[0]} as {tensors[odd[0]]['dtype']}, not a floating-point type"
     return config, None
 
 
 def _unsupported(raw: dict) -> str | None:
-    mt = raw.get("model_type")
-    if mt not in ARCHITECTURES:
-        return f"model type {mt!r} (the decoder runs {', '.join(ARCHITECTURES)})"
+    mt = raw["model_type"]
     if raw.get("architectures") not in (None, [ARCHITECTURES[mt]]):
         return f"architectures {raw.get('architectures')}"
-    for key in ("quantization_config", "auto_map"):
-        if key in raw:
-            return f"config.json has {key}"
+    known = _READ | _READ_BY_TYPE[mt] | _HARMLESS | _GENERATION
+    unknown = sorted(k for k in raw if k not in known and not k.endswith("_token_id"))
+    if unknown:
+        return f"config.json has {unknown[0]}, which the decoder does not read"
     missing = [k for k in _REQUIRED if not (isinstance(raw.get(k), bool) if k == "tie_word_embeddings"
                                             else _number(raw.get(k)))]
     if missing:
         return f"config.json does not state {missing[0]}"
     if raw.get("hidden_act", None) != "silu":
         return f"hidden_act {raw.get('hidden_act')!r}"
-    head_dim = raw.get("head_dim")
-    if head_dim is None and (mt == "qwen3" or raw["hidden_size"] % raw["num_attention_heads"]):
-        return "config.json does not state head_dim"
     if raw["num_attention_heads"] % raw["num_key_value_heads"]:
         return "query heads are not a multiple of key/value heads"
-    rope_type, theta = _rope(raw)
-    if rope_type != "default" or not isinstance(theta, (int, float)):
-        return f"rope type {rope_type!r}" if rope_type != "default" else "config.json does not state rope_theta"
-    if raw.get("partial_rotary_factor", 1.0) != 1.0:
-        return "partial rotary embeddings"
-    if mt == "mistral":
-        if "sliding_window" not in raw:
-            return "config.json does not state sliding_window"
-        if raw["sliding_window"] is not None and not isinstance(raw["sliding_window"], int):
-            return f"sliding_window {raw['sliding_window']!r}"
-    if mt in ("qwen2", "qwen3"):
-        types = raw.get("layer_types")
-        full = raw.get("use_sliding_window") is False if types is None else \
-            all(t == "full_attention" for t in types) and len(types) == raw["num_hidden_layers"]
-        if not full:
-            return "sliding windows on some layers" if types is not None else "config.json does not state use_sliding_window"
     if mt in ("llama", "qwen3") and not isinstance(raw.get("attention_bias"), bool):
         return "config.json does not state attention_bias"
     if mt == "llama" and not isinstance(raw.get("mlp_bias"), bool):
@@ -161,19 +196,58 @@ def _unsupported(raw: dict) -> str | None:
     return None
 
 
+def _head_dim(raw: dict) -> int | str:
+    """The head size transformers' modules use, or why the decoder does not run it."""
+    mt, value, hidden, heads = raw["model_type"], raw.get("head_dim"), raw["hidden_size"], raw["num_attention_heads"]
+    if mt == "llama" and hidden % heads:  # LlamaConfig refuses it, whatever head_dim says
+        return "hidden_size is not a multiple of num_attention_heads"
+    if _count(value):
+        return value
+    if value is not None:
+        return f"head_dim {value!r}"
+    # a missing head_dim is hidden // heads, except: Qwen3's class default (128); Mistral with layer_types
+    # runs as Ministral, whose modules read a stated null as it is; Qwen2's modules read a stated null too
+    if mt == "qwen3" or (mt == "mistral" and "layer_types" in raw) or (mt == "qwen2" and "head_dim" in raw) \
+            or hidden % heads:
+        return "config.json does not state head_dim"
+    return hidden // heads
+
+
+def _windows(raw: dict) -> tuple[int | None, ...] | str:
+    """Each layer's sliding window as transformers' model code applies it, or why the decoder does
+    not run it. Mistral with `layer_types` (even null) runs as Ministral: windows per layer."""
+    mt, n = raw["model_type"], raw["num_hidden_layers"]
+    if mt == "llama":
+        return (None,) * n
+    if mt in ("qwen2", "qwen3") and not isinstance(raw.get("use_sliding_window"), bool):
+        return "config.json does not state use_sliding_window"
+    used = mt == "mistral" or raw["use_sliding_window"]  # Qwen2Config and Qwen3Config drop an unused window
+    if used and "sliding_window" not in raw:
+        return "config.json does not state sliding_window"
+    window = raw["sliding_window"] if used else None
+    if window is not None and not _count(window):
+        return f"sliding_window {window!r}"
+    types = raw.get("layer_types")
+    if types is None:
+        if mt == "mistral" or window is None:
+            types = [_FULL if window is None else _SLIDING] * n
+        elif not (isinstance(raw.get("max_window_layers"), int) and not isinstance(raw["max_window_layers"], bool)):
+            return "config.json does not state max_window_layers"
+        else:
+            types = [_SLIDING if i >= raw["max_window_layers"] else _FULL for i in range(n)]
+    if not (isinstance(types, list) and len(types) == n and all(t in (_FULL, _SLIDING) for t in types)):
+        return f"layer_types {types!r}"
+    if _SLIDING in types and window is None:
+        return "sliding layers without a sliding window"
+    return tuple(window if t == _SLIDING else None for t in types)
+
+
 def _number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _rope(raw: dict) -> tuple[object, object]:
-    """(rope type, theta) from transformers 5's `rope_parameters` or the older top-level keys."""
-    params = raw.get("rope_parameters")
-    if isinstance(params, dict):
-        return params.get("rope_type", params.get("type")), params.get("rope_theta")
-    scaling = raw.get("rope_scaling")
-    if scaling:
-        return scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else scaling, None
-    return "default", raw.get("rope_theta")
+def _count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
 
 def _eos(d: Path, raw: dict) -> int | list[int] | None:
@@ -186,8 +260,8 @@ def _eos(d: Path, raw: dict) -> int | list[int] | None:
     return gen.get("eos_token_id") if isinstance(gen, dict) else raw.get("eos_token_id")
 
 
-def _checkpoint(d: Path) -> tuple[list[str], dict[str, str]]:
-    """The safetensors files, and the tensors they hold with their dtypes (headers only)."""
+def _checkpoint(d: Path) -> tuple[list[str], dict[str, dict]]:
+    """The safetensors files, and the tensors they hold with their dtypes and shapes (headers only)."""
     index = d / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -195,10 +269,10 @@ def _checkpoint(d: Path) -> tuple[list[str], dict[str, str]]:
         files = ["model.safetensors"]
     else:
         return [], {}
-    dtypes: dict[str, str] = {}
+    tensors: dict[str, dict] = {}
     for f in files:
-        dtypes |= {k: v["dtype"] for k, v in header(d / f)[1].items() if k != "__metadata__"}
-    return [str(d / f) for f in files], dtypes
+        tensors |= {k: v for k, v in header(d / f)[1].items() if k != "__metadata__"}
+    return [str(d / f) for f in files], tensors
 
 
 def header(path: str | Path) -> tuple[int, dict]:

@@ -24,7 +24,6 @@ import pickle
 import shutil
 import tempfile
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -295,38 +294,58 @@ def load_config(name_or_path: str | None, trust_remote_code: bool = False, witho
     from pipeline.tokenize import torch_hidden
 
     label, source = model_source(name_or_path)
-    own = _own_decoder_config(source)
+    own, _ = _own_decoder_config(source, label)
     if own is not None:  # what batchgen's decoder runs: read from the files, no config class imported
         return own
     try:
         with torch_hidden(without_torch):
             from transformers import AutoConfig
 
-            return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
+            config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as e:  # KeyError: rope parameters that lack a required key
         hint = ("it needs custom code: pass --trust-remote-code only if you trust that code"
                 if "trust_remote_code" in str(e) and not trust_remote_code
                 else "pass a local directory written by save_pretrained, or a hub id that is in the local HF cache")
         raise ModelLoadError(f"model {label!r}: cannot read its config: {str(e)[:300]}\nFix: {hint}") from e
+    _check_runnable(config, label)
+    return config
 
 
-def _own_decoder_config(source: str):
-    """The model's `DecoderConfig` where batchgen's own decoder runs it (a local directory, or a hub
-    id's snapshot in the local Hugging Face cache, whose files state all it needs:
-    `pipeline.decoder_config`), else None."""
-    from pipeline.decoder_config import read
+def _own_decoder_config(source: str, label: str):
+    """`(config, None)`: the model's `DecoderConfig`, where batchgen's own decoder runs it (a local
+    directory, or a hub id's snapshot in the local Hugging Face cache, whose files state all it
+    needs: `pipeline.decoder_config`); else `(None, why not)`. A model no model code runs as
+    transformers does, or whose tensors disagree with its config, is a ModelLoadError."""
+    from pipeline.decoder_config import Refused, read
 
     if Path(source).is_dir():
-        return read(source)[0]
-    if _looks_local(source):
-        return None
-    try:
-        from huggingface_hub import try_to_load_from_cache
+        directory = source
+    elif _looks_local(source):
+        return None, "not a model directory"
+    else:
+        try:
+            from huggingface_hub import try_to_load_from_cache
 
-        cached = try_to_load_from_cache(source, "config.json")
-    except (ValueError, OSError):  # not a valid repo id
-        return None
-    return read(Path(cached).parent)[0] if isinstance(cached, str) else None
+            cached = try_to_load_from_cache(source, "config.json")
+        except (ValueError, OSError):  # not a valid repo id
+            return None, "not a valid hub id"
+        if not isinstance(cached, str):
+            return None, "not in the local Hugging Face cache"
+        directory = Path(cached).parent
+    try:
+        return read(directory)
+    except Refused as e:
+        raise ModelLoadError(f"model {label!r}: {e}") from None
+
+
+def _check_runnable(config, label: str) -> None:
+    """transformers' config of a model: refused where no model code of batchgen's runs it as
+    transformers' uncached `generate` would (`pipeline.runnable.problem`)."""
+    from pipeline.runnable import problem
+
+    why = problem(config)
+    if why:
+        raise ModelLoadError(f"model {label!r}: {why}")
 
 
 def load_model(
@@ -345,6 +364,7 @@ def load_model(
     instead, as every other model and device does. A transformers model is in eval mode, and on a
     CPU its linear layers' weights are packed for oneDNN in place (`kernels.pack_in_place`):
     the model is batchgen's, for inference; `pack_weights=False` keeps plain Hugging Face layers.
+    A model neither model code runs as transformers' uncached `generate` would (`pipeline.runnable`), or whose tensors disagree with its config, is a one-line ModelLoadError.
     Returns ``(model, tokenizer_source)``: the local directory or hub id the
     tokenizer should be loaded from (for the default model, the converted dir).
     """
@@ -355,7 +375,10 @@ def load_model(
         from pipeline.decoder import enabled
 
         own_decoder = torch_device.type == "cpu" and enabled()
-    config = _own_decoder_config(source) if own_decoder else None
+        declined = "BATCHGEN_DECODER=0" if torch_device.type == "cpu" else f"a {torch_device.type} device"
+    else:
+        declined = "own_decoder=False"
+    config, why = _own_decoder_config(source, label) if own_decoder else (None, declined)
     if config is not None:
         from pipeline.decoder import Decoder
 
@@ -367,19 +390,22 @@ def load_model(
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
+    from pipeline.runnable import held_load_report, mismatch
+
     def _load(attn: str) -> PreTrainedModel:
         return AutoModelForCausalLM.from_pretrained(
             source, dtype=torch_dtype, attn_implementation=attn, trust_remote_code=trust_remote_code
         )
 
     try:
-        try:
-            model = _load("sdpa")
-        except ValueError as e:
-            # Architectures without an SDPA path raise ValueError; anything else is a real error.
-            if "scaled_dot_product_attention" not in str(e) and "sdpa" not in str(e):
-                raise
-            model = _load("eager")
+        with held_load_report() as report:
+            try:
+                model = _load("sdpa")
+            except ValueError as e:
+                # Architectures without an SDPA path raise ValueError; anything else is a real error.
+                if "scaled_dot_product_attention" not in str(e) and "sdpa" not in str(e):
+                    raise
+                model = _load("eager")
     except ModelLoadError:
         raise
     except ValueError as e:
@@ -403,12 +429,21 @@ def load_model(
         ) from e
     except SafetensorError as e:  # a damaged or truncated checkpoint file
         raise ModelLoadError(f"model {label!r}: {_DAMAGED} ({e})") from e
+    except RuntimeError as e:
+        if "ignore_mismatched_sizes" not in str(e) and "size mismatch" not in str(e):
+            raise
+        raise ModelLoadError(f"model {label!r}: {mismatch(report)}: the config does not match the weights") from None
+    except (KeyError, TypeError) as e:  # e.g. rope parameters that lack a key, a head_dim of null
+        raise ModelLoadError(f"model {label!r}: transformers cannot build it from its config.json "
+                             f"({type(e).__name__}: {str(e)[:300]})") from None
     except OSError as e:
         raise ModelLoadError(
             f"model {label!r} could not be loaded: {e}\n"
             "Fix: pass a local directory written by save_pretrained, or a hub id that is in the local HF cache"
         ) from e
 
+    _check_runnable(model.config, label)
+    model.batchgen_decoder_declined = why  # the summary's `decoder_declined`
     model.to(torch_device)
     model.eval()
     if pack_weights:

@@ -205,6 +205,7 @@ class _Run:
                  "attention_kernels": used(compiled=stats.compiled_attention_layers,
                                            pytorch=stats.pytorch_attention_layers),
                  "model_code": used(batchgen=stats.own_decoder_forwards, transformers=stats.transformers_forwards),
+                 "decoder_declined": getattr(self.model, "batchgen_decoder_declined", None),
                  "output": self.output,
                  "errors_file": errors_path(self.output, fmt) if counts.failed else None,
                  "resumed_jobs": int(done.sum())}

@@ -35,7 +35,7 @@ def test_which_models_it_takes(arch, tmp_path):
     config, why = decoder_config.read(tmp_path)
     if arch in TAKES:
         assert why is None and config.num_hidden_layers == 2
-        assert config.sliding_window == (12 if arch == "mistral" else None)
+        assert config.layer_windows == ((12, 12) if arch == "mistral" else (None, None))
     else:
         assert config is None and "model type" in why
 
@@ -55,14 +55,18 @@ _DROP = object()
 
 
 @pytest.mark.parametrize("arch, changes, why", [
-    ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}}, "rope type 'llama3'"),
+    ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}},
+     "rope parameters lack low_freq_factor"),  # transformers refuses it too
+    ("llama", {"rope_parameters": {"rope_type": "proportional", "rope_theta": 1e4}}, "rope type 'proportional'"),
+    ("llama", {"logits_scaling": 2.0}, "config.json has logits_scaling, which the decoder does not read"),
     ("llama", {"rms_norm_eps": _DROP}, "does not state rms_norm_eps"),
     ("llama", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ("llama", {"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
     ("llama", {"auto_map": {"AutoModelForCausalLM": "x.Y"}}, "auto_map"),
     ("llama", {"tie_word_embeddings": True}, "holds lm_head.weight"),  # would not read its own head
     ("llama", {"attention_bias": True}, "lacks model.layers.0.self_attn.k_proj.bias"),
-    ("qwen2", {"use_sliding_window": True, "layer_types": ["full_attention", "sliding_attention"]}, "some layers"),
+    ("qwen2", {"use_sliding_window": True, "layer_types": ["full_attention", "sliding_attention"]},
+     "sliding layers without a sliding window"),  # saved with sliding_window null: transformers' mask fails
     ("mistral", {"sliding_window": _DROP}, "does not state sliding_window"),
 ])
 def test_what_it_refuses(arch, changes, why, tmp_path):
@@ -202,7 +206,9 @@ def test_a_cli_run_on_the_decoder_imports_no_model_code(tmp_path, model_dir):
         assert run.returncode == 0, run.stderr[-2000:]
         imported = {line.split("|")[-1].strip() for line in run.stderr.splitlines() if line.startswith("import time")}
         assert ("transformers.modeling_utils" in imported) == (code == "transformers")
-        assert json.loads(out.with_name(out.name + ".summary.json").read_text())["model_code"] == code
+        summary = json.loads(out.with_name(out.name + ".summary.json").read_text())
+        assert summary["model_code"] == code
+        assert summary["decoder_declined"] == (None if flag == "1" else "BATCHGEN_DECODER=0")  # why not the decoder
         import pyarrow.parquet as pq
 
         texts[flag] = pq.read_table(out).column("completion").to_pylist()
@@ -268,3 +274,103 @@ def test_a_truncated_checkpoint_is_a_clear_error(flag, tmp_path, model_dir):
                          capture_output=True, text=True, env=env)
     assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-1500:]
     assert "damaged or truncated" in run.stderr and str(broken) in run.stderr
+
+
+_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 24}
+
+
+@pytest.mark.parametrize("arch, changes", [
+    ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),  # beside rope_parameters: it wins
+    ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 24}}),
+    ("qwen2", {"rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 32, "type": "yarn"}}),  # Qwen2.5's card
+    ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}, "rope_scaling": {"rope_type": "default"}}),
+    ("llama", {"rope_parameters": _DROP, "rope_theta": 5e5, "rope_scaling": _LLAMA3}),  # Llama 3.1's layout
+    ("llama", {"rope_parameters": {**_LLAMA3, "rope_theta": 1e4}, "original_max_position_embeddings": 16}),
+    ("mistral", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}),
+])
+def test_rope_tables_are_transformers(arch, changes, tmp_path):
+    """The decoder's rotary tables equal, bit for bit, what transformers' rotary module of the same
+    directory computes: `rope_scaling` beside `rope_parameters` and the legacy top-level keys read
+    as transformers standardizes them."""
+    from transformers import AutoModelForCausalLM
+
+    make_model(arch).save_pretrained(tmp_path)
+    _edit(tmp_path, **changes)
+    config, why = decoder_config.read(tmp_path)
+    assert why is None, why
+    dec = Decoder(config, torch.device("cpu"), torch.float32)
+    rotary = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).model.rotary_emb
+    pos = torch.arange(300)
+    cos, sin = rotary(torch.zeros(1, dtype=torch.float32), pos[None])
+    ours_cos, ours_sin = dec._rope(pos)
+    half = config.head_dim // 2
+    assert torch.equal(ours_cos[:, 0], cos[0])
+    assert torch.equal(ours_sin[:, 0, half:], sin[0, :, half:]) and torch.equal(-ours_sin[:, 0, :half], sin[0, :, :half])
+
+
+@pytest.mark.parametrize("types, windows", [(["full_attention", "full_attention"], (None, None)),
+                                            (["sliding_attention", "full_attention"], (12, None)),
+                                            (None, (12, 12))])
+def test_mistral_layer_types_are_windows_per_layer(types, windows, tmp_path):
+    """Mistral with `layer_types` runs as Ministral in transformers: a window only on its sliding
+    layers. The decoder's logits equal transformers' forward past the window."""
+    from transformers import AutoModelForCausalLM
+
+    make_model("mistral").save_pretrained(tmp_path)
+    _edit(tmp_path, layer_types=types)
+    config, why = decoder_config.read(tmp_path)
+    assert why is None and config.layer_windows == windows
+    dec = Decoder(config, torch.device("cpu"), torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    ids = torch.randint(3, 250, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    kv = PrefixKV(dec.layer_shapes(), len(ids), torch.float32, torch.device("cpu"))
+    step = build([], [], [(Segment(0, 0, kv.k, kv.v, 0, 0, 0), ids)], None, torch.device("cpu"))
+    with torch.inference_mode():
+        got, want = dec.forward(step, torch.arange(len(ids))), model(torch.tensor([ids])).logits[0]
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("flag", ["1", "0"])
+@pytest.mark.parametrize("changes, says", [({"intermediate_size": 1024}, "model.layers.0.mlp.down_proj.weight has shape"),
+                                           ({"is_causal": False}, "is_causal"),
+                                           ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e5,
+                                                                 "original_max_position_embeddings": 4096,
+                                                                 "short_factor": [1.0] * 32, "long_factor": [2.0] * 32}},
+                                            "longrope")])
+def test_a_config_no_model_code_runs_exactly_is_one_line(changes, says, flag, tmp_path, model_dir):
+    """Tensors that disagree with config.json (transformers: "size mismatch"), is_causal false
+    (transformers' masks turn bidirectional) and longrope (factors chosen per packed forward): on
+    either model code, `process` exits 1 with one line naming the model, no traceback, and
+    `validate` reports the same."""
+    import os
+
+    broken = tmp_path / "model"
+    broken.mkdir()
+    for f in model_dir.iterdir():  # the weights linked, not copied
+        (broken / f.name).symlink_to(f) if f.name.endswith(".safetensors") else (broken / f.name).write_bytes(f.read_bytes())
+    _edit(broken, **changes)
+    src = tmp_path / "jobs.jsonl"
+    src.write_text(json.dumps({"prompt": "hello"}) + "\n")
+    env = {**os.environ, "BATCHGEN_DECODER": flag}
+    for command in (["process", str(src), "-o", str(tmp_path / "o.parquet"), "--max-new-tokens", "2", "--device", "cpu"],
+                    ["validate", str(src)]):
+        run = subprocess.run([sys.executable, "-m", "pipeline", *command, "--model", str(broken)],
+                             capture_output=True, text=True, env=env)
+        assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-1500:]
+        lines = [line for line in run.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and says in lines[0] and str(broken) in lines[0], run.stderr[-1500:]
+
+
+def test_longrope_is_refused_on_transformers_model_code(tmp_path):
+    """A model the decoder does not take (Phi-3) with longrope: transformers' model code would pick
+    the long factors for a short row packed beside a long one; refused, by load_config too."""
+    from pipeline.model import ModelLoadError
+
+    make_model("phi3").save_pretrained(tmp_path)
+    _edit(tmp_path, rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
+                                     "original_max_position_embeddings": 24, "short_factor": [1.0] * 4,
+                                     "long_factor": [2.0] * 4})
+    for load in (lambda: load_model(str(tmp_path), "cpu", "float32"), lambda: load_config(str(tmp_path))):
+        with pytest.raises(ModelLoadError, match="longrope"):
+            load()
