@@ -17,6 +17,7 @@ import os
 import tempfile
 from typing import IO, Any, Iterable
 
+from .errors import option
 from .schema import JobError
 
 
@@ -57,7 +58,7 @@ class AtomicWriter:
         if os.path.isdir(self.path):
             raise JobError(f"{self.path}: is a directory; give an output file name")
         if os.path.exists(self.path) and not overwrite:
-            raise JobError(f"{self.path}: already exists; pass --overwrite to replace it")
+            raise JobError(f"{self.path}: already exists; pass {option('overwrite')} to replace it")
         self.tmp_path: str | None = None
         self._file: IO[bytes] | None = None
 

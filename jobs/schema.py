@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .checks import MESSAGE_ROLES, Checker, show
-from .errors import JobError, JobValidationError, Location
+from .errors import JobError, JobValidationError, Location, option
 from .params import (CONSTRAINTS, PARAMS, RESERVED, Constraint, completions_logprobs, constraint, continuations_field,
                      normalize, split_fields)
 from .templates import TemplateRowError, fill_template, template_fields
@@ -198,7 +198,7 @@ class Job:
         if openai:
             if prompt_template is not None:
                 cid = row["custom_id"]
-                raise JobValidationError(location, None, "--prompt-template cannot be used with OpenAI "
+                raise JobValidationError(location, None, f"{option('prompt_template')} cannot be used with OpenAI "
                                          "batch rows", cid if isinstance(cid, (str, int)) else None)
             return cls._from_openai_row(row, location, defaults, default_id, system)
         raw_id = row.get("id")
@@ -215,7 +215,7 @@ class Job:
         prompt, messages = row.get("prompt"), row.get("messages")
         if prompt_template is not None:
             if messages is not None:
-                raise check.fail("messages", "is set, but --prompt-template builds a prompt; "
+                raise check.fail("messages", f"is set, but {option('prompt_template')} builds a prompt; "
                                              "use one or the other")
             if prompt is not None:
                 extra["prompt"] = prompt  # the template may read it; keep the original too

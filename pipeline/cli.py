@@ -96,22 +96,30 @@ def _generation_options(f):
 
 
 def _defaults(kw):
-    from jobs import GenerationDefaults
+    """The generation flags as the jobs' defaults, checked as a job's fields are: a bad value is a
+    usage error of its flag (exit code 2), like the values click checks itself."""
+    from jobs import GenerationDefaults, JobValidationError
 
     schema = kw["json_schema"]
     if schema is not None and not schema.lstrip().startswith("{"):
-        with open(schema, encoding="utf-8") as fh:  # a file holding the schema
-            schema = fh.read()
-    constraint = GenerationDefaults.constraint_of(json_schema=schema, regex=kw["regex"],
-                                                  choice=list(kw["choices"]) or None)
-    return GenerationDefaults(max_new_tokens=kw["max_new_tokens"], temperature=kw["temperature"],
-                              top_p=kw["top_p"], top_k=kw["top_k"], seed=kw["seed"], stop=tuple(kw["stop"]),
-                              n=kw["n"], repetition_penalty=kw["repetition_penalty"],
-                              presence_penalty=kw["presence_penalty"], frequency_penalty=kw["frequency_penalty"],
-                              min_tokens=kw["min_tokens"], logit_bias=kw["logit_bias"] or (),
-                              stop_token_ids=tuple(kw["stop_token_ids"]), logprobs=kw["logprobs"],
-                              top_logprobs=kw["top_logprobs"], prompt_logprobs=kw["prompt_logprobs"],
-                              constraint=constraint)
+        try:
+            with open(schema, encoding="utf-8") as fh:  # a file holding the schema
+                schema = fh.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise _usage_error("json_schema", f"cannot read the file {schema}: {getattr(e, 'strerror', None) or e}")
+    try:
+        constraint = GenerationDefaults.constraint_of(json_schema=schema, regex=kw["regex"],
+                                                      choice=list(kw["choices"]) or None)
+        return GenerationDefaults(max_new_tokens=kw["max_new_tokens"], temperature=kw["temperature"],
+                                  top_p=kw["top_p"], top_k=kw["top_k"], seed=kw["seed"], stop=tuple(kw["stop"]),
+                                  n=kw["n"], repetition_penalty=kw["repetition_penalty"],
+                                  presence_penalty=kw["presence_penalty"], frequency_penalty=kw["frequency_penalty"],
+                                  min_tokens=kw["min_tokens"], logit_bias=kw["logit_bias"] or (),
+                                  stop_token_ids=tuple(kw["stop_token_ids"]), logprobs=kw["logprobs"],
+                                  top_logprobs=kw["top_logprobs"], prompt_logprobs=kw["prompt_logprobs"],
+                                  constraint=constraint)
+    except JobValidationError as e:  # field 'logit_bias.5' -> --logit-bias
+        raise _usage_error((e.field or "").split(".")[0].split("[")[0], f"'{e.field}' {e.reason}") from None
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -225,7 +233,7 @@ def process(inputs, output, model, trust_remote_code, device, dtype, max_batch_t
               envvar="BATCHGEN_MIN_SHARED_TOKENS")
 @click.option("--max-batch-tokens", type=click.IntRange(min=1), default=65536, show_default=True,
               envvar="BATCHGEN_MAX_BATCH_TOKENS")
-@click.option("--top", type=int, default=10, show_default=True, help="How many groups to list.")
+@click.option("--top", type=click.IntRange(min=0), default=10, show_default=True, help="How many groups to list.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @_window_options
 def plan(inputs, model, trust_remote_code, dataset, split, prompt_template, system, min_shared_tokens,
@@ -313,15 +321,26 @@ def script() -> None:
 
 
 def _guard(fn, *args, **kwargs):
-    """Call library code; its own errors become a clean CLI error."""
-    from jobs import JobError
-    from pipeline.model import ModelLoadError
-    from pipeline.tokenize import TokenizerError
+    """Call library code; its own errors (BatchgenError, one base class) become a clean CLI error:
+    a bad option value a usage error (exit code 2), any other one line (exit code 1). Anything
+    else is a bug and shows its traceback."""
+    from pipeline.errors import BatchgenError, OptionError
 
     try:
         return fn(*args, **kwargs)
-    except (JobError, ModelLoadError, TokenizerError, ValueError) as e:
+    except OptionError as e:
+        value = "" if e.value is None else f"{e.value}: "
+        raise _usage_error(e.name, value + e.reason) from e
+    except BatchgenError as e:
         raise click.ClickException(str(e)) from e
-    except OSError as e:  # what the library did not word itself: still one line, no traceback
+    except OSError as e:  # the file system's, not a bug: what the library did not word itself, still one line
         where = f"{e.filename}: " if e.filename else ""
         raise click.ClickException(f"{where}{e.strerror or e}; check that path and rerun") from e
+
+
+def _usage_error(name: str, message: str) -> click.BadParameter:
+    """A bad value of option `name` (its keyword spelling) as click words its own: exit code 2."""
+    from jobs.errors import cli_flag
+
+    hint = "'-o' / '--output'" if name == "output" else f"'{cli_flag(name)}'"
+    return click.BadParameter(message, ctx=click.get_current_context(silent=True), param_hint=hint)

@@ -162,3 +162,40 @@ def test_jobs_without_a_seed_sample_apart_and_reruns_repeat(tmp_path, model_dir)
     assert texts[0] == texts[1]
     assert len(set(texts[0][:4])) > 1  # not one sample four times
     assert texts[0][4] == texts[0][5]  # the same explicit seed, the same sample
+
+
+# --- bad option values are usage errors (exit code 2), on every command that takes them ---------
+
+BAD_OPTIONS = [
+    (["--presence-penalty", "5"], "--presence-penalty"),
+    (["--frequency-penalty", "-3"], "--frequency-penalty"),
+    (["--repetition-penalty", "0"], "--repetition-penalty"),
+    (["--logit-bias", '{"5": 200}'], "--logit-bias"),
+    (["--logit-bias", "[oops"], "--logit-bias"),
+    (["--seed", str(2**70)], "--seed"),
+    (["--n", "20000"], "--n"),
+    (["--stop", ""], "--stop"),
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--min-tokens", "9", "--max-new-tokens", "4"], "--min-tokens"),
+    (["--top-logprobs", "2"], "--top-logprobs"),
+    (["--json-schema", "no-such-schema.json"], "--json-schema"),
+    (["--json-schema", "{oops"], "--json-schema"),
+    (["--regex", "(["], "--regex"),
+    (["--choice", "yes", "--regex", "y"], "--choice"),
+    (["--prompt-template", "Summarize: {}"], "--prompt-template"),
+    (["--prompt-template", "{text"], "--prompt-template"),
+    (["--temperature", "-1"], "--temperature"),  # click's own range check: the same exit code
+]
+
+
+@pytest.mark.parametrize("command", ["process", "plan", "validate"])
+@pytest.mark.parametrize("args, flag", BAD_OPTIONS, ids=[" ".join(a) for a, _ in BAD_OPTIONS])
+def test_a_bad_option_value_is_a_usage_error(tmp_path, model_dir, command, args, flag):
+    src = write_jsonl(tmp_path / "jobs.jsonl", [{"prompt": "hello"}])
+    out = ["-o", str(tmp_path / "out.parquet")] if command == "process" else []
+    res = run([command, str(src), *out, *args], model_dir, ok=False)
+    assert res.exit_code == 2, res.output + repr(res.exception)
+    assert f"Error: Invalid value for '{flag}'" in res.output and "Traceback" not in res.output, res.output
+    assert not (tmp_path / "out.parquet.parts").exists()
+
+#END
