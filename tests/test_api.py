@@ -138,4 +138,9 @@ def test_errors_name_the_keyword_arguments_not_the_cli_flags(engine, tmp_path):
     (row,) = engine.generate(openai, prompt_template="Q: {x}", max_new_tokens=2)
     assert row["error"] == "jobs:row 0: prompt_template= cannot be used with OpenAI batch rows"
 
-#END
+
+def test_a_row_with_a_bad_logit_bias_key_is_an_error_row(engine):
+    rows = engine.generate([{"prompt": SYSTEM + "Hi", "logit_bias": {"²": 5}}, {"prompt": SYSTEM + "Ho"}],
+                           max_new_tokens=2)
+    assert rows[0]["error"].startswith("jobs:row 0: field 'logit_bias.²' must be a token id")
+    assert rows[1]["error"] is None and rows[1]["completion_tokens"] == 2

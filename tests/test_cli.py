@@ -171,6 +171,7 @@ BAD_OPTIONS = [
     (["--frequency-penalty", "-3"], "--frequency-penalty"),
     (["--repetition-penalty", "0"], "--repetition-penalty"),
     (["--logit-bias", '{"5": 200}'], "--logit-bias"),
+    (["--logit-bias", '{"²": 1}'], "--logit-bias"),
     (["--logit-bias", "[oops"], "--logit-bias"),
     (["--seed", str(2**70)], "--seed"),
     (["--n", "20000"], "--n"),
@@ -198,4 +199,30 @@ def test_a_bad_option_value_is_a_usage_error(tmp_path, model_dir, command, args,
     assert f"Error: Invalid value for '{flag}'" in res.output and "Traceback" not in res.output, res.output
     assert not (tmp_path / "out.parquet.parts").exists()
 
-#END
+
+# --- a value nested deeper than Parquet stores is one located row; the others run ----------------
+
+def _nested(depth, kind):
+    value = 1
+    for _ in range(depth):
+        value = [value] if kind == "list" else {"a": value}
+    return value
+
+
+def test_deeply_nested_values_are_located_rows_and_the_deepest_allowed_round_trip(tmp_path, model_dir):
+    deep = '{"id": "deep", "prompt": "hi", "meta": ' + "[" * 5000 + "]" * 5000 + "}"
+    rows = [{"id": "a", "prompt": "hello"}, deep, {"id": "lists", "prompt": "x", "meta": _nested(49, "list")},
+            {"id": "objects", "prompt": "y", "tree": _nested(98, "object")},
+            {"id": "too-deep", "prompt": "z", "tree": _nested(99, "object")}]
+    src = write_jsonl(tmp_path / "jobs.jsonl", rows)
+    res = run(["validate", str(src)], model_dir, ok=False)
+    assert res.exit_code == 1 and "Traceback" not in res.output
+    assert [x.split(": ")[0] for x in res.stdout.splitlines()] == [f"{src}:2", f"{src}:5"], res.output
+    out = tmp_path / "out.parquet"
+    run(["process", str(src), "-o", str(out), "--max-new-tokens", "2"], model_dir)
+    table = pq.read_table(out).to_pylist()  # the deepest values Parquet stores, stored and read back
+    assert [r["id"] for r in table] == ["a", "lists", "objects"]
+    assert table[1]["meta"] == _nested(49, "list") and table[2]["tree"] == _nested(98, "object")
+    errors = pq.read_table(str(out) + ".errors.parquet").to_pylist()
+    assert [(e["id"], e["location"]) for e in errors] == [(None, f"{src}:2"), ("too-deep", f"{src}:5")]  # 2 unread
+    assert all("nested too deeply" in e["reason"] for e in errors)
