@@ -47,6 +47,14 @@ def _window_options(f):
     return f
 
 
+# options of `process` that `validate` takes too: each changes which jobs a run refuses
+_output_format_option = click.option("--output-format", type=click.Choice(["parquet", "jsonl", "openai"]),
+                                     default="parquet", show_default=True, envvar="BATCHGEN_OUTPUT_FORMAT")
+_engine_option = click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+                              envvar="BATCHGEN_ENGINE",
+                              help="ray: spread prefix groups over a Ray cluster; OUTPUT is a directory.")
+
+
 def _generation_options(f):
     opts = [
         click.option("--max-new-tokens", type=click.IntRange(min=0), default=256, show_default=True,
@@ -146,8 +154,7 @@ def main() -> None:
               envvar="BATCHGEN_MAX_BATCH_TOKENS", help="KV-cache token budget of one batch (rows x longest row).")
 @click.option("--min-shared-tokens", type=click.IntRange(min=1), default=16, show_default=True,
               envvar="BATCHGEN_MIN_SHARED_TOKENS", help="Shorter shared prefixes are not cached separately.")
-@click.option("--output-format", type=click.Choice(["parquet", "jsonl", "openai"]), default="parquet",
-              show_default=True, envvar="BATCHGEN_OUTPUT_FORMAT")
+@_output_format_option
 @click.option("--overwrite", is_flag=True,
               help="Replace an existing output, and discard unfinished work of a run with other options.")
 @click.option("--on-error", type=click.Choice(["skip", "fail"]), default="skip", show_default=True,
@@ -159,8 +166,7 @@ def main() -> None:
                    "join the outputs with `batchgen merge`.")
 @click.option("--commit-every", type=click.IntRange(min=1), default=256, show_default=True,
               envvar="BATCHGEN_COMMIT_EVERY", help="Commit finished jobs in parts of this many (or every 60 s).")
-@click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True,
-              envvar="BATCHGEN_ENGINE", help="ray: spread prefix groups over a Ray cluster; OUTPUT is a directory.")
+@_engine_option
 @click.option("--address", default=None, envvar="BATCHGEN_RAY_ADDRESS",
               help="Ray cluster address (auto, ray://host:10001); default: start a local Ray for this run.")
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True, envvar="BATCHGEN_WORKERS",
@@ -198,7 +204,7 @@ def process(inputs, output, model, trust_remote_code, device, dtype, max_batch_t
                          output_format=output_format, overwrite=overwrite, prompt_template=prompt_template,
                          system=system, dataset=dataset, split=split, trust_remote_code=trust_remote_code,
                          on_error=on_error, shard=shard, commit_every=commit_every, threads=threads,
-                         window_jobs=window_jobs, window_tokens=window_tokens)
+                         window_jobs=window_jobs, window_tokens=window_tokens, engine=engine)
     if engine == "ray":
         from pipeline.ray_runner import process_ray
 
@@ -264,15 +270,20 @@ def plan(inputs, model, trust_remote_code, dataset, split, prompt_template, syst
 @_input_options
 @_model_options
 @_generation_options
-def validate(inputs, model, trust_remote_code, dataset, split, prompt_template, system, **gen):
+@_output_format_option
+@_engine_option
+def validate(inputs, model, trust_remote_code, dataset, split, prompt_template, system, output_format, engine,
+             **gen):
     """Check every job in INPUTS exactly as `process` does before it generates (rows, carried
     columns, tokenization and the model's context window; the tokenizer and config only, no
-    weights) and report every problem with its file:line."""
+    weights) and report every problem with its file:line. Pass the --output-format and --engine
+    that `process` will run with: they refuse jobs of their own (a scoring job under openai or ray)."""
     from pipeline.preflight import check_inputs
     from pipeline.runner import RunOptions
 
     options = RunOptions(model=model, defaults=_guard(_defaults, gen), prompt_template=prompt_template, system=system,
-                         dataset=dataset, split=split, trust_remote_code=trust_remote_code)
+                         dataset=dataset, split=split, trust_remote_code=trust_remote_code,
+                         output_format=output_format, engine=engine)
     checked = _guard(check_inputs, list(inputs), options, purpose="validate")
     for line in checked.invalid.lines():
         click.echo(line)

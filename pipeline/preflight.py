@@ -85,6 +85,18 @@ def check_output(output: str, fmt: str, overwrite: bool) -> None:
     _probe_writable(os.path.dirname(output) or ".", output)
 
 
+def check_options(options: RunOptions) -> None:
+    """Options that contradict each other, refused before any work (`validate` asks too)."""
+    fmt = options.output_format
+    if options.engine == "ray" and fmt != "parquet":
+        raise OptionError("output_format", f"is not supported with {option('engine', 'ray')}, which writes a "
+                                           "directory of Parquet parts; drop it, or run without "
+                                           f"{option('engine', 'ray')}", fmt)
+    if options.shard is not None and fmt != "parquet":
+        raise OptionError("output_format", f"is not supported with {option('shard')}, which writes Parquet shard "
+                                           "outputs for `batchgen merge`; drop it", fmt)
+
+
 def _check_suffix(output: str, fmt: str) -> None:
     lower, out = output.lower(), option("output", output)
     if lower.endswith(_UNSUPPORTED_COMPRESSION):
@@ -125,6 +137,7 @@ def check_inputs(inputs: list[str], options: RunOptions, purpose: str = "process
     jobs and the job set's digest. The first two never import torch (`tokenize.torch_hidden`)."""
     from pipeline.model import load_config, model_source
 
+    check_options(options)
     light = purpose != "process"
     _, source = model_source(options.model)
     config = load_config(options.model, options.trust_remote_code, without_torch=light)
@@ -133,7 +146,9 @@ def check_inputs(inputs: list[str], options: RunOptions, purpose: str = "process
     check_default_constraint(tokenizer, options)
     # `process` keeps every job (on disk, for the engine): its rows all become Jobs here
     rows = Rows(list(inputs), options, columnar=purpose != "process")
-    keep = _Keep(tokenizer, window, vocab, PlainCheck(rows.template, window, generation_error(rows.template, tokenizer, vocab)),
+    refused = rows.refusal(rows.template) if rows.refusal is not None else None
+    plain = PlainCheck(rows.template, window, generation_error(rows.template, tokenizer, vocab), refused)
+    keep = _Keep(tokenizer, window, vocab, plain,
                  IndexBuilder(tokenizer.vocab_size) if purpose != "validate" else None,
                  JobSpool() if purpose == "process" else None, JobDigest() if purpose == "process" else None)
     try:

@@ -200,6 +200,51 @@ def test_a_bad_option_value_is_a_usage_error(tmp_path, model_dir, command, args,
     assert not (tmp_path / "out.parquet.parts").exists()
 
 
+@pytest.mark.parametrize("args, flag", [(["--shard", "3/2"], "--shard"), (["--shard", "x"], "--shard"),
+                                        (["--device", "gpu-please"], "--device"),
+                                        (["--shard", "0/2", "--output-format", "jsonl"], "--output-format"),
+                                        (["--engine", "ray", "--output-format", "jsonl"], "--output-format")])
+def test_bad_process_options_are_usage_errors(tmp_path, model_dir, args, flag):
+    src = write_jsonl(tmp_path / "jobs.jsonl", [{"prompt": "hello"}])
+    out = tmp_path / ("out.jsonl" if "--output-format" in args else "out.parquet")
+    res = run(["process", str(src), "-o", str(out), *args], model_dir, ok=False)
+    assert res.exit_code == 2 and f"Error: Invalid value for '{flag}'" in res.output, res.output
+
+
+# --- validate reports what process refuses under its --output-format and --engine ---------------
+
+def test_validate_takes_the_output_format_and_engine_of_process(tmp_path, model_dir, monkeypatch):
+    rows = [{"id": "gen", "prompt": "hello"}, {"id": "score", "prompt": "Is it", "continuations": [" yes", " no"]}]
+    src = write_jsonl(tmp_path / "jobs.jsonl", rows)
+    assert run(["validate", str(src)], model_dir).exit_code == 0  # Parquet output holds scores
+    out = tmp_path / "out.jsonl"
+    run(["process", str(src), "-o", str(out), "--output-format", "openai", "--max-new-tokens", "2"], model_dir)
+    refused = [json.loads(x) for x in (tmp_path / "out.jsonl.errors.jsonl").read_text().splitlines()]
+    assert [r["custom_id"] for r in refused] == ["score"]
+    for how in (["--output-format", "openai"], []):
+        if not how:
+            monkeypatch.setenv("BATCHGEN_OUTPUT_FORMAT", "openai")  # the variable process reads, read too
+        res = run(["validate", str(src), *how], model_dir, ok=False)
+        assert res.exit_code == 1 and res.stdout.splitlines() == [f"{src}:2: field 'continuations': a scoring "
+                                                                  "job's scores have no OpenAI output shape; use "
+                                                                  "--output-format parquet or jsonl"], res.output
+    monkeypatch.delenv("BATCHGEN_OUTPUT_FORMAT")
+    for how in (["--engine", "ray"], []):
+        if not how:
+            monkeypatch.setenv("BATCHGEN_ENGINE", "ray")
+        res = run(["validate", str(src), *how], model_dir, ok=False)
+        assert res.exit_code == 1 and res.stdout.splitlines() == [f"{src}:2: a scoring job (continuations, or "
+                                                                  "prompt_logprobs with max_new_tokens 0) does not "
+                                                                  "run with --engine ray yet; run it without "
+                                                                  "--engine ray"], res.output
+    # plain rows too, where every one of them is refused by the defaults (no Job is made of them)
+    plain = write_jsonl(tmp_path / "plain.jsonl", [{"prompt": "hello"}, {"prompt": "there"}])
+    res = run(["validate", str(plain), "--max-new-tokens", "0", "--prompt-logprobs"], model_dir, ok=False)
+    assert res.exit_code == 1 and [x.split(": ")[0] for x in res.stdout.splitlines()] == [f"{plain}:1", f"{plain}:2"]
+    res = run(["validate", str(src), "--output-format", "jsonl"], model_dir, ok=False)  # BATCHGEN_ENGINE=ray
+    assert res.exit_code == 2 and "is not supported with --engine ray" in res.output, res.output
+
+
 # --- a value nested deeper than Parquet stores is one located row; the others run ----------------
 
 def _nested(depth, kind):
