@@ -92,8 +92,8 @@ class Engine:
 
         opts = run_options(options)
         source = source_of(jobs)
-        if output is not None:  # a bad path fails before any work, as in the CLI
-            check_output(output, opts.output_format, opts.overwrite)
+        if output is not None:  # a bad path, or one that is an input, fails before any work, as in the CLI
+            check_output(output, opts.output_format, opts.overwrite, source.paths or ())
         checked = tokenized(*self._read(source, opts), self.tokenizer, self.model.config, opts)
         if opts.on_error == "fail" and checked.invalid:
             listing = "\n".join(str(v) for v in list(checked.invalid.values())[:50])

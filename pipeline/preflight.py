@@ -22,7 +22,7 @@ import os
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -32,6 +32,7 @@ from jobs.errors import OptionError, option
 from jobs.chunks import PlainRows
 from pipeline.inputrows import PlainCheck, Rows, tokenize_plain
 from pipeline.jobstore import JobSpool, Problems
+from pipeline.overlap import check_apart
 from pipeline.prefix_index import IndexBuilder, PrefixIndex, pack_keys
 from pipeline.tokenize import Tokenizer, TokenizerError
 from pipeline.expand import JobTokens, job_requests, token_problem, tokenize_jobs
@@ -67,16 +68,18 @@ class Checked:
             self.spool.close()
 
 
-def check_output(output: str, fmt: str, overwrite: bool) -> None:
-    """Refuse an output path the run could not finish with, before any model work."""
+def check_output(output: str, fmt: str, overwrite: bool, inputs: Sequence[str] = ()) -> None:
+    """Refuse an output path the run could not finish with, or whose files would replace one of
+    `inputs` (pipeline/overlap.py), before any model work."""
     out = option("output", output)
     name = os.path.basename(output)
     if not name:
         raise JobError(f"{option('output', repr(output))}: give an output file name")
     if os.path.isdir(output):
         raise JobError(f"{out}: is a directory; give an output file name")
-    _check_suffix(output, fmt)
     parts = output + ".parts"
+    check_apart(output, fmt, inputs, store=parts)
+    _check_suffix(output, fmt)
     if os.path.lexists(parts) and (os.path.islink(parts) or not os.path.isdir(parts)):
         raise JobError(f"{parts} is in the way (batchgen keeps unfinished work in a directory of that name); "
                        f"remove it or choose another {option('output')}")

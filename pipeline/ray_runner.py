@@ -26,6 +26,7 @@ from jobs import ErrorWriter, InvalidRow, JobError, write_summary
 from pipeline.parts import ERROR_PART_SCHEMA, ORDER, job_set_key, may_resume, write_part
 from pipeline.expand import JobTokens, token_problem
 from pipeline.inputrows import read_checked
+from pipeline.overlap import check_directory_apart
 from pipeline.preflight import check_options, context_window, job_digest
 from pipeline.results import job_rows
 from pipeline.runner import RunOptions, _eos_ids, run_settings
@@ -140,6 +141,7 @@ def process_ray(inputs: Sequence[str], out_dir: str, options: RunOptions, *, add
     # the jobs Ray cannot run yet are refused as the rows are read (inputrows.refusal), as `validate --engine ray` does
     options = replace(options, engine="ray")
     check_options(options)
+    check_directory_apart(out_dir, inputs)
     import ray
 
     from pipeline.model import DEFAULT_MODEL, default_model_path, resolve_precision

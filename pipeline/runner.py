@@ -84,7 +84,7 @@ def process(inputs: Sequence[str], output: str, options: RunOptions,
     with StopOnSignal() as stop:
         shard = parse_shard(options.shard)
         check_options(options)
-        check_output(output, options.output_format, options.overwrite)
+        check_output(output, options.output_format, options.overwrite, inputs)
         checked = check_inputs(list(inputs), options)
         try:
             mine = _mine(checked, options, shard)

@@ -36,7 +36,11 @@ def merge(shard_outputs: Sequence[str], output: str, overwrite: bool = False) ->
     """Join shard outputs into one file in input order; every job exactly once, or an error.
     Streamed: the shards' rows go through Arrow a bucket of input positions at a time."""
     from pipeline.ordered import ORDER, in_order
+    from pipeline.overlap import check_apart
 
+    # what merge reads of each shard: the output and the errors file and summary beside it
+    check_apart(output, "parquet", [p for s in shard_outputs for p in (s, errors_path(s), summary_path(s))],
+                reads="shard")
     summaries = []
     for path in shard_outputs:
         try:

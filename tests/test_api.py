@@ -118,6 +118,13 @@ def test_generate_in_a_fresh_process(tmp_path, model_dir):
 
 def test_errors_name_the_keyword_arguments_not_the_cli_flags(engine, tmp_path):
     """The same checks as the CLI's, worded for this face: output=, overwrite=True, json_schema=."""
+    src = tmp_path / "jobs.jsonl"
+    src.write_text("".join(json.dumps(j) + "\n" for j in jobs()))
+    before = src.read_bytes()
+    with pytest.raises(JobError) as info:  # an output never replaces an input, here either
+        engine.generate(str(src), output=str(src), output_format="jsonl", overwrite=True, max_new_tokens=2)
+    assert str(info.value).startswith(f"output={str(src)!r}: is the input {src} (the same file)")
+    assert src.read_bytes() == before
     (tmp_path / "adir").mkdir()
     problems = {
         "is a directory": dict(output=str(tmp_path / "adir")),
