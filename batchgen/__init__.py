@@ -12,5 +12,6 @@ internals. Scoring (`batchgen.score`) will sit beside `generate` when it lands.
 from pipeline import __version__
 
 from batchgen.api import Engine, generate
+from jobs.errors import BatchgenError, OptionError
 
-__all__ = ["Engine", "generate", "__version__"]
+__all__ = ["BatchgenError", "Engine", "OptionError", "generate", "__version__"]

@@ -9,13 +9,15 @@ file are written as the CLI writes them (for resumable runs, use the CLI).
 """
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable, TypeVar
 
 import pyarrow as pa
 
 from batchgen.convert import ERROR, Source, results_as, source_of
 from jobs import GenerationDefaults, InvalidRow, Job, JobError, Location
 from jobs.checks import Checker
+from jobs.errors import keyword_option, option_names
 from jobs.params import CONSTRAINTS, PARAMS, constraint, split_fields
 from jobs.writers import CREATED
 
@@ -23,8 +25,20 @@ from jobs.writers import CREATED
 RUN_OPTIONS = ("prompt_template", "system", "min_shared_tokens", "max_batch_tokens", "output_format", "overwrite",
                "on_error")
 LOAD_OPTIONS = ("device", "dtype", "trust_remote_code", "threads")
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
+def _keywords(fn: _F) -> _F:
+    """Errors raised inside name options as this face takes them (`output=`, `overwrite=True`),
+    not as the CLI's flags (jobs/errors.py: `option`)."""
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with option_names(keyword_option):
+            return fn(*args, **kwargs)
+    return call  # type: ignore[return-value]
+
+
+@_keywords
 def generate(jobs: Any, model: str | None = None, *, output: str | None = None, progress: bool = False,
              **options: Any) -> Any:
     """Generate for every job; results in input order, in the type of `jobs`.
@@ -55,6 +69,7 @@ class Engine:
         self.name = name or getattr(model.config, "_name_or_path", None) or type(model).__name__
 
     @classmethod
+    @_keywords
     def load(cls, model: str | None = None, *, device: str = "auto", dtype: str = "auto",
              trust_remote_code: bool = False, threads: int | None = None) -> "Engine":
         """Load a model (a Hugging Face id or local directory; None: the embedded default model)."""
@@ -68,6 +83,7 @@ class Engine:
         loaded, source = load_model(model, device, dtype, trust_remote_code)
         return cls(loaded, Tokenizer.load(source, trust_remote_code=trust_remote_code), name=model or DEFAULT_MODEL)
 
+    @_keywords
     def generate(self, jobs: Any, *, output: str | None = None, progress: bool = False, **options: Any) -> Any:
         """As `batchgen.generate`, with this engine's model (loading options do not apply)."""
         from pipeline.inmemory import tokenized
@@ -76,8 +92,8 @@ class Engine:
 
         opts = run_options(options)
         source = source_of(jobs)
-        if output is not None:  # a bad path fails before any work, as in the CLI
-            check_output(output, opts.output_format, opts.overwrite)
+        if output is not None:  # a bad path, or one that is an input, fails before any work, as in the CLI
+            check_output(output, opts.output_format, opts.overwrite, source.paths or ())
         checked = tokenized(*self._read(source, opts), self.tokenizer, self.model.config, opts)
         if opts.on_error == "fail" and checked.invalid:
             listing = "\n".join(str(v) for v in list(checked.invalid.values())[:50])

@@ -17,6 +17,7 @@ import os
 import tempfile
 from typing import IO, Any, Iterable
 
+from .errors import option
 from .schema import JobError
 
 
@@ -28,7 +29,8 @@ def _file_mode() -> int:
     return 0o666 & ~mask
 
 
-def _temp_prefix(path: str) -> str:
+def temp_prefix(path: str) -> str:
+    """The name of a temp file of `path` starts with this, in its directory."""
     return f".{os.path.basename(path)}.tmp-"
 
 
@@ -37,7 +39,7 @@ def remove_stale_temps(paths: Iterable[str | os.PathLike[str]]) -> None:
     from these targets match (``.run.tmp-*`` for ``run``, never ``.run2.tmp-*``); call it only
     while no other process writes them (a run holds its output's lock)."""
     for path in map(os.fspath, paths):
-        pattern = os.path.join(glob.escape(os.path.dirname(path) or "."), glob.escape(_temp_prefix(path)) + "*")
+        pattern = os.path.join(glob.escape(os.path.dirname(path) or "."), glob.escape(temp_prefix(path)) + "*")
         for stale in glob.glob(pattern):  # the pattern starts with a dot: hidden names match
             try:
                 os.unlink(stale)  # a link is removed itself, its target is untouched
@@ -57,14 +59,14 @@ class AtomicWriter:
         if os.path.isdir(self.path):
             raise JobError(f"{self.path}: is a directory; give an output file name")
         if os.path.exists(self.path) and not overwrite:
-            raise JobError(f"{self.path}: already exists; pass --overwrite to replace it")
+            raise JobError(f"{self.path}: already exists; pass {option('overwrite')} to replace it")
         self.tmp_path: str | None = None
         self._file: IO[bytes] | None = None
 
     def __enter__(self) -> AtomicWriter:
         parent = os.path.dirname(self.path) or "."
         os.makedirs(parent, exist_ok=True)
-        fd, self.tmp_path = tempfile.mkstemp(prefix=_temp_prefix(self.path), dir=parent)
+        fd, self.tmp_path = tempfile.mkstemp(prefix=temp_prefix(self.path), dir=parent)
         self._raw = self._file = os.fdopen(fd, "wb")
         try:
             os.fchmod(fd, _file_mode())

@@ -11,11 +11,20 @@ from .errors import JobValidationError, Location
 
 MESSAGE_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 MAX_STOP_SEQUENCES = 16
+# A Parquet schema is at most 100 levels deep (pyarrow reads no deeper), its root one of them: a
+# list takes two levels (the list, its repeated element), an object one. A deeper value could not
+# be stored, and code that recurses over values (json, pickle, the text checks) could not finish.
+MAX_LEVELS = 98
+TOO_DEEP = ("is nested too deeply: batchgen takes at most 49 levels of nested lists (98 of objects), "
+            "as deep as Parquet stores; flatten it")
 
 
 def show(value: Any) -> str:
     """Short repr for error messages; long prompts would drown the message."""
-    text = repr(value)
+    try:
+        text = repr(value)
+    except RecursionError:  # JSON text can parse deeper than repr recurses
+        return f"a {type(value).__name__} nested too deeply to show"
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -25,6 +34,39 @@ def _is_number_text(text: str) -> bool:
     except ValueError:
         return False
     return "_" not in text  # float() accepts 1_000; JSON does not
+
+
+_SCALARS = frozenset({str, int, float, bool, type(None)})  # by exact type: isinstance on Mapping is slow
+
+
+def too_deep(value: Any, limit: int = MAX_LEVELS) -> bool:
+    """Whether `value` nests deeper than `limit` Parquet levels (see MAX_LEVELS). A loop, not a
+    recursion: a value of any depth gets an answer. It runs on every row that holds a list or an
+    object, so scalars are skipped by their type."""
+    stack = [(value, 0)]
+    push = stack.append
+    while stack:
+        value, level = stack.pop()
+        if isinstance(value, (list, tuple)):
+            level += 2
+        elif isinstance(value, Mapping):
+            level, value = level + 1, value.values()
+        else:
+            continue
+        if level > limit:
+            return True
+        for item in value:
+            if type(item) not in _SCALARS:
+                push((item, level))
+    return False
+
+
+def too_deep_field(row: Mapping[str, Any]) -> str | None:
+    """The first field of `row` whose value nests too deeply (too_deep), or None."""
+    for key, value in row.items():
+        if type(value) not in _SCALARS and too_deep(value):
+            return str(key)
+    return None
 
 
 def bad_type(value: Any, expected: str) -> str:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from collections.abc import Mapping  # isinstance is faster than with typing's alias (a check per row)
 from typing import Any
 
-from .checks import Checker, bad_type, show
+from .checks import TOO_DEEP, Checker, bad_type, show, too_deep
 
 MAX_NEW_TOKENS_LIMIT = 1_000_000
 MAX_N = 10_000
@@ -158,9 +158,14 @@ def _json_value(check: Checker, name: str, value: Any) -> Any:
     if not isinstance(value, str):
         return value
     try:
-        return json.loads(value)
+        parsed = json.loads(value)
     except ValueError as e:
         raise check.fail(name, f"is a string that is not valid JSON ({e.args[0][:60]})") from None
+    except RecursionError:
+        raise check.fail(name, f"holds JSON text that {TOO_DEEP}") from None
+    if too_deep(parsed):  # what a row's own values may not be (schema._check_depth), nor may its JSON text
+        raise check.fail(name, f"holds JSON text that {TOO_DEEP}")
+    return parsed
 
 
 def logit_bias(check: Checker, value: Any) -> tuple[tuple[int, float], ...]:
@@ -175,11 +180,24 @@ def logit_bias(check: Checker, value: Any) -> tuple[tuple[int, float], ...]:
         if not isinstance(item, (list, tuple)) or len(item) != 2:
             raise check.fail("logit_bias", f"must map token ids to biases, got the entry {show(item)}")
         key, bias = item
-        tid = int(key) if isinstance(key, str) and key.strip().isdigit() else key
         where = f"logit_bias.{key}"
-        tid = check.integer(where, tid, low=0, high=MAX_TOKEN_ID, what="a token id (an integer >= 0)")
+        tid = check.integer(where, _token_key(check, where, key), low=0, high=MAX_TOKEN_ID,
+                            what="a token id (an integer >= 0)")
         out[tid] = check.number(where, bias, "a bias in [-100, 100]", lambda b: -100 <= b <= 100)
     return tuple(sorted(out.items()))
+
+
+def _token_key(check: Checker, where: str, key: Any) -> Any:
+    """A logit_bias key as a token id: JSON object keys are always strings, so "42" is one; a key
+    of another type (a Parquet map's integer keys) is checked as it is."""
+    if not isinstance(key, str):
+        return key
+    digits = key.strip()
+    # ASCII digits only: isdigit() also says yes to "²" and "٣", which are no token ids
+    if digits.isascii() and digits.isdigit():
+        return int(digits)
+    raise check.fail(where, f"must be a token id (an integer >= 0) in the digits 0-9, like \"42\"; got the key "
+                            f"{show(key)}")
 
 
 def token_ids(check: Checker, name: str, value: Any) -> tuple[int, ...]:
@@ -266,8 +284,8 @@ def continuations_field(check: Checker, value: Any, params: Mapping[str, Any],
     if isinstance(value, str) and value.startswith("["):  # Parquet/CSV-born JSON text
         try:
             value = json.loads(value)
-        except ValueError:
-            pass
+        except (ValueError, RecursionError):
+            pass  # refused below, as the string it is
     if not isinstance(value, (list, tuple)) or not value or not all(isinstance(c, str) and c for c in value):
         raise check.fail("continuations", f"must be a non-empty list of non-empty strings, got {show(value)}")
     given = [spelled.get(n, n) for n in _NOT_FOR_SCORING if params.get(n) is not None]

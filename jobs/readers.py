@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import remote
+from .checks import TOO_DEEP
 from .schema import (GenerationDefaults, InvalidRow, Job, JobError, JobValidationError,
                      Location, template_fields)
 
@@ -239,6 +240,8 @@ def _parse_line(raw: bytes) -> dict[str, Any] | str:
         # json's messages sometimes already end in "at" ("Unterminated string starting at").
         joiner = " " if e.msg.endswith(" at") else " at "
         return f"malformed JSON: {e.msg}{joiner}column {e.colno}"
+    except RecursionError:  # json's parser recurses per level: far too deep to hold anyway
+        return f"a value {TOO_DEEP}"
     if not isinstance(value, dict):
         return f"expected a JSON object per line, got {_json_type(value)}"
     return value
@@ -250,6 +253,9 @@ def _json_array_records(path: str, f: BinaryIO) -> Iterator[Record]:
         items = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise JobError(f"{path}: malformed JSON array ({e}); use JSON Lines for large inputs") from None
+    except RecursionError:  # the array is parsed whole: no row of it can be read
+        raise JobError(f"{path}: a value in the array {TOO_DEEP}; or write the rows as JSON Lines, where "
+                       "only its own row is refused") from None
     for i, item in enumerate(items):
         value = item if isinstance(item, dict) else f"expected a JSON object, got {_json_type(item)}"
         yield Location(path, row=i), value

@@ -11,8 +11,8 @@ from collections.abc import Mapping  # isinstance is faster than with typing's a
 from dataclasses import dataclass
 from typing import Any
 
-from .checks import MESSAGE_ROLES, Checker, show
-from .errors import JobError, JobValidationError, Location
+from .checks import MESSAGE_ROLES, TOO_DEEP, Checker, show, too_deep_field
+from .errors import JobError, JobValidationError, Location, option
 from . import openai_limits
 from .params import (CONSTRAINTS, PARAMS, RESERVED, Constraint, choice_min_tokens, completions_logprobs, constraint,
                      continuations_field, normalize, split_fields)
@@ -102,6 +102,15 @@ def _check_text(location: Location, row: Mapping[str, Any], id_key: str) -> None
     printable = where.encode("utf-8", "backslashreplace").decode("utf-8")  # the message must be writable
     raise JobValidationError(location, printable, "is not valid Unicode text: it holds a lone surrogate "
                              "(a \\ud800-style escape without its pair); fix or remove that text", job_id)
+
+
+def _check_depth(location: Location, row: Mapping[str, Any], id_key: str) -> None:
+    """A value nested deeper than Parquet stores is refused first: the other checks recurse."""
+    field = too_deep_field(row)
+    if field is not None:
+        raw_id = row.get(id_key)
+        job_id = raw_id if isinstance(raw_id, (str, int)) and not isinstance(raw_id, bool) else None
+        raise JobValidationError(location, field, TOO_DEEP, job_id)
 
 
 def _check_columns(check: Checker, extra: Mapping[str, Any]) -> None:
@@ -199,11 +208,12 @@ class Job:
         if not isinstance(row, Mapping):
             raise JobValidationError(location, None, f"expected a JSON object, got {type(row).__name__}")
         openai = "custom_id" in row and "body" in row
+        _check_depth(location, row, "custom_id" if openai else "id")
         _check_text(location, row, "custom_id" if openai else "id")
         if openai:
             if prompt_template is not None:
                 cid = row["custom_id"]
-                raise JobValidationError(location, None, "--prompt-template cannot be used with OpenAI "
+                raise JobValidationError(location, None, f"{option('prompt_template')} cannot be used with OpenAI "
                                          "batch rows", cid if isinstance(cid, (str, int)) else None)
             return cls._from_openai_row(row, location, defaults, default_id, system)
         raw_id = row.get("id")
@@ -220,7 +230,7 @@ class Job:
         prompt, messages = row.get("prompt"), row.get("messages")
         if prompt_template is not None:
             if messages is not None:
-                raise check.fail("messages", "is set, but --prompt-template builds a prompt; "
+                raise check.fail("messages", f"is set, but {option('prompt_template')} builds a prompt; "
                                              "use one or the other")
             if prompt is not None:
                 extra["prompt"] = prompt  # the template may read it; keep the original too

@@ -5,10 +5,10 @@ from __future__ import annotations
 import string
 from typing import Any, Mapping
 
-from .errors import JobError
+from .errors import BatchgenError, OptionError
 
 
-class TemplateRowError(Exception):
+class TemplateRowError(BatchgenError):
     """A row the template cannot fill; `field` is the column to blame, if one is."""
 
     def __init__(self, field: str | None, reason: str) -> None:
@@ -17,19 +17,23 @@ class TemplateRowError(Exception):
 
 
 def template_fields(template: str) -> list[str]:
-    """Column names a ``str.format`` template refers to; raises JobError for bad templates."""
+    """Column names a ``str.format`` template refers to; raises OptionError for bad templates."""
+    if not template.strip():
+        raise OptionError("prompt_template", "is empty: every row's prompt would be empty", repr(template))
     try:
         parsed = list(string.Formatter().parse(template))
     except ValueError as e:
-        raise JobError(f"invalid prompt template {template!r}: {e}") from None
+        raise OptionError("prompt_template", f"invalid prompt template: {e}", repr(template)) from None
     names = []
     for _, name, _, _ in parsed:
         if name is None:
             continue
         base = name.split(".", 1)[0].split("[", 1)[0]
-        if not base or base.isdigit():
-            raise JobError(f"prompt template {template!r} uses a positional field "
-                           f"'{{{name}}}'; name a column instead, like {{text}}")
+        # str.format reads a field as a position where it is decimal digits (isdecimal: "٣" is
+        # one, "²" is not, though isdigit says it is); any other name is a column
+        if not base or base.isdecimal():
+            raise OptionError("prompt_template", f"uses a positional field '{{{name}}}'; name a column "
+                                                 "instead, like {text}", repr(template))
         names.append(base)
     return names
 

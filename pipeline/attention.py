@@ -31,13 +31,14 @@ from typing import Iterator
 import torch
 
 from pipeline import native
+from pipeline.errors import BatchgenError
 from pipeline.kv import LayerShape
 from pipeline.step import Step
 
 NAME = "batchgen"
 
 
-class EngineError(Exception):
+class EngineError(BatchgenError):
     """The model cannot run on this engine; the message says why."""
 
 

@@ -47,6 +47,14 @@ def _window_options(f):
     return f
 
 
+# options of `process` that `validate` takes too: each changes which jobs a run refuses
+_output_format_option = click.option("--output-format", type=click.Choice(["parquet", "jsonl", "openai"]),
+                                     default="parquet", show_default=True, envvar="BATCHGEN_OUTPUT_FORMAT")
+_engine_option = click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+                              envvar="BATCHGEN_ENGINE",
+                              help="ray: spread prefix groups over a Ray cluster; OUTPUT is a directory.")
+
+
 def _generation_options(f):
     opts = [
         click.option("--max-new-tokens", type=click.IntRange(min=0), default=256, show_default=True,
@@ -96,22 +104,30 @@ def _generation_options(f):
 
 
 def _defaults(kw):
-    from jobs import GenerationDefaults
+    """The generation flags as the jobs' defaults, checked as a job's fields are: a bad value is a
+    usage error of its flag (exit code 2), like the values click checks itself."""
+    from jobs import GenerationDefaults, JobValidationError
 
     schema = kw["json_schema"]
     if schema is not None and not schema.lstrip().startswith("{"):
-        with open(schema, encoding="utf-8") as fh:  # a file holding the schema
-            schema = fh.read()
-    constraint = GenerationDefaults.constraint_of(json_schema=schema, regex=kw["regex"],
-                                                  choice=list(kw["choices"]) or None)
-    return GenerationDefaults(max_new_tokens=kw["max_new_tokens"], temperature=kw["temperature"],
-                              top_p=kw["top_p"], top_k=kw["top_k"], seed=kw["seed"], stop=tuple(kw["stop"]),
-                              n=kw["n"], repetition_penalty=kw["repetition_penalty"],
-                              presence_penalty=kw["presence_penalty"], frequency_penalty=kw["frequency_penalty"],
-                              min_tokens=kw["min_tokens"], logit_bias=kw["logit_bias"] or (),
-                              stop_token_ids=tuple(kw["stop_token_ids"]), logprobs=kw["logprobs"],
-                              top_logprobs=kw["top_logprobs"], prompt_logprobs=kw["prompt_logprobs"],
-                              constraint=constraint)
+        try:
+            with open(schema, encoding="utf-8") as fh:  # a file holding the schema
+                schema = fh.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise _usage_error("json_schema", f"cannot read the file {schema}: {getattr(e, 'strerror', None) or e}")
+    try:
+        constraint = GenerationDefaults.constraint_of(json_schema=schema, regex=kw["regex"],
+                                                      choice=list(kw["choices"]) or None)
+        return GenerationDefaults(max_new_tokens=kw["max_new_tokens"], temperature=kw["temperature"],
+                                  top_p=kw["top_p"], top_k=kw["top_k"], seed=kw["seed"], stop=tuple(kw["stop"]),
+                                  n=kw["n"], repetition_penalty=kw["repetition_penalty"],
+                                  presence_penalty=kw["presence_penalty"], frequency_penalty=kw["frequency_penalty"],
+                                  min_tokens=kw["min_tokens"], logit_bias=kw["logit_bias"] or (),
+                                  stop_token_ids=tuple(kw["stop_token_ids"]), logprobs=kw["logprobs"],
+                                  top_logprobs=kw["top_logprobs"], prompt_logprobs=kw["prompt_logprobs"],
+                                  constraint=constraint)
+    except JobValidationError as e:  # field 'logit_bias.5' -> --logit-bias
+        raise _usage_error((e.field or "").split(".")[0].split("[")[0], f"'{e.field}' {e.reason}") from None
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -138,8 +154,7 @@ def main() -> None:
               envvar="BATCHGEN_MAX_BATCH_TOKENS", help="KV-cache token budget of one batch (rows x longest row).")
 @click.option("--min-shared-tokens", type=click.IntRange(min=1), default=16, show_default=True,
               envvar="BATCHGEN_MIN_SHARED_TOKENS", help="Shorter shared prefixes are not cached separately.")
-@click.option("--output-format", type=click.Choice(["parquet", "jsonl", "openai"]), default="parquet",
-              show_default=True, envvar="BATCHGEN_OUTPUT_FORMAT")
+@_output_format_option
 @click.option("--overwrite", is_flag=True,
               help="Replace an existing output, and discard unfinished work of a run with other options.")
 @click.option("--on-error", type=click.Choice(["skip", "fail"]), default="skip", show_default=True,
@@ -151,8 +166,7 @@ def main() -> None:
                    "join the outputs with `batchgen merge`.")
 @click.option("--commit-every", type=click.IntRange(min=1), default=256, show_default=True,
               envvar="BATCHGEN_COMMIT_EVERY", help="Commit finished jobs in parts of this many (or every 60 s).")
-@click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True,
-              envvar="BATCHGEN_ENGINE", help="ray: spread prefix groups over a Ray cluster; OUTPUT is a directory.")
+@_engine_option
 @click.option("--address", default=None, envvar="BATCHGEN_RAY_ADDRESS",
               help="Ray cluster address (auto, ray://host:10001); default: start a local Ray for this run.")
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True, envvar="BATCHGEN_WORKERS",
@@ -190,7 +204,7 @@ def process(inputs, output, model, trust_remote_code, device, dtype, max_batch_t
                          output_format=output_format, overwrite=overwrite, prompt_template=prompt_template,
                          system=system, dataset=dataset, split=split, trust_remote_code=trust_remote_code,
                          on_error=on_error, shard=shard, commit_every=commit_every, threads=threads,
-                         window_jobs=window_jobs, window_tokens=window_tokens)
+                         window_jobs=window_jobs, window_tokens=window_tokens, engine=engine)
     if engine == "ray":
         from pipeline.ray_runner import process_ray
 
@@ -225,7 +239,7 @@ def process(inputs, output, model, trust_remote_code, device, dtype, max_batch_t
               envvar="BATCHGEN_MIN_SHARED_TOKENS")
 @click.option("--max-batch-tokens", type=click.IntRange(min=1), default=65536, show_default=True,
               envvar="BATCHGEN_MAX_BATCH_TOKENS")
-@click.option("--top", type=int, default=10, show_default=True, help="How many groups to list.")
+@click.option("--top", type=click.IntRange(min=0), default=10, show_default=True, help="How many groups to list.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @_window_options
 def plan(inputs, model, trust_remote_code, dataset, split, prompt_template, system, min_shared_tokens,
@@ -256,15 +270,20 @@ def plan(inputs, model, trust_remote_code, dataset, split, prompt_template, syst
 @_input_options
 @_model_options
 @_generation_options
-def validate(inputs, model, trust_remote_code, dataset, split, prompt_template, system, **gen):
+@_output_format_option
+@_engine_option
+def validate(inputs, model, trust_remote_code, dataset, split, prompt_template, system, output_format, engine,
+             **gen):
     """Check every job in INPUTS exactly as `process` does before it generates (rows, carried
     columns, tokenization and the model's context window; the tokenizer and config only, no
-    weights) and report every problem with its file:line."""
+    weights) and report every problem with its file:line. Pass the --output-format and --engine
+    that `process` will run with: they refuse jobs of their own (a scoring job under openai or ray)."""
     from pipeline.preflight import check_inputs
     from pipeline.runner import RunOptions
 
     options = RunOptions(model=model, defaults=_guard(_defaults, gen), prompt_template=prompt_template, system=system,
-                         dataset=dataset, split=split, trust_remote_code=trust_remote_code)
+                         dataset=dataset, split=split, trust_remote_code=trust_remote_code,
+                         output_format=output_format, engine=engine)
     checked = _guard(check_inputs, list(inputs), options, purpose="validate")
     for line in checked.invalid.lines():
         click.echo(line)
@@ -313,15 +332,26 @@ def script() -> None:
 
 
 def _guard(fn, *args, **kwargs):
-    """Call library code; its own errors become a clean CLI error."""
-    from jobs import JobError
-    from pipeline.model import ModelLoadError
-    from pipeline.tokenize import TokenizerError
+    """Call library code; its own errors (BatchgenError, one base class) become a clean CLI error:
+    a bad option value a usage error (exit code 2), any other one line (exit code 1). Anything
+    else is a bug and shows its traceback."""
+    from pipeline.errors import BatchgenError, OptionError
 
     try:
         return fn(*args, **kwargs)
-    except (JobError, ModelLoadError, TokenizerError, ValueError) as e:
+    except OptionError as e:
+        value = "" if e.value is None else f"{e.value}: "
+        raise _usage_error(e.name, value + e.reason) from e
+    except BatchgenError as e:
         raise click.ClickException(str(e)) from e
-    except OSError as e:  # what the library did not word itself: still one line, no traceback
+    except OSError as e:  # the file system's, not a bug: what the library did not word itself, still one line
         where = f"{e.filename}: " if e.filename else ""
         raise click.ClickException(f"{where}{e.strerror or e}; check that path and rerun") from e
+
+
+def _usage_error(name: str, message: str) -> click.BadParameter:
+    """A bad value of option `name` (its keyword spelling) as click words its own: exit code 2."""
+    from jobs.errors import cli_flag
+
+    hint = "'-o' / '--output'" if name == "output" else f"'{cli_flag(name)}'"
+    return click.BadParameter(message, ctx=click.get_current_context(silent=True), param_hint=hint)

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import torch
 
 from jobs.params import Constraint
+from pipeline.errors import BatchgenError
 from pipeline.types import MatcherFactory
 
 # Compact JSON: no whitespace between tokens unless a schema asks for it ("x-guidance"). Free
@@ -34,7 +35,7 @@ _PROTOTYPES = 256  # compiled matchers kept for copying; others are rebuilt from
 _SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
-class GrammarError(Exception):
+class GrammarError(BatchgenError):
     """A constraint that cannot be compiled for this tokenizer; the message says why."""
 
 

@@ -14,7 +14,7 @@ import pyarrow as pa
 from jobs import InvalidRow, Job, id_type_for, infer_extra_schema, result_schema
 from jobs.writers import outputs_of
 from pipeline.expand import completions_expected, tokenize_jobs
-from pipeline.inputrows import check_extras, openai_refuses
+from pipeline.inputrows import check_extras, refusal, refused
 from pipeline.preflight import check_default_constraint, context_window, make_requests, vocab_size
 from pipeline.tokenize import Tokenizer, TokenizerError
 from pipeline.types import Request
@@ -44,8 +44,9 @@ def checked_rows(jobs: dict[int, Job], invalid: dict[int, InvalidRow], hint: pa.
         invalid[order] = bad
         del jobs[order]
     created = options.output_format == "openai"  # each request's completion time, kept in the rows
-    if created:
-        for order, bad in openai_refuses(jobs).items():
+    refuses = refusal(options)
+    if refuses is not None:
+        for order, bad in refused(jobs, refuses).items():
             invalid[order] = bad
             del jobs[order]
     outputs = set().union(*(outputs_of(j) for j in jobs.values()))

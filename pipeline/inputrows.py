@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from jobs import InvalidRow, Job, input_schema, result_schema
+from jobs.errors import option
 from jobs.chunks import PlainRows, plain_template, read_chunks
 from jobs.writers import ExtraSchema, conform_rows, outputs_of
 from pipeline.expand import length_problem
@@ -53,6 +54,7 @@ class Rows:
         self.outputs: set[str] = set()  # the optional result columns some job fills
         self.total = 0
         self.created = options.output_format == "openai"  # each request's completion time, kept in the parts
+        self.refusal = refusal(options)
 
     def chunks(self) -> Iterator[tuple[dict[int, Job], list[tuple[int, InvalidRow]], list[PlainRows]]]:
         for chunk in self.items:
@@ -70,8 +72,8 @@ class Rows:
             for order, problem in check_extras(jobs, typed).items():
                 bad.append((order, problem))
                 del jobs[order]
-        if self.created:
-            for order, problem in openai_refuses(jobs).items():
+        if self.refusal is not None:
+            for order, problem in refused(jobs, self.refusal).items():
                 bad.append((order, problem))
                 del jobs[order]
         self.all_int_ids = self.all_int_ids and all(isinstance(j.id, int) for j in jobs.values()) \
@@ -99,11 +101,36 @@ def read_checked(inputs: list[str], options: RunOptions) -> tuple[dict[int, Job]
     return jobs, invalid, rows.schema()
 
 
-def openai_refuses(jobs: Mapping[int, Job]) -> dict[int, InvalidRow]:
+def refusal(options: RunOptions) -> Callable[[Job], InvalidRow | None] | None:
+    """What the output format or the engine cannot do with jobs that are otherwise valid (None:
+    nothing): `process` refuses those rows, and so do `validate` and the Python API."""
+    if options.engine == "ray":
+        return _ray_refuses
+    if options.output_format == "openai":
+        return _openai_refuses
+    return None
+
+
+def refused(jobs: Mapping[int, Job], refuses: Callable[[Job], InvalidRow | None]) -> dict[int, InvalidRow]:
+    found = ((o, refuses(j)) for o, j in jobs.items())
+    return {o: problem for o, problem in found if problem is not None}
+
+
+def _openai_refuses(job: Job) -> InvalidRow | None:
     """Scoring jobs under --output-format openai: the Batch API has no shape for their scores."""
-    return {o: InvalidRow(j.location, j.id, "field 'continuations': a scoring job's scores have no OpenAI "
-                                            "output shape; use --output-format parquet or jsonl")
-            for o, j in jobs.items() if j.is_scoring}
+    if not job.is_scoring:
+        return None
+    return InvalidRow(job.location, job.id, "field 'continuations': a scoring job's scores have no OpenAI output "
+                                            f"shape; use {option('output_format', 'parquet')} or jsonl")
+
+
+def _ray_refuses(job: Job) -> InvalidRow | None:
+    """Jobs that are several requests (pipeline/expand.py) are not spread over Ray workers yet."""
+    if job.is_scoring or job.max_new_tokens == 0:
+        return InvalidRow(job.location, job.id, "a scoring job (continuations, or prompt_logprobs with "
+                                                f"max_new_tokens 0) does not run with {option('engine', 'ray')} "
+                                                f"yet; run it without {option('engine', 'ray')}")
+    return None
 
 
 def check_extras(jobs: Mapping[int, Job], extra_schema: pa.Schema) -> dict[int, InvalidRow]:
@@ -152,13 +179,19 @@ def tokenize_plain(tokenizer: Tokenizer, plain: list[PlainRows], width: int | No
 class PlainCheck:
     """The checks after tokenizing, for plain rows of the run's defaults (`template`)."""
 
-    def __init__(self, template: Job, window: int | None, general: InvalidRow | None) -> None:
+    def __init__(self, template: Job, window: int | None, general: InvalidRow | None,
+                 refused: InvalidRow | None = None) -> None:
         self.template, self.window = template, window
         # generation_error of a plain job: the same for every plain row (its reason, if any)
         self.general = general.reason if general is not None else None
+        # what the output format or engine refuses of a plain job (`refusal`): found first, as
+        # `Rows` finds it of every job before tokenizing
+        self.refused = refused.reason if refused is not None else None
 
     def problems(self, rows: PlainRows, lengths: np.ndarray) -> dict[int, InvalidRow]:
         """The rows (by index in `rows`) that cannot run, and why."""
+        if self.refused is not None:
+            return {k: InvalidRow(rows.location(k), rows.ids[k], self.refused) for k in range(len(rows))}
         max_new = self.template.max_new_tokens
         suspect = lengths < (2 if max_new == 0 else 1)
         if max_new and self.window is not None:

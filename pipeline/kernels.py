@@ -57,7 +57,8 @@ def set_threads(threads: int | None = None) -> int:
     """Use `threads` intra-op threads, else one per available core (unless OMP_NUM_THREADS says)."""
     if threads is None:
         env = os.environ.get("OMP_NUM_THREADS", "")
-        threads = int(env) if env.isdigit() and int(env) > 0 else available_cpus()
+        # ASCII digits only: isdigit() also says yes to "²", which int() refuses
+        threads = int(env) if env.isascii() and env.isdigit() and int(env) > 0 else available_cpus()
     torch.set_num_threads(threads)
     return threads
 

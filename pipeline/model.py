@@ -26,6 +26,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pipeline.errors import BatchgenError, OptionError, option
+
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel
@@ -47,7 +49,7 @@ _TOKENIZER_PROBE = "Hello world! <|im_start|>user\nÜnïcödé, numbers 12345 an
 _DAMAGED = "its weights cannot be read: a safetensors file is damaged or truncated; copy or download it again"
 
 
-class ModelLoadError(Exception):
+class ModelLoadError(BatchgenError):
     """A model could not be located or loaded; the message says which and how to fix it."""
 
 
@@ -220,18 +222,18 @@ def resolve_device(device: str) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, ValueError) as e:
-        raise ValueError(f"unknown device {device!r}: use auto, cpu, cuda or cuda:N") from e
+        raise OptionError("device", "unknown device: use auto, cpu, cuda or cuda:N", device) from e
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {device!r} requested but CUDA is not available: use --device cpu or auto")
+            raise OptionError("device", "CUDA is not available here: use cpu or auto", device)
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"device {device!r} requested but only {torch.cuda.device_count()} CUDA device(s) exist")
+            raise OptionError("device", f"only {torch.cuda.device_count()} CUDA device(s) exist", device)
     elif dev.type == "mps":
         mps = getattr(torch.backends, "mps", None)
         if mps is None or not mps.is_available():
-            raise ValueError(f"device {device!r} requested but MPS is not available: use --device cpu or auto")
+            raise OptionError("device", "MPS is not available here: use cpu or auto", device)
     elif dev.type != "cpu":
-        raise ValueError(f"unsupported device {device!r}: use auto, cpu, cuda or cuda:N")
+        raise OptionError("device", "unsupported device: use auto, cpu, cuda or cuda:N", device)
     return dev
 
 
@@ -251,7 +253,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     try:
         return getattr(torch, _DTYPES[dtype])
     except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16 or float16") from None
+        raise OptionError("dtype", "unknown dtype: use auto, float32, bfloat16 or float16", dtype) from None
 
 
 def resolve_precision(device: str, dtype: str) -> dict[str, str]:
@@ -283,7 +285,7 @@ def model_source(name_or_path: str | None) -> tuple[str, str]:
     if _looks_local(name_or_path):
         raise ModelLoadError(
             f"model {name_or_path!r} not found: the path does not exist; "
-            "check the path, or omit --model to use the default model"
+            f"check the path, or omit {option('model')} to use the default model"
         )
     return name_or_path, name_or_path
 
@@ -303,7 +305,7 @@ def load_config(name_or_path: str | None, trust_remote_code: bool = False, witho
 
             config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as e:  # KeyError: rope parameters that lack a required key
-        hint = ("it needs custom code: pass --trust-remote-code only if you trust that code"
+        hint = (f"it needs custom code: pass {option('trust_remote_code')} only if you trust that code"
                 if "trust_remote_code" in str(e) and not trust_remote_code
                 else "pass a local directory written by save_pretrained, or a hub id that is in the local HF cache")
         raise ModelLoadError(f"model {label!r}: cannot read its config: {str(e)[:300]}\nFix: {hint}") from e
@@ -415,7 +417,7 @@ def load_model(
             msg = msg.split(" for this kind of AutoModel")[0]
             hint = "use a causal language model (one AutoModelForCausalLM supports, e.g. Llama, Qwen2, GPT2)"
         elif "trust_remote_code" in msg and not trust_remote_code:
-            hint = "it needs custom code: pass trust_remote_code only if you trust that code"
+            hint = f"it needs custom code: pass {option('trust_remote_code')} only if you trust that code"
         else:
             hint = "use a causal language model (AutoModelForCausalLM)"
         raise ModelLoadError(f"model {label!r} could not be loaded: {msg[:500]}\nFix: {hint}") from e

@@ -22,15 +22,17 @@ import os
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
 
 from jobs import InvalidRow, Job, JobError
+from jobs.errors import OptionError, option
 from jobs.chunks import PlainRows
 from pipeline.inputrows import PlainCheck, Rows, tokenize_plain
 from pipeline.jobstore import JobSpool, Problems
+from pipeline.overlap import check_apart
 from pipeline.prefix_index import IndexBuilder, PrefixIndex, pack_keys
 from pipeline.tokenize import Tokenizer, TokenizerError
 from pipeline.expand import JobTokens, job_requests, token_problem, tokenize_jobs
@@ -66,35 +68,50 @@ class Checked:
             self.spool.close()
 
 
-def check_output(output: str, fmt: str, overwrite: bool) -> None:
-    """Refuse an output path the run could not finish with, before any model work."""
+def check_output(output: str, fmt: str, overwrite: bool, inputs: Sequence[str] = ()) -> None:
+    """Refuse an output path the run could not finish with, or whose files would replace one of
+    `inputs` (pipeline/overlap.py), before any model work."""
+    out = option("output", output)
     name = os.path.basename(output)
     if not name:
-        raise JobError(f"-o {output!r}: give an output file name")
+        raise JobError(f"{option('output', repr(output))}: give an output file name")
     if os.path.isdir(output):
-        raise JobError(f"-o {output}: is a directory; give an output file name")
-    _check_suffix(output, fmt)
+        raise JobError(f"{out}: is a directory; give an output file name")
     parts = output + ".parts"
+    check_apart(output, fmt, inputs, store=parts)
+    _check_suffix(output, fmt)
     if os.path.lexists(parts) and (os.path.islink(parts) or not os.path.isdir(parts)):
         raise JobError(f"{parts} is in the way (batchgen keeps unfinished work in a directory of that name); "
-                       "remove it or choose another -o")
+                       f"remove it or choose another {option('output')}")
     if os.path.exists(output) and not overwrite and not os.path.isdir(parts):
-        raise JobError(f"{output} already exists; pass --overwrite to replace it")
+        raise JobError(f"{output} already exists; pass {option('overwrite')} to replace it")
     _probe_writable(os.path.dirname(output) or ".", output)
 
 
+def check_options(options: RunOptions) -> None:
+    """Options that contradict each other, refused before any work (`validate` asks too)."""
+    fmt = options.output_format
+    if options.engine == "ray" and fmt != "parquet":
+        raise OptionError("output_format", f"is not supported with {option('engine', 'ray')}, which writes a "
+                                           "directory of Parquet parts; drop it, or run without "
+                                           f"{option('engine', 'ray')}", fmt)
+    if options.shard is not None and fmt != "parquet":
+        raise OptionError("output_format", f"is not supported with {option('shard')}, which writes Parquet shard "
+                                           "outputs for `batchgen merge`; drop it", fmt)
+
+
 def _check_suffix(output: str, fmt: str) -> None:
-    lower = output.lower()
+    lower, out = output.lower(), option("output", output)
     if lower.endswith(_UNSUPPORTED_COMPRESSION):
-        raise JobError(f"-o {output}: batchgen compresses output only as .gz (JSON Lines); name it .jsonl.gz")
+        raise JobError(f"{out}: batchgen compresses output only as .gz (JSON Lines); name it .jsonl.gz")
     if lower.endswith(_PARQUET_NAMES) and fmt != "parquet":
-        raise JobError(f"-o {output}: the name says Parquet but --output-format is {fmt}; "
-                       f"name it .jsonl, or drop --output-format {fmt}")
+        raise JobError(f"{out}: the name says Parquet but the output format is {fmt}; "
+                       f"name it .jsonl, or drop {option('output_format', fmt)}")
     if lower.endswith(_LINE_NAMES) and fmt == "parquet":
-        raise JobError(f"-o {output}: the name says JSON Lines but the output format is parquet; "
-                       "pass --output-format jsonl (or openai), or name it .parquet")
+        raise JobError(f"{out}: the name says JSON Lines but the output format is parquet; "
+                       f"pass {option('output_format', 'jsonl')} (or openai), or name it .parquet")
     if lower.endswith(".gz") and fmt == "parquet":
-        raise JobError(f"-o {output}: Parquet is compressed inside the file; drop the .gz")
+        raise JobError(f"{out}: Parquet is compressed inside the file; drop the .gz")
 
 
 def _probe_writable(parent: str, output: str) -> None:
@@ -107,11 +124,11 @@ def _probe_writable(parent: str, output: str) -> None:
             break
         where = up
     if not os.path.isdir(where):
-        raise JobError(f"-o {output}: {where} is not a directory")
+        raise JobError(f"{option('output', output)}: {where} is not a directory")
     try:
         fd, probe = tempfile.mkstemp(prefix=f".{os.path.basename(output)}.tmp-", dir=where)
     except OSError as e:
-        raise JobError(f"-o {output}: cannot write in {where} ({e.strerror or e}); "
+        raise JobError(f"{option('output', output)}: cannot write in {where} ({e.strerror or e}); "
                        "choose a writable location") from None
     os.close(fd)
     os.unlink(probe)
@@ -123,6 +140,7 @@ def check_inputs(inputs: list[str], options: RunOptions, purpose: str = "process
     jobs and the job set's digest. The first two never import torch (`tokenize.torch_hidden`)."""
     from pipeline.model import load_config, model_source
 
+    check_options(options)
     light = purpose != "process"
     _, source = model_source(options.model)
     config = load_config(options.model, options.trust_remote_code, without_torch=light)
@@ -131,7 +149,9 @@ def check_inputs(inputs: list[str], options: RunOptions, purpose: str = "process
     check_default_constraint(tokenizer, options)
     # `process` keeps every job (on disk, for the engine): its rows all become Jobs here
     rows = Rows(list(inputs), options, columnar=purpose != "process")
-    keep = _Keep(tokenizer, window, vocab, PlainCheck(rows.template, window, generation_error(rows.template, tokenizer, vocab)),
+    refused = rows.refusal(rows.template) if rows.refusal is not None else None
+    plain = PlainCheck(rows.template, window, generation_error(rows.template, tokenizer, vocab), refused)
+    keep = _Keep(tokenizer, window, vocab, plain,
                  IndexBuilder(tokenizer.vocab_size) if purpose != "validate" else None,
                  JobSpool() if purpose == "process" else None, JobDigest() if purpose == "process" else None)
     try:
@@ -287,7 +307,7 @@ def check_default_constraint(tokenizer: Tokenizer, options: RunOptions) -> None:
         try:
             tokenizer.grammars.check(default)
         except GrammarError as e:
-            raise JobError(f"--{(default.source or default.kind).replace('_', '-')}: cannot be used: {e}") from None
+            raise OptionError(default.source or default.kind, f"cannot be used: {e}") from None
 
 
 def generation_error(job: Job, tokenizer: Tokenizer, vocab: int | None = None) -> InvalidRow | None:

@@ -16,16 +16,18 @@ import json
 import os
 import tempfile
 import time
+from dataclasses import replace
 from typing import Any, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobs import ErrorWriter, InvalidRow, Job, JobError, write_summary
+from jobs import ErrorWriter, InvalidRow, JobError, write_summary
 from pipeline.parts import ERROR_PART_SCHEMA, ORDER, job_set_key, may_resume, write_part
 from pipeline.expand import JobTokens, token_problem
 from pipeline.inputrows import read_checked
-from pipeline.preflight import context_window, job_digest
+from pipeline.overlap import check_directory_apart
+from pipeline.preflight import check_options, context_window, job_digest
 from pipeline.results import job_rows
 from pipeline.runner import RunOptions, _eos_ids, run_settings
 from pipeline.summary import JobCounts, add_work, run_summary, work_of
@@ -123,15 +125,6 @@ class _Generate:
         return pa.table({"jobs": [len(orders)]})
 
 
-def _ray_refuses(job: Job) -> InvalidRow | None:
-    """Jobs that are several requests (pipeline/expand.py) are not spread over Ray workers yet."""
-    if job.is_scoring or job.max_new_tokens == 0:
-        return InvalidRow(job.location, job.id, "a scoring job (continuations, or prompt_logprobs with "
-                                                "max_new_tokens 0) does not run with --engine ray yet; run it "
-                                                "without --engine ray")
-    return None
-
-
 def done_orders(out_dir: str) -> set[int]:
     done: set[int] = set()
     for name in os.listdir(out_dir):
@@ -145,9 +138,10 @@ def process_ray(inputs: Sequence[str], out_dir: str, options: RunOptions, *, add
     import pickle
 
     started = time.monotonic()
-    if options.output_format != "parquet":
-        raise JobError(f"--engine ray writes a directory of Parquet parts; --output-format {options.output_format} "
-                       "is not supported with it (drop it, or run without --engine ray)")
+    # the jobs Ray cannot run yet are refused as the rows are read (inputrows.refusal), as `validate --engine ray` does
+    options = replace(options, engine="ray")
+    check_options(options)
+    check_directory_apart(out_dir, inputs)
     import ray
 
     from pipeline.model import DEFAULT_MODEL, default_model_path, resolve_precision
@@ -189,7 +183,7 @@ def process_ray(inputs: Sequence[str], out_dir: str, options: RunOptions, *, add
             for r in tokenized:
                 o, x = int(r["order"]), json.loads(r["ids"])
                 bad = InvalidRow(jobs[o].location, jobs[o].id, x["error"]) if isinstance(x, dict) \
-                    else _ray_refuses(jobs[o]) or token_problem(jobs[o], JobTokens(x), window) or check(jobs[o])
+                    else token_problem(jobs[o], JobTokens(x), window) or check(jobs[o])
                 if bad is None:
                     ids[o] = x
                 else:

@@ -27,7 +27,7 @@ from jobs import (GenerationDefaults, Job, JobError, errors_path, open_result_wr
 from jobs.openai_batch import request_key, whole_requests
 from jobs.writers import open_error_writer
 from jobs.atomic import remove_stale_temps
-from pipeline.preflight import Checked, check_inputs, check_output, job_seed
+from pipeline.preflight import Checked, check_inputs, check_options, check_output, job_seed
 from pipeline.progress import Progress
 from pipeline.results import add_openai_fields, job_rows
 from pipeline.signals import Preempted, StopOnSignal
@@ -54,6 +54,7 @@ class RunOptions:
     split: str = "train"
     trust_remote_code: bool = False
     on_error: str = "skip"  # or "fail": stop before any generation if a job cannot run
+    engine: str = "local"  # or "ray" (pipeline/ray_runner.py), which refuses some jobs (inputrows.refusal)
     shard: str | None = None  # "I/N"
     commit_every: int = 256  # jobs per committed part ...
     commit_seconds: float = 60.0  # ... or this long since the last commit, whichever first
@@ -82,9 +83,8 @@ def process(inputs: Sequence[str], output: str, options: RunOptions,
     # from here on a SIGTERM exits 75: at once while nothing is written, between steps after
     with StopOnSignal() as stop:
         shard = parse_shard(options.shard)
-        if shard is not None and options.output_format != "parquet":
-            raise JobError("--shard writes Parquet shard outputs for `batchgen merge`; drop --output-format")
-        check_output(output, options.output_format, options.overwrite)
+        check_options(options)
+        check_output(output, options.output_format, options.overwrite, inputs)
         checked = check_inputs(list(inputs), options)
         try:
             mine = _mine(checked, options, shard)

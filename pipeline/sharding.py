@@ -9,24 +9,26 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any, Sequence
 
 import numpy as np
 import pyarrow.parquet as pq
 
 from jobs import ErrorWriter, JobError, ParquetWriter, errors_path, summary_path, write_summary
+from jobs.errors import OptionError
 from pipeline.summary import merged
 
 
 def parse_shard(spec: str | None) -> tuple[int, int] | None:
     if spec is None:
         return None
-    try:
-        i, n = (int(x) for x in spec.split("/"))
-    except ValueError:
-        raise JobError(f"--shard {spec!r}: expected I/N, e.g. 0/8") from None
+    found = re.fullmatch(r"([0-9]+)/([0-9]+)", spec.strip())  # ASCII digits: int() also reads "٣"
+    if found is None:
+        raise OptionError("shard", "expected I/N, e.g. 0/8", repr(spec))
+    i, n = int(found[1]), int(found[2])
     if not (n >= 1 and 0 <= i < n):
-        raise JobError(f"--shard {spec!r}: need 0 <= I < N")
+        raise OptionError("shard", "need 0 <= I < N", repr(spec))
     return i, n
 
 
@@ -34,14 +36,23 @@ def merge(shard_outputs: Sequence[str], output: str, overwrite: bool = False) ->
     """Join shard outputs into one file in input order; every job exactly once, or an error.
     Streamed: the shards' rows go through Arrow a bucket of input positions at a time."""
     from pipeline.ordered import ORDER, in_order
+    from pipeline.overlap import check_apart
 
+    # what merge reads of each shard: the output and the errors file and summary beside it
+    check_apart(output, "parquet", [p for s in shard_outputs for p in (s, errors_path(s), summary_path(s))],
+                reads="shard")
     summaries = []
     for path in shard_outputs:
         try:
             with open(summary_path(path)) as f:
-                summaries.append(json.load(f))
+                summary = json.load(f)
         except FileNotFoundError:
             raise JobError(f"{path}: no {summary_path(path)} beside it; is it a finished shard output?") from None
+        except ValueError as e:  # not JSON, not UTF-8
+            raise JobError(f"{summary_path(path)} is unreadable ({e}); rerun that shard") from None
+        if not isinstance(summary, dict):
+            raise JobError(f"{summary_path(path)} is not a batchgen summary; rerun that shard")
+        summaries.append(summary)
     specs = [s.get("shard") for s in summaries]
     if any(s is None for s in specs):
         raise JobError("merge takes outputs of `batchgen process --shard I/N` runs")

@@ -15,14 +15,15 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable, Iterator, Sequence
 
+from pipeline.errors import BatchgenError
 from pipeline.types import StopCheck
 
 
 _ENCODE_BATCH = 1024  # texts per call of the Rust batch encoder
 
 
-class TokenizerError(Exception):
-    pass
+class TokenizerError(BatchgenError):
+    """A tokenizer that cannot be loaded, or a text it cannot encode; the message says which."""
 
 
 @contextmanager

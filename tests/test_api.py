@@ -80,7 +80,7 @@ def test_an_output_path_writes_what_the_cli_writes(engine, tmp_path):
                                                                         if r["error"] is None]
     errors = pq.read_table(str(out) + ".errors.parquet").to_pylist()
     assert [e["location"] for e in errors] == ["jobs:row 3"]
-    with pytest.raises(JobError, match="--overwrite"):
+    with pytest.raises(JobError, match="pass overwrite=True to replace it"):
         engine.generate(jobs(), output=str(out), max_new_tokens=4)
     openai = tmp_path / "batch.jsonl"
     engine.generate(jobs(), output=str(openai), output_format="openai", max_new_tokens=4)
@@ -114,3 +114,40 @@ def test_generate_in_a_fresh_process(tmp_path, model_dir):
     assert done.returncode == 0, done.stderr
     (row,) = json.loads(done.stdout.strip().splitlines()[-1])
     assert row["lang"] == "en" and row["completion"] in ("hi", "hello") and row["error"] is None
+
+
+def test_errors_name_the_keyword_arguments_not_the_cli_flags(engine, tmp_path):
+    """The same checks as the CLI's, worded for this face: output=, overwrite=True, json_schema=."""
+    src = tmp_path / "jobs.jsonl"
+    src.write_text("".join(json.dumps(j) + "\n" for j in jobs()))
+    before = src.read_bytes()
+    with pytest.raises(JobError) as info:  # an output never replaces an input, here either
+        engine.generate(str(src), output=str(src), output_format="jsonl", overwrite=True, max_new_tokens=2)
+    assert str(info.value).startswith(f"output={str(src)!r}: is the input {src} (the same file)")
+    assert src.read_bytes() == before
+    (tmp_path / "adir").mkdir()
+    problems = {
+        "is a directory": dict(output=str(tmp_path / "adir")),
+        "the name says Parquet but the output format is jsonl": dict(output=str(tmp_path / "o.parquet"),
+                                                                    output_format="jsonl"),
+        "json_schema= cannot be used": dict(json_schema={"type": "nonsense-type"}),
+        "prompt_template=": dict(prompt_template="{}"),
+    }
+    for words, options in problems.items():
+        with pytest.raises(JobError) as info:
+            engine.generate(jobs(), max_new_tokens=2, **options)
+        assert words in str(info.value) and "--" not in str(info.value) and "-o " not in str(info.value), \
+            str(info.value)
+    engine.generate(jobs()[:1], output=str(tmp_path / "o.parquet"), max_new_tokens=2)
+    with pytest.raises(JobError, match="pass overwrite=True to replace it"):
+        engine.generate(jobs()[:1], output=str(tmp_path / "o.parquet"), max_new_tokens=2)
+    openai = [{"custom_id": "r", "body": {"messages": [{"role": "user", "content": "hi"}]}}]
+    (row,) = engine.generate(openai, prompt_template="Q: {x}", max_new_tokens=2)
+    assert row["error"] == "jobs:row 0: prompt_template= cannot be used with OpenAI batch rows"
+
+
+def test_a_row_with_a_bad_logit_bias_key_is_an_error_row(engine):
+    rows = engine.generate([{"prompt": SYSTEM + "Hi", "logit_bias": {"²": 5}}, {"prompt": SYSTEM + "Ho"}],
+                           max_new_tokens=2)
+    assert rows[0]["error"].startswith("jobs:row 0: field 'logit_bias.²' must be a token id")
+    assert rows[1]["error"] is None and rows[1]["completion_tokens"] == 2

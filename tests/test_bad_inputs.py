@@ -16,12 +16,25 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from jobs.readers import read_jobs
+from jobs.readers import jobs_of_records, read_jobs
 from jobs.params import RESERVED
-from jobs.schema import JOB_KEYS, GenerationDefaults, InvalidRow, Job, JobError
+from jobs.schema import JOB_KEYS, GenerationDefaults, InvalidRow, Job, JobError, Location
 
 DEFAULTS = GenerationDefaults(max_new_tokens=16)
 CHAT = [{"role": "user", "content": "hi"}]
+
+
+# what Parquet stores (a list takes two schema levels, an object one, of the 100 pyarrow reads)
+TOO_DEEP = ("is nested too deeply: batchgen takes at most 49 levels of nested lists (98 of objects), "
+            "as deep as Parquet stores; flatten it")
+
+
+def nested(depth: int, kind: str) -> Any:
+    """A value `depth` lists or objects deep."""
+    value: Any = 1
+    for _ in range(depth):
+        value = [value] if kind == "list" else {"a": value}
+    return value
 
 
 def dumps(row: dict[str, Any]) -> bytes:
@@ -167,6 +180,24 @@ BAD_LINES = [
                  id="openai-max_completion_tokens-zero"),
     pytest.param(b'{"custom_id": "r6", "body": "x"}',
                  "jobs.jsonl:3: field 'body' must be an object, got 'x'", id="openai-body-not-object"),
+    # nested deeper than Parquet stores: json's parser gives up (RecursionError), or the row is refused
+    pytest.param(b'{"prompt": "x", "meta": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+                 f"jobs.jsonl:3: a value {TOO_DEEP}", id="nested-5000-deep"),
+    pytest.param(dumps({"prompt": "x", "meta": nested(50, "list")}),
+                 f"jobs.jsonl:3: field 'meta' {TOO_DEEP}", id="nested-50-lists"),
+    pytest.param(dumps({"prompt": "x", "meta": nested(99, "object")}),
+                 f"jobs.jsonl:3: field 'meta' {TOO_DEEP}", id="nested-99-objects"),
+    pytest.param(dumps({"custom_id": "r7", "body": {"messages": CHAT, "metadata": nested(60, "list")}}),
+                 f"jobs.jsonl:3: field 'body' {TOO_DEEP}", id="openai-body-nested"),
+    pytest.param(dumps({"prompt": "x", "logit_bias": {"²": 5}}),
+                 "jobs.jsonl:3: field 'logit_bias.²' must be a token id (an integer >= 0) in the digits 0-9, "
+                 "like \"42\"; got the key '²'", id="logit_bias-superscript-key"),
+    pytest.param(dumps({"prompt": "x", "logit_bias": {"4.5": 5}}),
+                 "jobs.jsonl:3: field 'logit_bias.4.5' must be a token id (an integer >= 0) in the digits 0-9, "
+                 "like \"42\"; got the key '4.5'", id="logit_bias-fraction-key"),
+    pytest.param(dumps({"prompt": "x", "logit_bias": {"-5": 5}}),
+                 "jobs.jsonl:3: field 'logit_bias.-5' must be a token id (an integer >= 0) in the digits 0-9, "
+                 "like \"42\"; got the key '-5'", id="logit_bias-negative-key"),
 ]
 
 
@@ -359,3 +390,42 @@ def test_every_nonblank_line_yields_one_item(lines: list[tuple[str, Any]], crlf:
         assert isinstance(job, Job) and job.id == job_id
     job_ids = [i.id for i in items if isinstance(i, Job)]
     assert all(job_ids.count(v) == 1 for v in valid_ids.values())
+
+
+# --- values nested deeper than Parquet stores: a located row, never a crash ----------------------
+
+DEEP_TEXT = "[" * 5000 + "]" * 5000
+
+
+@pytest.mark.parametrize("column", ["logit_bias", "stop_token_ids", "json_schema", "choice", "continuations"])
+def test_deep_json_text_in_a_parquet_column_is_a_located_row(column: str, tmp_path: Path) -> None:
+    # Parquet cannot hold such a value itself; its JSON text can, and these fields read JSON text
+    path = tmp_path / "jobs.parquet"
+    pq.write_table(pa.table({"prompt": ["ok", "deep"], column: [None, DEEP_TEXT]}), path)
+    ok, deep = read_jobs([str(path)], DEFAULTS)
+    assert isinstance(ok, Job) and isinstance(deep, InvalidRow)
+    assert str(deep).startswith(f"{path}:row 1: field '{column}' ")
+    assert "nested too deeply" in deep.reason or column == "continuations"  # that one is no list of strings
+
+
+def test_deep_values_of_every_source_are_located_rows(tmp_path: Path) -> None:
+    from jobs.chunks import read_chunks
+
+    rows = [{"prompt": "a"}, {"prompt": "b", "meta": nested(5000, "list")},
+            {"prompt": "c", "meta": nested(49, "list")}, {"prompt": "d", "meta": nested(98, "object")}]
+    # the Python API's records: Python values of any depth
+    items = list(jobs_of_records(((Location("jobs", row=i), r) for i, r in enumerate(rows)), DEFAULTS))
+    assert [type(i).__name__ for i in items] == ["Job", "InvalidRow", "Job", "Job"]
+    assert str(items[1]) == f"jobs:row 1: field 'meta' {TOO_DEEP}"
+    path = tmp_path / "jobs.jsonl"
+    path.write_text(json.dumps(rows[0]) + "\n" + '{"prompt": "b", "meta": ' + DEEP_TEXT + "}\n")
+    chunked = [item for chunk in read_chunks([str(path)], DEFAULTS) for _, item in chunk.in_order(
+        Job.from_row({"prompt": "x"}, Location(""), DEFAULTS, 0))]
+    assert [str(i) for i in chunked[1:]] == [f"{path}:2: a value {TOO_DEEP}"]
+
+
+def test_a_deep_json_array_file_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "jobs.json"
+    path.write_text('[{"prompt": "a"}, {"prompt": "b", "meta": ' + DEEP_TEXT + "}]")
+    with pytest.raises(JobError, match=f"^{path}: a value in the array is nested too deeply"):
+        list(read_jobs([str(path)], DEFAULTS))

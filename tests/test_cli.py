@@ -162,3 +162,112 @@ def test_jobs_without_a_seed_sample_apart_and_reruns_repeat(tmp_path, model_dir)
     assert texts[0] == texts[1]
     assert len(set(texts[0][:4])) > 1  # not one sample four times
     assert texts[0][4] == texts[0][5]  # the same explicit seed, the same sample
+
+
+# --- bad option values are usage errors (exit code 2), on every command that takes them ---------
+
+BAD_OPTIONS = [
+    (["--presence-penalty", "5"], "--presence-penalty"),
+    (["--frequency-penalty", "-3"], "--frequency-penalty"),
+    (["--repetition-penalty", "0"], "--repetition-penalty"),
+    (["--logit-bias", '{"5": 200}'], "--logit-bias"),
+    (["--logit-bias", '{"²": 1}'], "--logit-bias"),
+    (["--logit-bias", "[oops"], "--logit-bias"),
+    (["--seed", str(2**70)], "--seed"),
+    (["--n", "20000"], "--n"),
+    (["--stop", ""], "--stop"),
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--min-tokens", "9", "--max-new-tokens", "4"], "--min-tokens"),
+    (["--top-logprobs", "2"], "--top-logprobs"),
+    (["--json-schema", "no-such-schema.json"], "--json-schema"),
+    (["--json-schema", "{oops"], "--json-schema"),
+    (["--regex", "(["], "--regex"),
+    (["--choice", "yes", "--regex", "y"], "--choice"),
+    (["--prompt-template", "Summarize: {}"], "--prompt-template"),
+    (["--prompt-template", "{text"], "--prompt-template"),
+    (["--temperature", "-1"], "--temperature"),  # click's own range check: the same exit code
+]
+
+
+@pytest.mark.parametrize("command", ["process", "plan", "validate"])
+@pytest.mark.parametrize("args, flag", BAD_OPTIONS, ids=[" ".join(a) for a, _ in BAD_OPTIONS])
+def test_a_bad_option_value_is_a_usage_error(tmp_path, model_dir, command, args, flag):
+    src = write_jsonl(tmp_path / "jobs.jsonl", [{"prompt": "hello"}])
+    out = ["-o", str(tmp_path / "out.parquet")] if command == "process" else []
+    res = run([command, str(src), *out, *args], model_dir, ok=False)
+    assert res.exit_code == 2, res.output + repr(res.exception)
+    assert f"Error: Invalid value for '{flag}'" in res.output and "Traceback" not in res.output, res.output
+    assert not (tmp_path / "out.parquet.parts").exists()
+
+
+@pytest.mark.parametrize("args, flag", [(["--shard", "3/2"], "--shard"), (["--shard", "x"], "--shard"),
+                                        (["--device", "gpu-please"], "--device"),
+                                        (["--shard", "0/2", "--output-format", "jsonl"], "--output-format"),
+                                        (["--engine", "ray", "--output-format", "jsonl"], "--output-format")])
+def test_bad_process_options_are_usage_errors(tmp_path, model_dir, args, flag):
+    src = write_jsonl(tmp_path / "jobs.jsonl", [{"prompt": "hello"}])
+    out = tmp_path / ("out.jsonl" if "--output-format" in args else "out.parquet")
+    res = run(["process", str(src), "-o", str(out), *args], model_dir, ok=False)
+    assert res.exit_code == 2 and f"Error: Invalid value for '{flag}'" in res.output, res.output
+
+
+# --- validate reports what process refuses under its --output-format and --engine ---------------
+
+def test_validate_takes_the_output_format_and_engine_of_process(tmp_path, model_dir, monkeypatch):
+    rows = [{"id": "gen", "prompt": "hello"}, {"id": "score", "prompt": "Is it", "continuations": [" yes", " no"]}]
+    src = write_jsonl(tmp_path / "jobs.jsonl", rows)
+    assert run(["validate", str(src)], model_dir).exit_code == 0  # Parquet output holds scores
+    out = tmp_path / "out.jsonl"
+    run(["process", str(src), "-o", str(out), "--output-format", "openai", "--max-new-tokens", "2"], model_dir)
+    refused = [json.loads(x) for x in (tmp_path / "out.jsonl.errors.jsonl").read_text().splitlines()]
+    assert [r["custom_id"] for r in refused] == ["score"]
+    for how in (["--output-format", "openai"], []):
+        if not how:
+            monkeypatch.setenv("BATCHGEN_OUTPUT_FORMAT", "openai")  # the variable process reads, read too
+        res = run(["validate", str(src), *how], model_dir, ok=False)
+        assert res.exit_code == 1 and res.stdout.splitlines() == [f"{src}:2: field 'continuations': a scoring "
+                                                                  "job's scores have no OpenAI output shape; use "
+                                                                  "--output-format parquet or jsonl"], res.output
+    monkeypatch.delenv("BATCHGEN_OUTPUT_FORMAT")
+    for how in (["--engine", "ray"], []):
+        if not how:
+            monkeypatch.setenv("BATCHGEN_ENGINE", "ray")
+        res = run(["validate", str(src), *how], model_dir, ok=False)
+        assert res.exit_code == 1 and res.stdout.splitlines() == [f"{src}:2: a scoring job (continuations, or "
+                                                                  "prompt_logprobs with max_new_tokens 0) does not "
+                                                                  "run with --engine ray yet; run it without "
+                                                                  "--engine ray"], res.output
+    # plain rows too, where every one of them is refused by the defaults (no Job is made of them)
+    plain = write_jsonl(tmp_path / "plain.jsonl", [{"prompt": "hello"}, {"prompt": "there"}])
+    res = run(["validate", str(plain), "--max-new-tokens", "0", "--prompt-logprobs"], model_dir, ok=False)
+    assert res.exit_code == 1 and [x.split(": ")[0] for x in res.stdout.splitlines()] == [f"{plain}:1", f"{plain}:2"]
+    res = run(["validate", str(src), "--output-format", "jsonl"], model_dir, ok=False)  # BATCHGEN_ENGINE=ray
+    assert res.exit_code == 2 and "is not supported with --engine ray" in res.output, res.output
+
+
+# --- a value nested deeper than Parquet stores is one located row; the others run ----------------
+
+def _nested(depth, kind):
+    value = 1
+    for _ in range(depth):
+        value = [value] if kind == "list" else {"a": value}
+    return value
+
+
+def test_deeply_nested_values_are_located_rows_and_the_deepest_allowed_round_trip(tmp_path, model_dir):
+    deep = '{"id": "deep", "prompt": "hi", "meta": ' + "[" * 5000 + "]" * 5000 + "}"
+    rows = [{"id": "a", "prompt": "hello"}, deep, {"id": "lists", "prompt": "x", "meta": _nested(49, "list")},
+            {"id": "objects", "prompt": "y", "tree": _nested(98, "object")},
+            {"id": "too-deep", "prompt": "z", "tree": _nested(99, "object")}]
+    src = write_jsonl(tmp_path / "jobs.jsonl", rows)
+    res = run(["validate", str(src)], model_dir, ok=False)
+    assert res.exit_code == 1 and "Traceback" not in res.output
+    assert [x.split(": ")[0] for x in res.stdout.splitlines()] == [f"{src}:2", f"{src}:5"], res.output
+    out = tmp_path / "out.parquet"
+    run(["process", str(src), "-o", str(out), "--max-new-tokens", "2"], model_dir)
+    table = pq.read_table(out).to_pylist()  # the deepest values Parquet stores, stored and read back
+    assert [r["id"] for r in table] == ["a", "lists", "objects"]
+    assert table[1]["meta"] == _nested(49, "list") and table[2]["tree"] == _nested(98, "object")
+    errors = pq.read_table(str(out) + ".errors.parquet").to_pylist()
+    assert [(e["id"], e["location"]) for e in errors] == [(None, f"{src}:2"), ("too-deep", f"{src}:5")]  # 2 unread
+    assert all("nested too deeply" in e["reason"] for e in errors)

@@ -224,6 +224,12 @@ def test_template_errors() -> None:
     with pytest.raises(JobError, match="invalid prompt template"):
         template_fields("Summarize: {text")
     assert template_fields("{a.b} {c[0]} {{literal}} {a}") == ["a", "c", "a"]
+    # a position is what str.format takes as one: decimal digits ("٣" is one, "²" is a name)
+    assert template_fields("{²}") == ["²"] and "{²}".format(**{"²": "x"}) == "x"
+    with pytest.raises(JobError, match="positional field"):
+        template_fields("{٣}")
+    with pytest.raises(JobError, match="is empty"):
+        template_fields("  ")
 
 
 def test_system_wraps_prompt_and_prepends_to_messages() -> None:

@@ -32,6 +32,9 @@ def test_threads_follow_omp_num_threads_then_the_available_cores(monkeypatch):
         monkeypatch.setattr(kernels, "available_cpus", lambda: 2)
         assert kernels.set_threads() == 2
         assert kernels.set_threads(1) == 1
+        for junk in ("²", "٣", "0", "x"):  # isdigit() says yes to the first two; no thread count either way
+            monkeypatch.setenv("OMP_NUM_THREADS", junk)
+            assert kernels.set_threads() == 2
     finally:
         torch.set_num_threads(before)
 

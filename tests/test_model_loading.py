@@ -13,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, ViTConfig, ViTModel
 
 from pipeline import model as pm
 from pipeline.model import ModelLoadError, load_model, resolve_device, resolve_dtype
+from pipeline.errors import OptionError
 
 
 # ---------------------------------------------------------------- resolve_device
@@ -35,20 +36,20 @@ def test_resolve_device_explicit(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert resolve_device("cuda") == torch.device("cuda")
     assert resolve_device("cuda:1") == torch.device("cuda", 1)
-    with pytest.raises(ValueError, match="only 2 CUDA"):
+    with pytest.raises(OptionError, match="only 2 CUDA"):
         resolve_device("cuda:2")
 
 
 def test_resolve_device_cuda_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(ValueError, match="CUDA is not available"):
+    with pytest.raises(OptionError, match="CUDA is not available"):
         resolve_device("cuda")
-    with pytest.raises(ValueError, match="CUDA is not available"):
+    with pytest.raises(OptionError, match="CUDA is not available"):
         resolve_device("cuda:0")
 
 
 def test_resolve_device_rejects_garbage() -> None:
-    with pytest.raises(ValueError, match="device"):
+    with pytest.raises(OptionError, match="device"):
         resolve_device("gpu-please")
 
 
@@ -74,7 +75,7 @@ def test_resolve_dtype_explicit(name: str, expected: torch.dtype) -> None:
 
 
 def test_resolve_dtype_rejects_garbage() -> None:
-    with pytest.raises(ValueError, match="dtype"):
+    with pytest.raises(OptionError, match="dtype"):
         resolve_dtype("int3", torch.device("cpu"))
 
 

@@ -67,7 +67,8 @@ def test_new_fields_and_aliases():
     ({"frequency_penalty": "1"}, "field 'frequency_penalty' must be a number in [-2, 2] (0 disables it), got the "
                                  "string '1'; write it without quotes"),
     ({"min_tokens": 9, "max_new_tokens": 4}, "field 'min_tokens' is 9, more than max_new_tokens (4)"),
-    ({"logit_bias": {"a": 1}}, "field 'logit_bias.a' must be a token id (an integer >= 0), got the string 'a'"),
+    ({"logit_bias": {"a": 1}}, "field 'logit_bias.a' must be a token id (an integer >= 0) in the digits 0-9, "
+                               "like \"42\"; got the key 'a'"),
     ({"logit_bias": {"5": 101}}, "field 'logit_bias.5' must be a bias in [-100, 100], got 101"),
     ({"logit_bias": [1, 2]}, "field 'logit_bias' must map token ids to biases, got the entry 1"),
     ({"stop_token_ids": [1, -2]}, "field 'stop_token_ids[1]' must be a token id (an integer >= 0), got -2"),

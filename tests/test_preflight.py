@@ -164,7 +164,7 @@ def no_model(monkeypatch):
     ("adir", ["--overwrite"], "is a directory"),
     ("", [], "give an output file name"),
     ("sub/", [], "give an output file name"),
-    ("x.parquet", ["--output-format", "jsonl"], "the name says Parquet but --output-format is jsonl"),
+    ("x.parquet", ["--output-format", "jsonl"], "the name says Parquet but the output format is jsonl"),
     ("x.jsonl", [], "the name says JSON Lines but the output format is parquet"),
     ("x.jsonl.zst", ["--output-format", "jsonl"], "only as .gz"),
 ])

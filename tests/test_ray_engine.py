@@ -68,5 +68,6 @@ def test_ray_refuses_an_output_format_it_does_not_write(tmp_path, model_dir):
     src.write_text(json.dumps({"prompt": "hi"}) + "\n")
     res = CliRunner().invoke(main, ["process", str(src), "-o", str(tmp_path / "out"), "--engine", "ray",
                                     "--output-format", "jsonl", "--model", str(model_dir)])
-    assert res.exit_code == 1 and "--output-format jsonl is not supported" in res.output, res.output
+    assert res.exit_code == 2 and "--output-format': jsonl: is not supported with --engine ray" in res.output, \
+        res.output
     assert not (tmp_path / "out").exists()

@@ -5,6 +5,7 @@ import errno
 import json
 import os
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
@@ -225,3 +226,116 @@ def test_a_refused_pickle_checkpoint_is_one_line(tmp_path, model_dir):
     res = run(write_jobs(tmp_path / "jobs.jsonl"), tmp_path / "out.parquet", bad)
     one_line_error(res, "refused to load its pickled checkpoint", "safetensors")
     assert not os.path.exists(tmp_path / "out.parquet.parts")
+
+
+# --- an output never overwrites an input ------------------------------------------------------
+
+def _same_file(tmp_path, src, fmt):
+    return src, tmp_path / src.name
+
+
+def _symlink(tmp_path, src, fmt):
+    (tmp_path / "link.jsonl").symlink_to(src)
+    return src, tmp_path / "link.jsonl"
+
+
+def _input_is_a_link_to_the_output(tmp_path, src, fmt):
+    (tmp_path / "link.jsonl").symlink_to(src)
+    return tmp_path / "link.jsonl", src
+
+
+def _hard_link(tmp_path, src, fmt):
+    os.link(src, tmp_path / "hard.jsonl")
+    return src, tmp_path / "hard.jsonl"
+
+
+def _another_spelling(tmp_path, src, fmt):
+    (tmp_path / "sub").mkdir()
+    return src, f"{tmp_path}/sub/..//./{src.name}"
+
+
+def _its_summary(tmp_path, src, fmt):  # out.summary.json is the summary of the output `out`
+    summary = tmp_path / "out.summary.json"
+    os.replace(src, summary)
+    return summary, tmp_path / "out"
+
+
+def _its_errors_file(tmp_path, src, fmt):  # OpenAI output has its errors as lines, the others in Parquet
+    errors = tmp_path / ("out.jsonl.errors.jsonl" if fmt == "openai" else "out.jsonl.errors.parquet")
+    if fmt == "openai":
+        os.replace(src, errors)
+    else:
+        pq.write_table(pa.table({"prompt": [HEAD + "one", HEAD + "two"]}), errors)
+    return errors, tmp_path / "out.jsonl"
+
+
+def _inside_an_input_directory(tmp_path, src, fmt):
+    (tmp_path / "data").mkdir()
+    os.replace(src, tmp_path / "data" / "part-0.jsonl")
+    return tmp_path / "data", tmp_path / "data" / "out.jsonl"
+
+
+def _inside_the_parts_directory(tmp_path, src, fmt):
+    (tmp_path / "out.jsonl.parts").mkdir()
+    os.replace(src, tmp_path / "out.jsonl.parts" / "jobs.jsonl")
+    return tmp_path / "out.jsonl.parts" / "jobs.jsonl", tmp_path / "out.jsonl"
+
+
+def _named_as_a_temp_file(tmp_path, src, fmt):  # the cleanup after a crash removes such names
+    temp = tmp_path / ".out.jsonl.tmp-x.jsonl"
+    os.replace(src, temp)
+    return temp, tmp_path / "out.jsonl"
+
+
+@pytest.mark.parametrize("layout", [_same_file, _symlink, _input_is_a_link_to_the_output, _hard_link,
+                                    _another_spelling, _its_summary, _its_errors_file, _inside_an_input_directory,
+                                    _inside_the_parts_directory, _named_as_a_temp_file],
+                         ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize("fmt", ["jsonl", "openai"])
+def test_an_output_that_would_replace_an_input_is_refused_before_any_work(tmp_path, model_dir, monkeypatch,
+                                                                         layout, fmt):
+    import pipeline.model
+
+    src, out = layout(tmp_path, write_jobs(tmp_path / "jobs.jsonl"), fmt)
+    files = sorted(p for p in tmp_path.rglob("*"))
+    before = {p: p.read_bytes() for p in files if p.is_file()}
+    monkeypatch.setattr(pipeline.model, "load_model", lambda *a, **k: pytest.fail("the model loaded first"))
+    res = run(src, out, model_dir, "--output-format", fmt, "--overwrite")
+    assert res.exit_code == 2 and "Error: Invalid value for '-o' / '--output'" in res.output, res.output
+    assert "an input" in res.output or "input directory" in res.output or "unfinished work" in res.output \
+        or "temporary file" in res.output, res.output
+    assert sorted(p for p in tmp_path.rglob("*")) == files  # nothing written, nothing removed
+    assert {p: p.read_bytes() for p in files if p.is_file()} == before
+
+
+def test_a_parquet_input_is_never_its_own_output(tmp_path, model_dir):
+    src = tmp_path / "jobs.parquet"
+    pq.write_table(pa.table({"prompt": [HEAD + "one", HEAD + "two"]}), src)
+    before = src.read_bytes()
+    res = run(src, src, model_dir, "--overwrite")
+    assert res.exit_code == 2 and "the same file" in res.output, res.output
+    assert src.read_bytes() == before
+
+
+def test_merge_never_writes_over_a_shard(tmp_path, model_dir):
+    src = write_jobs(tmp_path / "jobs.jsonl")
+    shards = [tmp_path / f"s{i}.parquet" for i in range(2)]
+    for i, shard in enumerate(shards):
+        assert run(src, shard, model_dir, "--shard", f"{i}/2").exit_code == 0
+    before = [s.read_bytes() for s in shards]
+    os.link(shards[1], tmp_path / "other-name.parquet")
+    for out in (shards[0], tmp_path / "other-name.parquet"):
+        res = CliRunner().invoke(main, ["merge", *map(str, shards), "-o", str(out), "--overwrite"])
+        assert res.exit_code == 2 and "is the shard" in res.output and "the same file" in res.output, res.output
+    assert [s.read_bytes() for s in shards] == before
+    res = CliRunner().invoke(main, ["merge", *map(str, shards), "-o", str(tmp_path / "all.parquet")])
+    assert res.exit_code == 0 and pq.read_table(tmp_path / "all.parquet").num_rows == 6, res.output
+
+
+def test_a_ray_output_directory_never_holds_an_input(tmp_path, model_dir):
+    out = tmp_path / "out"
+    out.mkdir()
+    src = write_jobs(out / "jobs.jsonl")
+    res = run(src, out, model_dir, "--engine", "ray")
+    assert res.exit_code == 2 and "holds the input" in res.output, res.output
+    assert os.listdir(out) == ["jobs.jsonl"]
