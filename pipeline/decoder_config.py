@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline import rope
+from pipeline.errors import BatchgenError
 
 # model_type -> the one architecture class its checkpoints name
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -55,7 +56,7 @@ _GENERATION = frozenset({
 _FULL, _SLIDING = "full_attention", "sliding_attention"
 
 
-class Refused(Exception):
+class Refused(BatchgenError):
     """A model no model code of batchgen's runs as transformers does, or a checkpoint whose tensors
     disagree with its config; the message says which, in one line."""
 
