@@ -163,6 +163,23 @@ def test_prompt_logprobs_alone_in_rolling_windows_beyond_the_context_window(tmp_
     assert "exceeds the model's context window of 512" in run(["validate", str(bad)], model_dir, ok=False).output
 
 
+def test_prompts_scored_alone_share_their_header_and_score_it_once(tmp_path, model_dir, model, tok):
+    rows = [{"id": f"p{i}", "prompt": HEAD + f"Q: {i}+{i}? A: {2 * i}.", "prompt_logprobs": True,
+             "max_new_tokens": 0} for i in range(6)]
+    rows.append({"id": "head", "prompt": HEAD, "prompt_logprobs": True, "max_new_tokens": 0})  # the header itself
+    src = write_jsonl(tmp_path / "jobs.jsonl", rows)
+    out = tmp_path / "out.parquet"
+    run(["process", str(src), "-o", str(out), "--min-shared-tokens", "4"], model_dir)
+    summary = json.loads((tmp_path / "out.parquet.summary.json").read_text())
+    assert summary["prefill_tokens"] < summary["prompt_tokens"] / 3 and summary["shared_prefixes"] >= 1
+    head = len(tok.encode_prompt(HEAD))
+    for row, job in zip(pq.read_table(out).to_pylist(), rows):
+        ids = tok.encode_prompt(job["prompt"])
+        assert row["cached_tokens"] >= head - 2  # all of the header but the tokens it runs itself
+        got = torch.tensor(row["prompt_logprobs"][1:])
+        assert torch.allclose(got, scored(model, ids, 1)[0], atol=2e-5, rtol=0), row["id"]
+
+
 def test_validate_reports_bad_logprob_and_scoring_fields_with_their_location(tmp_path, model_dir):
     rows = [{"prompt": "x", "logprobs": "yes"},
             {"prompt": "x", "top_logprobs": 3},
@@ -211,4 +228,10 @@ def test_a_killed_scoring_run_resumes_to_every_job_once(tmp_path, model_dir):
         assert a["scores"] == b["scores"] or all(x["logprob"] == pytest.approx(y["logprob"], abs=1e-4)
                                                  for x, y in zip(a["scores"], b["scores"]))
         assert a["best_continuation"] == b["best_continuation"]
-    assert json.loads((tmp_path / "out.parquet.summary.json").read_text())["resumed_jobs"] > 0
+        for count in ("prompt_tokens", "cached_tokens", "completion_tokens"):
+            assert a[count] == b[count], (a["id"], count)
+    summary = json.loads((tmp_path / "out.parquet.summary.json").read_text())
+    reference = json.loads((tmp_path / "ref.parquet.summary.json").read_text())
+    assert summary["resumed_jobs"] > 0
+    for count in ("jobs", "completed", "rows", "prompt_tokens", "cached_tokens", "completion_tokens"):
+        assert summary[count] == reference[count], count
