@@ -6,9 +6,11 @@ becomes requests, for the streaming runner and the Python API alike.
   from the second token on (`score_from=1`), in the same prefill.
 - A scoring job (`continuations`) is one request per continuation, keyed (order, i), each
   context + continuation scoring the continuation's tokens (pipeline/scoring.py). Nothing is
-  generated. The pairs are split the lm-eval-harness way (`Tokenizer.encode_pair`); a chat job's
-  context is its rendered chat template, generation prompt included, so the continuation is
-  scored as the assistant's reply.
+  generated. A prompt's pairs are split the lm-eval-harness way (`Tokenizer.encode_pair`: the
+  context's trailing spaces move into the continuation); a chat job's context is its rendered
+  chat template as a generating job gets it, generation prompt and the whitespace after it
+  included, and each continuation is the reply's tokens after it (`Tokenizer.encode_reply`): it
+  is scored as the assistant's reply.
 - A `prompt_logprobs` job with max_new_tokens 0 scores its prompt only: one request keyed
   (order, 0), or, when the prompt is longer than the context window, one per rolling window.
 
@@ -46,11 +48,18 @@ def tokenize_jobs(tokenizer: Tokenizer, jobs: Sequence[Job]) -> list[JobTokens |
             out.append(ids if isinstance(ids, TokenizerError) else JobTokens(ids))
             continue
         try:
-            context, special = (job.prompt, True) if job.prompt is not None else (tokenizer.render(job.messages), False)
+            if job.prompt is not None:
+                pairs = [tokenizer.encode_pair(job.prompt, c) for c in job.continuations]
+            else:  # scored as the assistant's reply: after the generation prompt, whitespace and all
+                rendered, pairs = tokenizer.render(job.messages), []
+                for i, c in enumerate(job.continuations):
+                    try:
+                        pairs.append(tokenizer.encode_reply(rendered, c))
+                    except TokenizerError as e:
+                        raise TokenizerError(f"field 'continuations[{i}]': {e}") from None
         except TokenizerError as e:
             out.append(e)
             continue
-        pairs = [tokenizer.encode_pair(context, c, add_special_tokens=special) for c in job.continuations]
         out.append(JobTokens(pairs[0][0], pairs))
     return out
 
