@@ -258,7 +258,8 @@ def plan(inputs, model, trust_remote_code, dataset, split, prompt_template, syst
                f"shared prefixes: {report['shared_prefixes']}   batches: {report['batches']}   "
                f"windows: {report['windows']}" + (f" ({report['split_groups']} groups cut)" if report['split_groups'] else ""))
     click.echo(f"prompt tokens: {report['prompt_tokens']}   prefill tokens: {report['prefill_tokens']}   "
-               f"saving: {report['prefill_saving']:.1%}   (radix-tree bound: {report['lower_bound']})")
+               f"cached tokens: {report['cached_tokens']}   saving: {report['prefill_saving']:.1%}   "
+               f"(radix-tree bound: {report['lower_bound']})")
     if report["top_groups"]:
         click.echo("top groups (jobs x shared prefix tokens):")
         for g in report["top_groups"]:

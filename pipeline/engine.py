@@ -1,8 +1,10 @@
 """Executes a plan: prefill each shared prefix once, then run rows through batches of slots.
 
-Correct by construction for prompts that are wholly shared: the tree holds each prompt minus its
-last token, so every row feeds at least that token itself and samples its first new token from
-that position's logits; positions continue exactly from the prefix it reads.
+Correct by construction for prompts that are wholly shared: the tree holds each request's tokens
+minus the last one it runs, so every row feeds at least that token itself and samples its first
+new token (or scores its last prompt token) from that position's logits; positions continue
+exactly from the prefix it reads. Prompt tokens that rows score and that lie in a cached prefix
+are scored once, as the prefix is prefilled (its logits there are the same for every row below).
 
 The loop, top to bottom (gpt-fast's generate.py, with vLLM v1's flat token layout):
     for each batch shape of the plan:
@@ -27,7 +29,8 @@ from pipeline.attention import EngineError, layer_shapes  # noqa: F401  (EngineE
 from pipeline.decoder import Decoder
 from pipeline.kv import PrefixKV, RowKV
 from pipeline.prefix_tree import PrefixTree
-from pipeline.rows import Fill, Live, Wanted, record_logprobs
+from pipeline.prefix_scores import PrefixScores
+from pipeline.rows import Fill, Live, Wanted, record_logprobs, token_scores
 from pipeline.sampling import row_state, sample
 from pipeline.schedule import Plan, Row, plan, tree_of
 from pipeline.step import Decode, Segment, StaticDecode, Step, build
@@ -92,6 +95,7 @@ class Engine:
         self._plan = self.plan(requests)
         self._prefixes: dict[int, PrefixKV] = {}
         self._prefix_of = {id(node): pid for pid, node in self._plan.nodes.items()}
+        self._scores = PrefixScores(self._plan, self._requests)  # prompt logprobs kept on prefixes
         for r in requests:
             self.stats.jobs += 1
             self.stats.rows += r.params.n
@@ -166,7 +170,9 @@ class Engine:
             slots = kv.take(len(row.samples))
             if row.cached > row.anchored:  # a short nested prefix: its keys/values join the row's own
                 kv.copy_in(slots[0], self._prefixes[row.prefix], row.anchored, row.cached)
-            filling.append(Fill(row, self._requests[row.key], slots))
+            request = self._requests[row.key]
+            scores, greedy = self._scores.read(row, request)  # of its prompt tokens its prefixes hold
+            filling.append(Fill(row, request, slots, scores=scores, greedy=greedy))
         return sum(len(r.samples) for r in rows)
 
     def _layout(self, running: list[Live], filling: list[Fill], kv: RowKV,
@@ -239,10 +245,7 @@ class Engine:
         """Each scored prompt token's logprob given all before it, and whether it was the argmax."""
         if not scored:
             return
-        logprobs = torch.log_softmax(logits.float(), dim=-1)  # (N, V)
-        targets = torch.tensor([t for _, t in scored], device=logprobs.device)
-        chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
-        greedy = (logprobs.argmax(dim=-1) == targets).tolist()
+        _, chosen, greedy = token_scores(logits, [t for _, t in scored])
         for (f, _), lp, g in zip(scored, chosen, greedy):
             f.scores.append(lp)
             f.greedy.append(g)
@@ -266,7 +269,8 @@ class Engine:
             seed = q.params.seed if q.params.seed is not None else self.default_seed
             for s, slot in zip(f.row.samples, f.slots):
                 out.append(Live(f.row, q, s, slot, row_state(q.params, seed, s, self.device, q, self.eos),
-                                [] if q.params.logprobs is not None else None, f if f.scores else None))
+                                [] if q.params.logprobs is not None else None,
+                                f if q.score_from is not None else None))
         return out
 
     def _sample(self, logits: torch.Tensor, running: list[Live], kv: RowKV) -> Iterator[Completion]:
@@ -320,7 +324,9 @@ class Engine:
         if row.prefix is None:
             return
         for node in PrefixTree.unlock(self._plan.nodes[row.prefix], count):
-            self._prefixes.pop(self._prefix_of.get(id(node)), None)
+            pid = self._prefix_of.get(id(node))
+            self._prefixes.pop(pid, None)
+            self._scores.drop(pid)
 
     # -- prefixes -------------------------------------------------------------------------
 
@@ -339,24 +345,35 @@ class Engine:
                 p = self._plan.prefixes[pid]
                 parent = self._prefixes[p.parent] if p.parent is not None else None
                 self._prefixes[pid] = PrefixKV(self.layers, p.end, self.dtype, self.device, parent, p.start)
+                self._scores.open(pid)
             self._prefill_level(level)
             todo -= set(level)
             self.stats.prefix_nodes += len(level)
 
     def _prefill_level(self, level: list[int]) -> None:
+        """Prefill these prefixes, chunks of several packed in each forward of up to step_tokens
+        tokens; the logits of positions rows below score with, up to SCORED_ROWS per forward."""
         at = {pid: self._plan.prefixes[pid].start for pid in level}  # next position of each prefix
         while at:
-            chunks, budget = [], self.step_tokens
+            chunks, budget, room = [], self.step_tokens, SCORED_ROWS
             for pid in list(at)[: self.step_tokens]:
                 if budget <= 0:
                     break
                 p, kv = self._plan.prefixes[pid], self._prefixes[pid]
-                ids = self._requests[p.key].prompt_ids[at[pid] : min(p.end, at[pid] + budget)]
-                chunks.append((pid, Segment(0, 0, kv.k, kv.v, 0, at[pid], 0), ids))
-                budget -= len(ids)
-            step = build([], [], [(seg, ids) for _, seg, ids in chunks], None, self.device)
+                n = min(p.end - at[pid], budget)
+                scored = self._scores.positions(pid, at[pid], at[pid] + n)
+                if len(scored) > room:  # their logits would not fit: this forward scores only what does
+                    n = scored.start - at[pid] + room
+                    scored = range(scored.start, scored.start + room)
+                if n <= 0:
+                    break
+                ids = self._requests[p.key].prompt_ids[at[pid] : at[pid] + n]
+                chunks.append((pid, Segment(0, 0, kv.k, kv.v, 0, at[pid], 0), ids, scored))
+                budget, room = budget - n, room - len(scored)
+            step = build([], [], [(seg, ids) for _, seg, ids, _ in chunks], None, self.device)
+            keep = [seg.t0 + q - seg.offset for _, seg, _, scored in chunks for q in scored]
             try:
-                self.forward(step, [])
+                logits = self.forward(step, keep)
             except torch.OutOfMemoryError:
                 if step.tokens <= 16:
                     raise
@@ -365,7 +382,8 @@ class Engine:
                 self.step_tokens = max(16, min(self.step_tokens, step.tokens) // 2)
                 continue
             self.stats.prefill_tokens += step.tokens
-            for pid, seg, ids in chunks:
+            self._scores.keep([(pid, q) for pid, _, _, scored in chunks for q in scored], logits)
+            for pid, seg, ids, _ in chunks:
                 at[pid] += len(ids)
                 if at[pid] == self._plan.prefixes[pid].end:
                     del at[pid]

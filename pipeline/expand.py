@@ -6,14 +6,17 @@ becomes requests, for the streaming runner and the Python API alike.
   from the second token on (`score_from=1`), in the same prefill.
 - A scoring job (`continuations`) is one request per continuation, keyed (order, i), each
   context + continuation scoring the continuation's tokens (pipeline/scoring.py). Nothing is
-  generated. The pairs are split the lm-eval-harness way (`Tokenizer.encode_pair`); a chat job's
-  context is its rendered chat template, generation prompt included, so the continuation is
-  scored as the assistant's reply.
+  generated. A prompt's pairs are split the lm-eval-harness way (`Tokenizer.encode_pair`: the
+  context's trailing spaces move into the continuation); a chat job's context is its rendered
+  chat template as a generating job gets it, generation prompt and the whitespace after it
+  included, and each continuation is the reply's tokens after it (`Tokenizer.encode_reply`): it
+  is scored as the assistant's reply.
 - A `prompt_logprobs` job with max_new_tokens 0 scores its prompt only: one request keyed
   (order, 0), or, when the prompt is longer than the context window, one per rolling window.
 
-The prefix index holds one token list per job (`JobTokens.ids`): the prompt, or a scoring job's
-context, so that a job's continuations and the jobs sharing its context stay in one group.
+The prefix index holds one token list per job (`index_entry`): the tokens its requests' shared
+prefix may hold and one more (a generating job's prompt, a scoring job's context, a prompt scored
+alone but its last token), so that a job's requests stay in one group, with their shapes.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from typing import Hashable, Sequence
 from jobs import InvalidRow, Job
 from pipeline.scoring import continuation_requests, prompt_requests
 from pipeline.tokenize import Tokenizer, TokenizerError
-from pipeline.types import Request, SamplingParams
+from pipeline.types import Request, RequestShape, SamplingParams, fed_length
 
 
 @dataclass
@@ -45,11 +48,18 @@ def tokenize_jobs(tokenizer: Tokenizer, jobs: Sequence[Job]) -> list[JobTokens |
             out.append(ids if isinstance(ids, TokenizerError) else JobTokens(ids))
             continue
         try:
-            context, special = (job.prompt, True) if job.prompt is not None else (tokenizer.render(job.messages), False)
+            if job.prompt is not None:
+                pairs = [tokenizer.encode_pair(job.prompt, c) for c in job.continuations]
+            else:  # scored as the assistant's reply: after the generation prompt, whitespace and all
+                rendered, pairs = tokenizer.render(job.messages), []
+                for i, c in enumerate(job.continuations):
+                    try:
+                        pairs.append(tokenizer.encode_reply(rendered, c))
+                    except TokenizerError as e:
+                        raise TokenizerError(f"field 'continuations[{i}]': {e}") from None
         except TokenizerError as e:
             out.append(e)
             continue
-        pairs = [tokenizer.encode_pair(context, c, add_special_tokens=special) for c in job.continuations]
         out.append(JobTokens(pairs[0][0], pairs))
     return out
 
@@ -103,14 +113,65 @@ def job_requests(order: int, job: Job, tokens: JobTokens, tokenizer: Tokenizer, 
                  seed: int) -> list[Request]:
     """The requests of a checked job (`token_problem` and the generation checks passed); `seed`
     is the job's (its own, or the one the run gives it)."""
+    requests = token_requests(order, job, tokens, window, seed)
+    if tokens.pairs is None and job.max_new_tokens:  # a generating job: how its samples stop
+        request = requests[0]
+        request.stop = tokenizer.stop_check(job.stop)
+        # compiled once per distinct constraint (the generation checks just did)
+        request.grammar = tokenizer.grammars.factory(job.constraint) if job.constraint is not None else None
+    return requests
+
+
+def token_requests(order: int, job: Job, tokens: JobTokens, window: int | None, seed: int) -> list[Request]:
+    """`job_requests` without a generating job's stop check and grammar: the token ids, parameters
+    and sharing of each request, which is all the engine's plan reads."""
     if tokens.pairs is not None:
         return continuation_requests(order, tokens.pairs)
     if job.max_new_tokens == 0:
         return prompt_requests(order, tokens.ids, window)
-    # compiled once per distinct constraint (the generation checks just did)
-    grammar = tokenizer.grammars.factory(job.constraint) if job.constraint is not None else None
-    return [Request(order, tokens.ids, sampling_params(job, seed), tokenizer.stop_check(job.stop), grammar,
-                    score_from=1 if job.prompt_logprobs else None)]
+    return [Request(order, tokens.ids, sampling_params(job, seed), score_from=_echo_from(job))]
+
+
+def _echo_from(job: Job) -> int | None:
+    """Where a generating job scores its prompt from: the second token, when it asks."""
+    return 1 if job.prompt_logprobs else None
+
+
+def index_entry(job: Job, tokens: JobTokens, window: int | None) -> tuple[list[int], list[RequestShape]]:
+    """What the prefix index holds of a checked job, from the very requests the engine will get
+    (so `batchgen plan` plans what `process` runs): its key, the tokens that all its requests'
+    shared prefix may hold plus one (the index's tree holds each key but its last token, as the
+    engine's tree holds each request's `shared_len` tokens), and each request's shape. A
+    generating job's one request is not built (a million of them take seconds): its shape comes
+    from the same rules (`types.fed_length`, `shared_length`), and the tests hold the two equal."""
+    if whole_key(job):
+        return tokens.ids, [_prompt_shape(job, len(tokens.ids))]
+    requests = token_requests(0, job, tokens, window, seed=0)
+    shared = {r.shared_len for r in requests}
+    if len(shared) != 1:  # the request builders cap sharing (`Request.shareable`) so that this holds
+        raise AssertionError(f"the requests of job {job.id!r} stop at different nodes of the tree: {shared}")
+    return tokens.ids[: shared.pop() + 1], [r.shape for r in requests]
+
+
+def _prompt_shape(job: Job, length: int) -> RequestShape:
+    """A generating job's request's shape: its prompt of `length` tokens, all run; it shares all
+    but the last (`shared_length`), so its key is its whole prompt."""
+    return RequestShape(length, fed_length(length, job.max_new_tokens, _echo_from(job)), job.max_new_tokens, job.n)
+
+
+def plain_entries(template: Job, prompts: list[list[int]], window: int | None
+                  ) -> tuple[list[list[int]], list[list[RequestShape]]]:
+    """`index_entry` of each plain row's job (`template` with that prompt), for a million rows."""
+    if not whole_key(template):
+        entries = [index_entry(template, JobTokens(ids), window) for ids in prompts]
+        return [key for key, _ in entries], [shapes for _, shapes in entries]
+    return prompts, [[_prompt_shape(template, len(ids))] for ids in prompts]
+
+
+def whole_key(job: Job) -> bool:
+    """Whether a job's index key is all its tokens (a generating job's prompt): the runner makes
+    the requests of other jobs from their text again (the spool keeps it), as preflight did."""
+    return not job.is_scoring and job.max_new_tokens > 0
 
 
 def completions_expected(requests: Sequence[Request]) -> int:

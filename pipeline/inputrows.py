@@ -163,16 +163,22 @@ def check_extras(jobs: Mapping[int, Job], extra_schema: pa.Schema) -> dict[int, 
     return bad
 
 
-def tokenize_plain(tokenizer: Tokenizer, plain: list[PlainRows], width: int | None
-                   ) -> list[tuple[np.ndarray, list[bytes] | None]]:
+def tokenize_plain(tokenizer: Tokenizer, plain: list[PlainRows], width: int | None, entries: Callable | None = None
+                   ) -> list[tuple[np.ndarray, tuple[list[bytes], list] | None]]:
     """Per group of plain rows: each prompt's token count and, with `width`, its prefix index key
-    (`prefix_index.pack_keys`), packed a batch at a time as it is tokenized."""
+    (`prefix_index.pack_keys`) and requests, from `entries` (`expand.plain_entries` of the
+    template) a batch at a time as it is tokenized."""
     out = []
     for rows in plain:
-        keys: list[bytes] | None = [] if width is not None else None
-        keep: Callable | None = None if keys is None else (lambda ids, keys=keys: keys.extend(pack_keys(ids, width)))
-        lengths = tokenizer.encode_texts(rows.prompts, True, keep)  # a prompt gets the special tokens
-        out.append((np.asarray(lengths, dtype=np.int64), keys))
+        index: tuple[list[bytes], list] | None = ([], []) if width is not None else None
+
+        def keep(ids, index=index):
+            keys, requests = entries(ids)
+            index[0].extend(pack_keys(keys, width))
+            index[1].extend(requests)
+
+        lengths = tokenizer.encode_texts(rows.prompts, True, keep if index is not None else None)  # special tokens
+        out.append((np.asarray(lengths, dtype=np.int64), index))
     return out
 
 

@@ -74,7 +74,8 @@ class JobSpool:
     def add(self, jobs: Sequence[Job]) -> None:
         # the text goes; the endpoint it implies stays (the OpenAI writer reports it). A scoring
         # job keeps it (its pairs are split again from the text), and so does a job that scores
-        # its prompt (echo writes the prompt back)
+        # its prompt (echo writes the prompt back; scored alone, the index holds less than its
+        # prompt: `expand.whole_key`)
         blobs = [pickle.dumps(j if j.is_scoring or j.prompt_logprobs else
                               replace(j, prompt=None, messages=None, endpoint=j.openai_endpoint),
                               protocol=pickle.HIGHEST_PROTOCOL) for j in jobs]

@@ -27,6 +27,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from pipeline.types import RequestShape, fed_length
+
 RUN_JOBS = 1 << 16  # jobs per sorted run: their whole keys exist only while their run is sorted
 
 
@@ -101,7 +103,7 @@ def _front_code(items: Iterator[tuple[bytes, int]], width: int) -> _Run:
 
 
 class IndexBuilder:
-    """Collects prompts (with their samples and new-token budgets) and builds the index."""
+    """Collects jobs' keys (with their requests' shapes) and builds the index."""
 
     def __init__(self, vocab_size: int, run_jobs: int = RUN_JOBS) -> None:
         self.width = key_width(vocab_size)
@@ -111,21 +113,26 @@ class IndexBuilder:
         self._runs: list[_Run] = []
         self._lengths = array.array("l")
         self._weights = array.array("l")
-        self._max_new = array.array("l")
+        self._requests = array.array("l")  # per job: how many
+        self._shapes = [array.array("l") for _ in RequestShape._fields]  # per request: each field
 
     def __len__(self) -> int:
         return len(self._lengths)
 
-    def add(self, prompts: Sequence[Sequence[int]], weights: Sequence[int], max_new: Sequence[int]) -> None:
-        self.add_keys(pack_keys(prompts, self.width), weights, max_new)
+    def add(self, keys: Sequence[Sequence[int]], requests: Sequence[Sequence[RequestShape]]) -> None:
+        self.add_keys(pack_keys(keys, self.width), requests)
 
-    def add_keys(self, keys: Sequence[bytes], weights: Sequence[int], max_new: Sequence[int]) -> None:
-        """Prompts as `pack_keys` gives them (packed where they were tokenized, a batch at a time)."""
+    def add_keys(self, keys: Sequence[bytes], requests: Sequence[Sequence[RequestShape]]) -> None:
+        """Keys as `pack_keys` gives them (packed where they were tokenized, a batch at a time),
+        and each job's requests (`expand.index_entry`)."""
         self._keys.extend(keys)
         shift = self.width.bit_length() - 1
         self._lengths.extend(len(k) >> shift for k in keys)
-        self._weights.extend(weights)
-        self._max_new.extend(max_new)
+        self._weights.extend(sum(r.n for r in rs) for rs in requests)  # rows at the job's node
+        self._requests.extend(len(rs) for rs in requests)
+        flat = [r for rs in requests for r in rs]
+        for column, values in zip(self._shapes, zip(*flat) if flat else [() for _ in self._shapes]):
+            column.extend(values)
         if len(self._keys) >= self.run_jobs:
             self._seal()
 
@@ -147,38 +154,70 @@ class IndexBuilder:
         del runs
         tails = np.frombuffer(merged.tails, dtype=self.dtype).astype(self.dtype.newbyteorder("="))
         ends = np.frombuffer(merged.ends, dtype=np.int64) // self.width
-        # 4 bytes a job each (positions and offsets into the tails stay 8): a million jobs, ~30 MB
+        # 4 bytes a job or request each (positions and offsets stay 8): a million jobs, ~50 MB
+        first = np.zeros(len(self._requests) + 1, dtype=np.int64)
+        np.cumsum(np.asarray(self._requests, dtype=np.int64), out=first[1:])
         return PrefixIndex(np.asarray(merged.jobs, dtype=np.int32), np.asarray(merged.lcp, dtype=np.int32),
                            tails, ends, np.asarray(self._lengths, dtype=np.int32),
-                           np.asarray(self._weights, dtype=np.int32), np.asarray(self._max_new, dtype=np.int32))
+                           np.asarray(self._weights, dtype=np.int32), first,
+                           RequestShape(*(np.asarray(c, dtype=np.int32) for c in self._shapes)))
 
 
 @dataclass
 class PrefixIndex:
-    """Positions are places in the sorted order; jobs are numbers in the order prompts were added."""
+    """Positions are places in the sorted order; jobs are numbers in the order keys were added. A
+    job's key is its requests' shareable tokens plus one (`expand.index_entry`): a generating
+    job's prompt."""
 
     order: np.ndarray  # position -> job
-    lcp: np.ndarray  # position -> tokens shared with the prompt at the position before (0 at 0)
+    lcp: np.ndarray  # position -> tokens shared with the key at the position before (0 at 0)
     tails: np.ndarray  # the tails, concatenated
     ends: np.ndarray  # position -> where its tail ends in `tails`
-    lengths: np.ndarray  # job -> prompt tokens
-    weights: np.ndarray  # job -> samples (n)
-    max_new: np.ndarray  # job -> max new tokens
+    lengths: np.ndarray  # job -> key tokens
+    weights: np.ndarray  # job -> rows at its node of the tree (its requests' samples)
+    first: np.ndarray  # job -> its first request (and first[-1]: all requests)
+    shapes: RequestShape  # each field an array: request -> its value
 
     @classmethod
     def of(cls, prompts: Sequence[Sequence[int]], weights: Sequence[int] | None = None,
-           max_new: Sequence[int] | None = None, vocab_size: int = 1 << 32, run_jobs: int = RUN_JOBS) -> "PrefixIndex":
+           max_new: Sequence[int] | None = None, vocab_size: int = 1 << 32, run_jobs: int = RUN_JOBS,
+           requests: Sequence[Sequence[RequestShape]] | None = None) -> "PrefixIndex":
+        """Keys and their jobs' requests; without `requests`, each key a generating job's prompt
+        with `weights` samples (1) of `max_new` tokens (1)."""
+        if requests is None:
+            ns = weights if weights is not None else [1] * len(prompts)
+            news = max_new if max_new is not None else [1] * len(prompts)
+            requests = [[RequestShape(len(p), fed_length(len(p), m, None), m, n)] for p, n, m in zip(prompts, ns, news)]
         b = IndexBuilder(vocab_size, run_jobs)
-        b.add(prompts, weights if weights is not None else [1] * len(prompts),
-              max_new if max_new is not None else [1] * len(prompts))
+        b.add(prompts, requests)
         return b.build()
 
     def __len__(self) -> int:
         return len(self.order)
 
+    def requests_of(self, jobs: np.ndarray) -> tuple[np.ndarray, RequestShape]:
+        """The requests of these jobs, in their order: where each job's start (and, last, their
+        count), and each shape field as an array over them."""
+        starts, counts = self.first[jobs], self.first[jobs + 1] - self.first[jobs]
+        offsets = np.zeros(len(jobs) + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        picked = np.repeat(starts - offsets[:-1], counts) + np.arange(offsets[-1])
+        return offsets, RequestShape(*(c[picked] for c in self.shapes))
+
+    def prompt_tokens(self, jobs: np.ndarray) -> np.ndarray:
+        """Each job's prompt tokens, over its requests (what its result rows report)."""
+        offsets, shapes = self.requests_of(jobs)
+        total = np.zeros(len(shapes.prompt_tokens) + 1, dtype=np.int64)
+        np.cumsum(shapes.prompt_tokens, out=total[1:])
+        return total[offsets[1:]] - total[offsets[:-1]]
+
     def lower_bound(self) -> int:
-        """Distinct prefixes of the whole prompts: the least prefill any prefix cache can do."""
-        return int(self.lengths.sum() - self.lcp.sum())
+        """The least prefill any prefix cache can do, batchgen's rules given: each distinct prefix
+        of the keys' shareable tokens once, and what each request runs beyond them."""
+        _, held = self.subset(np.arange(len(self)))
+        own = self.shapes.fed.sum(dtype=np.int64) - (
+            (self.lengths - 1).astype(np.int64) * np.diff(self.first)).sum()
+        return int((self.lengths - 1).sum() - held.sum() + own)
 
     def subset(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For ascending positions: their jobs, and the LCP of the engine's sequences (prompt minus

@@ -35,7 +35,7 @@ from pipeline.jobstore import JobSpool, Problems
 from pipeline.overlap import check_apart
 from pipeline.prefix_index import IndexBuilder, PrefixIndex, pack_keys
 from pipeline.tokenize import Tokenizer, TokenizerError
-from pipeline.expand import JobTokens, job_requests, token_problem, tokenize_jobs
+from pipeline.expand import JobTokens, index_entry, job_requests, plain_entries, token_problem, tokenize_jobs
 from pipeline.types import Request
 
 if TYPE_CHECKING:
@@ -187,9 +187,11 @@ class _Keep:
         self.custom_ids: dict[int, tuple[str, int]] = {}
 
     def tokenize(self, jobs: Mapping[int, Job], plain: list[PlainRows]):
-        """In the tokenizer's thread: the jobs' tokens, the plain rows' counts and index keys."""
+        """In the tokenizer's thread: the jobs' tokens, the plain rows' counts and index entries."""
         width = self.index.width if self.index is not None else None
-        return tokenize_jobs(self.tokenizer, list(jobs.values())), tokenize_plain(self.tokenizer, plain, width)
+        template, window = self.plain.template, self.window
+        return tokenize_jobs(self.tokenizer, list(jobs.values())), tokenize_plain(
+            self.tokenizer, plain, width, lambda ids: plain_entries(template, ids, window))
 
     def __call__(self, jobs: dict[int, Job], bad: list[tuple[int, InvalidRow]], plain: list[PlainRows],
                  tokenized) -> None:
@@ -206,21 +208,19 @@ class _Keep:
             bad.append((order, problem))
             if job.prompt_index is not None:
                 self.custom_ids[order] = (job.custom_id, job.prompt_index)
-        # kept jobs as columns: input positions, then (for the index) keys, samples, new tokens
+        # kept jobs as columns: input positions, then (for the index) keys and requests
         columns: list[list] = [[o for o, _, _ in kept]]
-        if self.index is not None:  # a scoring job by its context: its continuations stay in its group
-            columns += [pack_keys([t.ids for _, _, t in kept], self.index.width), [_weight(j, t) for _, j, t in kept],
-                        [_max_new(j, t) for _, j, t in kept]]
-        template = self.plain.template
-        for rows, (lengths, keys) in zip(plain, counted):
+        if self.index is not None:  # the requests process will run (a scoring job's keyed by its context)
+            entries = [index_entry(j, t, self.window) for _, j, t in kept]
+            columns += [pack_keys([key for key, _ in entries], self.index.width), [shapes for _, shapes in entries]]
+        for rows, (lengths, index) in zip(plain, counted):
             refused = self.plain.problems(rows, lengths)
             bad += [(rows.orders[k], problem) for k, problem in refused.items()]
             ok = [k for k in range(len(rows)) if k not in refused] if refused else range(len(rows))
             columns[0] += [rows.orders[k] for k in ok] if refused else rows.orders
             if self.index is not None:
-                columns[1] += [keys[k] for k in ok] if refused else keys
-                columns[2] += [template.n] * len(ok)
-                columns[3] += [template.max_new_tokens] * len(ok)
+                columns[1] += [index[0][k] for k in ok] if refused else index[0]
+                columns[2] += [index[1][k] for k in ok] if refused else index[1]
         if kept and plain:  # both kinds in one chunk: back to input order
             by_order = sorted(range(len(columns[0])), key=columns[0].__getitem__)
             columns = [[c[i] for i in by_order] for c in columns]
@@ -230,16 +230,6 @@ class _Keep:
             self.index.add_keys(*columns[1:])
         if self.spool is not None:
             self.spool.add([j for _, j, _ in kept])
-
-
-def _weight(job: Job, tokens: JobTokens) -> int:
-    """Rows the job puts in the engine: its samples, or its continuations."""
-    return job.n if tokens.pairs is None else len(tokens.pairs)
-
-
-def _max_new(job: Job, tokens: JobTokens) -> int:
-    """Tokens a row adds after the indexed ones: new tokens, or the longest continuation."""
-    return job.max_new_tokens if tokens.pairs is None else max(len(c) for _, c in tokens.pairs)
 
 
 class JobDigest:

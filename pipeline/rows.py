@@ -40,6 +40,14 @@ class Fill:
         return range(lo, max(lo, hi))
 
 
+def token_scores(logits: torch.Tensor, targets: list[int]) -> tuple[torch.Tensor, list[float], list[bool]]:
+    """Each row's log-softmax, the logprob of its target token, and whether that was the argmax."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (N, V)
+    index = torch.tensor(targets, device=logprobs.device, dtype=torch.long)
+    chosen = logprobs.gather(1, index[:, None])[:, 0].tolist()
+    return logprobs, chosen, (logprobs.argmax(dim=-1) == index).tolist()
+
+
 @dataclass
 class Wanted:
     """Which logits a step computes, in order: one per decoding row, one per fill it completes

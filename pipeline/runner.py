@@ -33,7 +33,7 @@ from pipeline.results import add_openai_fields, job_rows
 from pipeline.signals import Preempted, StopOnSignal
 from pipeline.summary import JobCounts, add_work, run_summary, used, work_of
 from pipeline.tokenize import Tokenizer
-from pipeline.expand import JobTokens, completions_expected, job_requests, order_of, tokenize_jobs
+from pipeline.expand import JobTokens, completions_expected, job_requests, order_of, tokenize_jobs, whole_key
 from pipeline.types import Completion, Request, RunStats
 from pipeline.windows import COLLECT_JOBS, WINDOW_JOBS, WINDOW_TOKENS
 
@@ -168,7 +168,7 @@ class _Run:
                           min_shared_tokens=options.min_shared_tokens, max_batch_tokens=options.max_batch_tokens)
 
         engine = None
-        for jobs, requests, want in self._windows(todo):
+        for jobs, requests, want, reuse in self._windows(todo):
             # an engine per window: nothing of the last window stays referenced while this one is built
             engine = committer.engine = new_engine()
             samples: dict[int, list[Completion]] = {}
@@ -179,7 +179,8 @@ class _Run:
                 samples.setdefault(order, []).append(c)
                 pace.completion_tokens += len(c.token_ids)
                 if len(samples[order]) == want[order]:  # its samples, continuations or windows all in
-                    finished = samples.pop(order)
+                    # what it reuses in the tree of all jobs, not in this window's (see windows.reused)
+                    finished = [replace(s, cached_tokens=reuse[order]) for s in samples.pop(order)]
                     committer.add(order, jobs[order], finished)
                     pace.jobs_done += 1
                     pace.prompt_tokens += sum(s.prompt_tokens for s in finished if s.sample_index == 0)
@@ -191,7 +192,7 @@ class _Run:
             committer.engine = None
             committer.finished.add(engine.stats)
             if len(requests) >= COLLECT_JOBS:
-                del jobs, requests, samples, want
+                del jobs, requests, samples, want, reuse
                 gc.collect()  # the window's tree (its nodes point at each other) goes before the next is built
             if self.stop.requested():
                 break
@@ -212,35 +213,41 @@ class _Run:
         return counts, committer.work(), about
 
     def _windows(self, todo: np.ndarray):
-        """(jobs by input position, requests in sorted order, completions that finish each job)
-        per window of whole prefix groups."""
-        from pipeline.windows import windows
+        """(jobs by input position, requests in sorted order, completions that finish each job, and
+        the prompt tokens each job's requests reuse) per window of whole prefix groups."""
+        from pipeline.windows import reused, windows
 
         checked, options = self.checked, self.options
         index = checked.index
+        everyone, whole = index.subset(np.arange(len(index)))
+        reuse = np.zeros(len(index), dtype=np.int64)  # by job number: defined on the tree of all jobs
+        reuse[everyone] = reused(whole, index.lengths[everyone], index.weights[everyone], options.min_shared_tokens)
         positions = np.flatnonzero(todo[index.order])
         numbers, held = index.subset(positions)
-        cuts = windows(held, index.lengths[numbers], options.min_shared_tokens, options.window_jobs,
+        cuts = windows(held, index.prompt_tokens(numbers), options.min_shared_tokens, options.window_jobs,
                        options.window_tokens)
         prompts = index.prompts(positions)
         for a, b in cuts:
             window = [next(prompts) for _ in range(b - a)]
             records = checked.spool.get(number for number, _ in window)
-            # the index holds a scoring job's context: its pairs are tokenized again, as preflight did
-            scoring = [number for number, _ in window if records[number].is_scoring]
-            pairs = dict(zip(scoring, tokenize_jobs(checked.tokenizer, [records[n] for n in scoring])))
+            # the index holds a generating job's prompt, and of the others what their requests share:
+            # those are tokenized again, as preflight did
+            again = [number for number, _ in window if not whole_key(records[number])]
+            tokens = dict(zip(again, tokenize_jobs(checked.tokenizer, [records[n] for n in again])))
             jobs: dict[int, Job] = {}
             requests: list[Request] = []
             want: dict[int, int] = {}
+            cached: dict[int, int] = {}
             for number, ids in window:
                 order, job = int(checked.orders[number]), records[number]
                 jobs[order] = job
-                mine = job_requests(order, job, pairs.get(number) or JobTokens(ids), checked.tokenizer,
+                mine = job_requests(order, job, tokens.get(number) or JobTokens(ids), checked.tokenizer,
                                     checked.window, job_seed(options.defaults.seed, job))
                 want[order] = completions_expected(mine)
+                cached[order] = int(reuse[number])
                 requests += mine
-            yield jobs, requests, want
-            del jobs, requests, records, window, want
+            yield jobs, requests, want, cached
+            del jobs, requests, records, window, want, cached
 
     def _write_output(self) -> JobCounts:
         """The committed parts in input order, streamed into the output and the errors file."""

@@ -88,7 +88,8 @@ class Plan:
 def tree_of(jobs: Iterable[tuple[Hashable, Sequence[int], int, int, int]]) -> tuple[PrefixTree, dict[Hashable, JobShape]]:
     """The tree the engine plans over, from (key, shareable ids, prompt length, max new tokens, n)
     per job: the ids a shared prefix may hold are the prompt minus its last token (whose logits
-    start generation), or less for a job that scores its prompt; weighted by the job's samples."""
+    start generation), or less for a request that runs less (`types.shared_length`); weighted by
+    the job's samples."""
     tree, shapes = PrefixTree(), {}
     for key, shared, prompt_len, max_new, n in jobs:
         if not prompt_len:

@@ -8,6 +8,9 @@
   context window is scored in disjoint rolling windows, as lm-eval's `loglikelihood_rolling` does:
   the first window predicts all it can from the first token, each later one the next tokens given
   the ones just before them, up to the window's length.
+- A scored token inside a shared prefix is scored once, when the prefix is prefilled, for every
+  row below it (the engine's prefix scores): the few-shot header of a thousand prompt_logprobs
+  jobs is scored once, as it is prefilled once.
 
 Pure Python on token ids; the tokenizer splits context and continuation (`Tokenizer.encode_pair`).
 """
@@ -30,9 +33,11 @@ class ContinuationScore:
 
 
 def continuation_requests(key: Hashable, pairs: Sequence[tuple[list[int], list[int]]]) -> list[Request]:
-    """One scoring request per (context ids, continuation ids), keyed (key, i)."""
-    return [Request((key, i), ctx + cont, SamplingParams(max_new_tokens=0), score_from=len(ctx))
-            for i, (ctx, cont) in enumerate(pairs)]
+    """One scoring request per (context ids, continuation ids), keyed (key, i). Their shared
+    prefix stops before the context's last token: every continuation, one token long or more,
+    runs that token itself, so all of a job's continuations read the same node of the tree."""
+    return [Request((key, i), ctx + cont, SamplingParams(max_new_tokens=0), score_from=len(ctx),
+                    shareable=len(ctx) - 1) for i, (ctx, cont) in enumerate(pairs)]
 
 
 def continuation_scores(completions: Sequence[Completion]) -> list[ContinuationScore]:
@@ -61,10 +66,12 @@ def rolling_windows(tokens: Sequence[int], window: int) -> Iterator[tuple[list[i
 
 def prompt_requests(key: Hashable, tokens: Sequence[int], window: int | None) -> list[Request]:
     """Requests that score every token of `tokens` after the first, in windows of at most `window`
-    tokens (all at once when it fits), keyed (key, i) in order."""
+    tokens (all at once when it fits), keyed (key, i) in order. A prompt that fits may share a
+    prefix with other jobs (its logprobs there are computed once); rolling windows share nothing:
+    a later window's tokens do not start the prompt, and a job's requests stay at one node."""
     if window is None or len(tokens) <= window:
         return [Request((key, 0), list(tokens), SamplingParams(max_new_tokens=0), score_from=1)]
-    return [Request((key, i), ctx + pred, SamplingParams(max_new_tokens=0), score_from=len(ctx))
+    return [Request((key, i), ctx + pred, SamplingParams(max_new_tokens=0), score_from=len(ctx), shareable=0)
             for i, (ctx, pred) in enumerate(rolling_windows(tokens, window))]
 
 

@@ -9,7 +9,8 @@ last sequence's path is the tree's rightmost path: a new sequence climbs it to i
 the edge there if it must, and hangs its own leaf last). Here the tree is kept as lists of ints,
 and the plan is `schedule.plan`'s walk on them, step for step: the same cached prefixes, rows in
 the same order with the same anchors, the same batches and prefill (tests/test_sortedplan.py
-compares the two on random job sets).
+compares the two on random job sets). A job of several requests (continuations, rolling windows)
+has them all end at its node, in order, each a row, as the engine's tree has them.
 """
 from __future__ import annotations
 
@@ -19,24 +20,27 @@ from typing import Sequence
 import numpy as np
 
 from pipeline.schedule import COPY_LIMIT, SLOT_ROUND, BatchShape
+from pipeline.types import RequestShape
 
 
 @dataclass
 class WindowPlan:
-    """`schedule.Plan`'s numbers. Jobs are the window's positions 0..k-1."""
+    """`schedule.Plan`'s numbers. Jobs are the window's positions 0..k-1, their requests 0..r-1
+    (job j's are first[j]..first[j + 1] - 1)."""
 
-    prefixes: list[tuple[int, int, int]]  # (a job whose prompt holds it, start, end), parents first
-    rows: list[int]  # jobs in the order they run (a job's samples split over slots count once)
+    prefixes: list[tuple[int, int, int]]  # (a job whose key holds it, start, end), parents first
+    rows: list[int]  # requests in the order they run (a request's samples split over slots count once)
     batches: list[BatchShape]
     prefill_tokens: int
 
 
-def plan_sorted(lengths: Sequence[int], held: Sequence[int], weights: Sequence[int], max_new: Sequence[int], *,
-                min_shared_tokens: int = 16, max_batch_tokens: int = 65536, cascade: bool = True,
-                max_slots: int = 256) -> WindowPlan:
-    """The plan of jobs in sorted order: their prompt lengths, the LCP of each one's sequence
-    (prompt minus its last token) with the one before (`held`; the first is ignored), samples
-    and new tokens; options as `schedule.plan`'s."""
+def plan_sorted(lengths: Sequence[int], held: Sequence[int], weights: Sequence[int], first: Sequence[int],
+                shapes: RequestShape, *, min_shared_tokens: int = 16, max_batch_tokens: int = 65536,
+                cascade: bool = True, max_slots: int = 256) -> WindowPlan:
+    """The plan of jobs in sorted order: their key lengths, the LCP of each one's sequence (key
+    minus its last token) with the one before (`held`; the first is ignored), the rows at each
+    one's node (`weights`: its requests' samples), and its requests (`first`: where each job's
+    start in `shapes`, lists of each request's numbers); options as `schedule.plan`'s."""
     if len(lengths) and min(lengths) == 0:
         raise ValueError(f"request {list(lengths).index(0)!r} has an empty prompt")
     depth, parent, children, keys, own = _tree(lengths, held, weights)
@@ -47,9 +51,10 @@ def plan_sorted(lengths: Sequence[int], held: Sequence[int], weights: Sequence[i
     cached, size = cached.tolist(), size.tolist()
     prefixes: list[tuple[int, int, int]] = []
     anchored_of = [0] * len(depth)  # per cached node: the depth of the anchor its rows read
-    row_jobs: list[int] = []
+    row_jobs: list[int] = []  # requests, as they end at nodes (a job's in order)
     row_cached: list[int] = []
     row_anchored: list[int] = []
+    many = first[-1] > len(lengths)  # some job is several requests
     # (node, deepest cached ancestor-or-self above it), as schedule.plan walks; a node ~v stands
     # for v's children of one row each (a job of one sample alone below), which come last
     stack = [(0, -1)]
@@ -73,14 +78,17 @@ def plan_sorted(lengths: Sequence[int], held: Sequence[int], weights: Sequence[i
                     push([(~v, above)])
                 push([(c, above) for c in sorted(heavy, key=by_size)])
         if ending:
+            if many:
+                ending = [r for j in ending for r in range(first[j], first[j + 1])]
             row_jobs += ending
             row_cached += [depth[above] if above >= 0 else 0] * len(ending)
             row_anchored += [anchored_of[above] if above >= 0 else 0] * len(ending)
-    extent = [lengths[j] - a + max_new[j] for j, a in zip(row_jobs, row_anchored)]
-    samples = [weights[j] for j in row_jobs]
+    fed, max_new = shapes.fed, shapes.max_new_tokens
+    extent = [fed[r] - a + max_new[r] for r, a in zip(row_jobs, row_anchored)]
+    samples = [shapes.n[r] for r in row_jobs]
     batches, parts = _batches(extent, samples, max_batch_tokens, max_slots)
     prefill = sum(end - start for _, start, end in prefixes)
-    prefill += sum(p * (lengths[j] - c) for p, j, c in zip(parts, row_jobs, row_cached))
+    prefill += sum(p * (fed[r] - c) for p, r, c in zip(parts, row_jobs, row_cached))
     return WindowPlan(prefixes, row_jobs, batches, prefill)
 
 

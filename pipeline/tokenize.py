@@ -125,6 +125,20 @@ class Tokenizer:
         head = list(self.hf(context, add_special_tokens=add_special_tokens)["input_ids"])
         return whole[: len(head)], whole[len(head) :]
 
+    def encode_reply(self, rendered: str, reply: str) -> tuple[list[int], list[int]]:
+        """A chat scoring pair: the rendered chat's ids (generation prompt included, and the
+        whitespace the template writes after it: the ids a generating job of these messages
+        starts from) and the reply's tokens after them, as the reply's text is tokenized there
+        (rendered + reply encoded whole, split after the rendered chat's ids). A reply whose first
+        characters would join the template's last token is refused: it cannot follow that prompt."""
+        head = list(self.hf(rendered, add_special_tokens=False)["input_ids"])
+        whole = list(self.hf(rendered + reply, add_special_tokens=False)["input_ids"])
+        if whole[: len(head)] != head:
+            raise TokenizerError("its first characters merge with the end of the chat template's generation "
+                                 "prompt when tokenized, so it cannot be scored as the assistant's reply after it; "
+                                 "drop its leading whitespace")
+        return head, whole[len(head) :]
+
     def encode_messages(self, messages: Sequence[dict[str, str]]) -> list[int]:
         if not self.has_chat_template:
             raise TokenizerError("this model's tokenizer has no chat template: give jobs a 'prompt' instead of 'messages'")

@@ -5,7 +5,7 @@ The engine sees token ids only; text lives in the tokenize module and jobs/.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Hashable
+from typing import TYPE_CHECKING, Callable, Hashable, NamedTuple
 
 if TYPE_CHECKING:
     from pipeline.grammar import Matcher
@@ -54,19 +54,47 @@ class Request:
     # score the prompt's tokens from this index on: the logprob of each given all before it
     # (scoring jobs: the continuations; echo: from 1); with max_new_tokens 0 nothing is generated
     score_from: int | None = None
+    # at most this many prompt tokens in a shared prefix (None: as many as `shared_length` allows):
+    # a job's requests (its continuations, its rolling windows) all stop at one node of the tree
+    shareable: int | None = None
 
     @property
     def fed_len(self) -> int:
-        """Prompt tokens run through the model: all, or all but the last when nothing is generated
-        (a scored token's logprob comes from the logits before it)."""
-        return len(self.prompt_ids) - (self.params.max_new_tokens == 0 and self.score_from is not None)
+        return fed_length(len(self.prompt_ids), self.params.max_new_tokens, self.score_from)
 
     @property
     def shared_len(self) -> int:
-        """Prompt tokens a shared prefix may hold for this request: all but the last (whose logits
-        start generation), and none from the first position whose logits it scores with."""
-        n = len(self.prompt_ids) - 1
-        return n if self.score_from is None else max(0, min(n, self.score_from - 1))
+        return shared_length(len(self.prompt_ids), self.params.max_new_tokens, self.score_from, self.shareable)
+
+    @property
+    def shape(self) -> "RequestShape":
+        return RequestShape(len(self.prompt_ids), self.fed_len, self.params.max_new_tokens, self.params.n)
+
+
+def fed_length(prompt_len: int, max_new_tokens: int, score_from: int | None) -> int:
+    """Prompt tokens a request runs through the model: all, or all but the last when nothing is
+    generated (a scored token's logprob comes from the logits before it)."""
+    return prompt_len - (max_new_tokens == 0 and score_from is not None)
+
+
+def shared_length(prompt_len: int, max_new_tokens: int, score_from: int | None, shareable: int | None = None) -> int:
+    """Prompt tokens a shared prefix may hold for a request: all it runs but the last, whose logits
+    start generation or score the last prompt token (so every row runs a token of its own), at
+    most `shareable`. Scored tokens may lie in a shared prefix: their logprobs are computed once
+    there, when it is prefilled, for every row below it. The engine's tree holds this much of each
+    request (`Request.shared_len`), and `batchgen plan`'s index of each job (`expand.index_entry`)."""
+    n = max(0, fed_length(prompt_len, max_new_tokens, score_from) - 1)
+    return n if shareable is None else min(n, shareable)
+
+
+class RequestShape(NamedTuple):
+    """What `batchgen plan` needs of a request: its prompt tokens, the ones it runs, its budget of
+    new tokens and its samples."""
+
+    prompt_tokens: int
+    fed: int
+    max_new_tokens: int
+    n: int
 
 
 @dataclass

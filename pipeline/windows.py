@@ -64,6 +64,17 @@ def units(held: np.ndarray, lengths: np.ndarray, weights: np.ndarray, min_shared
     return Units(starts, ends, depth, grouped)
 
 
+def reused(held: np.ndarray, lengths: np.ndarray, weights: np.ndarray, min_shared: int) -> np.ndarray:
+    """Per position (all jobs of the input, in sorted order): the tokens each of its requests reads
+    from a shared prefix in one tree of every job (`schedule.plan`'s Row.cached on that tree): the
+    deepest node on its path that two or more rows pass through, at least `min_shared` deep. A
+    job of two rows or more is that node itself; else it is as deep as its longer LCP with a
+    neighbour. A job's `cached_tokens` is this, whatever windows, shards or resumed runs ran it."""
+    nxt = np.append(held[1:], 0)
+    depth = np.where(weights >= 2, lengths - 1, np.maximum(held, nxt))
+    return np.where(depth >= max(1, min_shared), depth, 0)
+
+
 def windows(held: np.ndarray, lengths: np.ndarray, min_shared: int, max_jobs: int = WINDOW_JOBS,
             max_tokens: int = WINDOW_TOKENS) -> list[tuple[int, int]]:
     """Cut positions 0..n-1 into windows of at most `max_jobs` jobs and `max_tokens` prompt tokens

@@ -120,7 +120,8 @@ def checked(paths, model_dir, purpose, fast, monkeypatch, **defaults):
 
 @pytest.mark.parametrize("purpose", ["validate", "plan"])
 @pytest.mark.parametrize("defaults", [{"max_new_tokens": 4}, {"max_new_tokens": 200, "n": 2},
-                                      {"max_new_tokens": 4, "logit_bias": {"999": 1}}])
+                                      {"max_new_tokens": 4, "logit_bias": {"999": 1}},
+                                      {"max_new_tokens": 0, "prompt_logprobs": True}])  # prompts scored alone
 def test_plain_rows_in_columns_are_checked_and_indexed_as_jobs(tmp_path, model_dir, monkeypatch, purpose, defaults):
     head = "A header every job here shares, long enough to be cached. "
     lines = []
@@ -137,8 +138,8 @@ def test_plain_rows_in_columns_are_checked_and_indexed_as_jobs(tmp_path, model_d
     from pipeline import inputrows, preflight
 
     counted = []
-    monkeypatch.setattr(preflight, "tokenize_plain", lambda tok, rows, width: counted.extend(map(len, rows))
-                        or inputrows.tokenize_plain(tok, rows, width))
+    monkeypatch.setattr(preflight, "tokenize_plain", lambda tok, rows, *args: counted.extend(map(len, rows))
+                        or inputrows.tokenize_plain(tok, rows, *args))
     fast = checked(paths, model_dir, purpose, True, monkeypatch, **defaults)
     plain_rows = sum(counted)
     slow = checked(paths, model_dir, purpose, False, monkeypatch, **defaults)
@@ -148,5 +149,7 @@ def test_plain_rows_in_columns_are_checked_and_indexed_as_jobs(tmp_path, model_d
     assert len(fast.invalid) > 5
     assert fast.orders.tolist() == slow.orders.tolist() and fast.schema == slow.schema
     if purpose == "plan":
-        for name in ("order", "lcp", "tails", "ends", "lengths", "weights", "max_new"):
+        for name in ("order", "lcp", "tails", "ends", "lengths", "weights", "first"):
             assert np.array_equal(getattr(fast.index, name), getattr(slow.index, name)), name
+        for a, b in zip(fast.index.shapes, slow.index.shapes):
+            assert np.array_equal(a, b)

@@ -91,11 +91,19 @@ SCORING = [
 ]
 
 
+def reply_pair(tok, messages, text):
+    """A chat job's pair: the ids a generating job of these messages starts from (the generation
+    prompt and the newline the template writes after it), then what the reply's text adds."""
+    ctx = tok.encode_messages(messages)
+    whole = tok.hf(tok.render(messages) + text, add_special_tokens=False)["input_ids"]
+    assert whole[: len(ctx)] == ctx
+    return ctx, whole[len(ctx) :]
+
+
 def expected_scores(model, tok, job):
-    context, special = (job["prompt"], True) if "prompt" in job else (tok.render(job["messages"]), False)
     out = []
     for text in job["continuations"]:
-        ctx, cont = tok.encode_pair(context, text, add_special_tokens=special)
+        ctx, cont = tok.encode_pair(job["prompt"], text) if "prompt" in job else reply_pair(tok, job["messages"], text)
         lp, greedy = scored(model, ctx + cont, len(ctx))
         out.append((text, lp.sum().item(), len(cont), bool(greedy.all())))
     return out
@@ -163,6 +171,56 @@ def test_prompt_logprobs_alone_in_rolling_windows_beyond_the_context_window(tmp_
     assert "exceeds the model's context window of 512" in run(["validate", str(bad)], model_dir, ok=False).output
 
 
+def test_prompts_scored_alone_share_their_header_and_score_it_once(tmp_path, model_dir, model, tok):
+    rows = [{"id": f"p{i}", "prompt": HEAD + f"Q: {i}+{i}? A: {2 * i}.", "prompt_logprobs": True,
+             "max_new_tokens": 0} for i in range(6)]
+    rows.append({"id": "head", "prompt": HEAD, "prompt_logprobs": True, "max_new_tokens": 0})  # the header itself
+    src = write_jsonl(tmp_path / "jobs.jsonl", rows)
+    out = tmp_path / "out.parquet"
+    run(["process", str(src), "-o", str(out), "--min-shared-tokens", "4"], model_dir)
+    summary = json.loads((tmp_path / "out.parquet.summary.json").read_text())
+    assert summary["prefill_tokens"] < summary["prompt_tokens"] / 3 and summary["shared_prefixes"] >= 1
+    head = len(tok.encode_prompt(HEAD))
+    for row, job in zip(pq.read_table(out).to_pylist(), rows):
+        ids = tok.encode_prompt(job["prompt"])
+        assert row["cached_tokens"] >= head - 2  # all of the header but the tokens it runs itself
+        got = torch.tensor(row["prompt_logprobs"][1:])
+        assert torch.allclose(got, scored(model, ids, 1)[0], atol=2e-5, rtol=0), row["id"]
+
+
+def test_a_chat_continuation_is_scored_as_the_assistants_reply(tmp_path, model_dir, model, tok):
+    rows = [{"id": "chat", "messages": CHAT, "continuations": ["yes", "no"]},
+            {"id": "gen", "messages": CHAT, "max_new_tokens": 2}]
+    src = write_jsonl(tmp_path / "jobs.jsonl", rows)
+    out = tmp_path / "out.parquet"
+    run(["process", str(src), "-o", str(out), "--min-shared-tokens", "4"], model_dir)
+    chat, gen = pq.read_table(out).to_pylist()
+    rendered, ctx = tok.render(CHAT), tok.encode_messages(CHAT)
+    assert rendered.endswith("<|im_start|>assistant\n")  # the template writes a newline after the prompt
+    for score, text in zip(chat["scores"], ["yes", "no"]):
+        cont = tok.hf(rendered + text, add_special_tokens=False)["input_ids"][len(ctx) :]
+        assert tok.decode(cont) == text  # the reply's tokens only: the newline is the prompt's
+        assert score["tokens"] == len(cont)
+        assert score["logprob"] == pytest.approx(scored(model, ctx + cont, len(ctx))[0].sum().item(), abs=2e-5)
+    # the context is the generating job's prompt: both share all of it but its last token
+    assert chat["cached_tokens"] == 2 * (len(ctx) - 1) and gen["cached_tokens"] == len(ctx) - 1
+
+
+def test_a_reply_that_merges_with_the_generation_prompt_is_refused_with_its_field():
+    from jobs import GenerationDefaults, Job, Location
+    from pipeline.expand import tokenize_jobs
+    from pipeline.tokenize import TokenizerError
+
+    merging = Tokenizer(make_tokenizer(extra_merges=[("\n", "\n")]))  # "\n\n" is one token
+    [job] = Job.from_record({"messages": CHAT, "continuations": ["yes", "\nyes"]}, Location("x.jsonl", line=1),
+                            GenerationDefaults(), 0)
+    [got] = tokenize_jobs(merging, [job])
+    assert isinstance(got, TokenizerError) and str(got).startswith("field 'continuations[1]': ")
+    plain = Tokenizer(make_tokenizer())  # where the newline is a token of its own, the reply may begin with one
+    [ok] = tokenize_jobs(plain, [job])
+    assert ok.ids == plain.encode_messages(CHAT) and plain.decode(ok.pairs[1][1]) == "\nyes"
+
+
 def test_validate_reports_bad_logprob_and_scoring_fields_with_their_location(tmp_path, model_dir):
     rows = [{"prompt": "x", "logprobs": "yes"},
             {"prompt": "x", "top_logprobs": 3},
@@ -211,4 +269,10 @@ def test_a_killed_scoring_run_resumes_to_every_job_once(tmp_path, model_dir):
         assert a["scores"] == b["scores"] or all(x["logprob"] == pytest.approx(y["logprob"], abs=1e-4)
                                                  for x, y in zip(a["scores"], b["scores"]))
         assert a["best_continuation"] == b["best_continuation"]
-    assert json.loads((tmp_path / "out.parquet.summary.json").read_text())["resumed_jobs"] > 0
+        for count in ("prompt_tokens", "cached_tokens", "completion_tokens"):
+            assert a[count] == b[count], (a["id"], count)
+    summary = json.loads((tmp_path / "out.parquet.summary.json").read_text())
+    reference = json.loads((tmp_path / "ref.parquet.summary.json").read_text())
+    assert summary["resumed_jobs"] > 0
+    for count in ("jobs", "completed", "rows", "prompt_tokens", "cached_tokens", "completion_tokens"):
+        assert summary[count] == reference[count], count

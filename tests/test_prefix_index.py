@@ -8,6 +8,7 @@ from hypothesis import given, settings, strategies as st
 from pipeline.prefix_index import IndexBuilder, PrefixIndex
 from pipeline.prefix_tree import PrefixTree
 from pipeline.schedule import plan, shared_nodes, tree_of, tree_of_sorted
+from pipeline.types import RequestShape
 from pipeline.windows import assign_shards, units, windows
 
 PROMPTS = st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1, max_size=30)
@@ -45,11 +46,16 @@ def test_the_index_is_the_stable_sort_with_its_lcps_and_rebuilds_every_prompt(pr
     assert index.order.tolist() == want
     assert index.lcp.tolist() == [0] + [lcp(prompts[a], prompts[b]) for a, b in zip(want, want[1:])]
     assert list(index.prompts(np.arange(len(prompts)))) == [(i, prompts[i]) for i in want]
-    full = PrefixTree()
+    full, engines = PrefixTree(), PrefixTree()
     for i, p in enumerate(prompts):
         full.insert(i, p)
-    assert index.lower_bound() == full.token_count()
+        engines.insert(i, p[:-1])
     assert int(index.tails.size) == full.token_count()  # memory: the radix-tree bound in tokens
+    # the least prefill: the engine's tree once, and each row's last prompt token itself; what
+    # the engine's plan prefills when every prefix two rows read is cached
+    assert index.lower_bound() == engines.token_count() + len(prompts)
+    tree, shapes = tree_of((i, p[:-1], len(p), 1, 1) for i, p in enumerate(prompts))
+    assert index.lower_bound() == plan(tree, shapes, min_shared_tokens=0).prefill_tokens()
 
 
 @SETTINGS
@@ -147,7 +153,7 @@ def test_windows_keep_groups_whole_and_the_prefill_at_the_bound(prompts, ns, min
 def test_token_ids_outside_the_key_width_are_refused_whole():
     b = IndexBuilder(vocab_size=1000)  # 2-byte keys
     with pytest.raises(ValueError, match="outside"):
-        b.add([[1, 2], [70000]], [1, 1], [1, 1])
-    b.add([[3, 2, 1]], [1], [1])
+        b.add([[1, 2], [70000]], [[RequestShape(2, 2, 1, 1)], [RequestShape(1, 1, 1, 1)]])
+    b.add([[3, 2, 1]], [[RequestShape(3, 3, 1, 1)]])
     index = b.build()
     assert len(index) == 1 and list(index.prompts(np.arange(1))) == [(0, [3, 2, 1])]

@@ -172,3 +172,34 @@ def test_merge_keeps_every_summary_field(tmp_path, model_dir, jobs_file):
     assert {k: merged[k] for k in JOB_COUNTS} == {k: single[k] for k in JOB_COUNTS}
     for key in ("cascade_batches", "admitted_rows", "prefill_tokens", "decode_steps"):
         assert merged[key] == sum(json.loads(open(o + ".summary.json").read())[key] for o in outs), key
+
+
+# --- issue 23, 8: job-level counts do not depend on which jobs a resumed run has left -----------
+
+def test_a_resumed_run_of_scoring_and_generating_jobs_has_every_count_of_an_uninterrupted_one(tmp_path, model_dir):
+    from cli_helpers import write_jsonl
+
+    # one context: questions scored, others generated, prompts scored alone, some sharing more
+    rows = [{"id": f"q{i}", "prompt": HEAD + f"Q: {i}+{i}?", "continuations": [f" {2 * i}", " 0"]} for i in range(6)]
+    rows += [{"id": f"g{i}", "prompt": HEAD + f"Q: {i}?", "n": 1 + (i == 2)} for i in range(6)]
+    rows += [{"id": f"p{i}", "prompt": HEAD + f"Q: {i}+{i}? Why", "prompt_logprobs": True, "max_new_tokens": 0}
+             for i in range(3)]
+    src = str(write_jsonl(tmp_path / "jobs.jsonl", rows))
+    opts = options(model_dir, commit_every=2)
+    ref = process([src], str(tmp_path / "ref.parquet"), opts)
+    out = str(tmp_path / "out.parquet")
+    for done in (2, 3, 5):  # each run commits a few more jobs, then is interrupted
+        with pytest.raises(Interrupted):
+            process([src], out, opts, progress=interrupt_after(done))
+    summary = process([src], out, opts)
+    assert summary["resumed_jobs"] > 0
+    counts = ("id", "sample_index", "prompt_tokens", "cached_tokens", "completion_tokens")
+    got, want = pq.read_table(out, columns=list(counts)), pq.read_table(str(tmp_path / "ref.parquet"), columns=list(counts))
+    assert got.to_pylist() == want.to_pylist()
+    assert {k: summary[k] for k in JOB_COUNTS} == {k: ref[k] for k in JOB_COUNTS}
+    # and what the Python API reports, whose engine runs all the jobs in one tree
+    import batchgen
+
+    api = batchgen.generate(src, str(model_dir), max_new_tokens=4, min_shared_tokens=4, max_batch_tokens=200,
+                            dtype="float32")
+    assert [{k: r[k] for k in counts} for r in api] == want.to_pylist()

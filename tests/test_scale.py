@@ -55,20 +55,17 @@ def test_windows_change_only_how_much_is_held_at_once(tmp_path, model_dir, group
     cut = run(grouped, tmp_path / "cut.parquet", model_dir, "--window-jobs", "3")  # groups cut in pieces
     assert groups[0] == whole[0] and groups[1] == whole[1]
     assert {k: groups[2][k] for k in JOB_COUNTS} == {k: whole[2][k] for k in JOB_COUNTS}
-
-    def uncached(rows):  # a job alone in a piece of a cut group reuses nothing: the rest is the same
-        return [{k: v for k, v in r.items() if k != "cached_tokens"} for r in rows]
-
-    assert uncached(cut[0]) == uncached(whole[0]) and cut[1] == whole[1]
-    assert {k: cut[2][k] for k in JOB_COUNTS if k != "cached_tokens"} == \
-        {k: whole[2][k] for k in JOB_COUNTS if k != "cached_tokens"}
+    # a job alone in a piece of a cut group computes its prefix itself, but its cached_tokens are
+    # those of the tree of all jobs: every row and count is the same
+    assert cut[0] == whole[0] and cut[1] == whole[1]
+    assert {k: cut[2][k] for k in JOB_COUNTS} == {k: whole[2][k] for k in JOB_COUNTS}
     # whole groups: every prefix still prefilled once; a cut group prefills its prefix per window
     assert groups[2]["prefill_tokens"] == whole[2]["prefill_tokens"]
     assert cut[2]["prefill_tokens"] > whole[2]["prefill_tokens"]
     # plan predicts what process runs, window by window
     for extra, (_, _, summary) in (((), whole), (("--window-jobs", "12"), groups), (("--window-jobs", "3"), cut)):
         report = plan(grouped, model_dir, *extra)
-        for key in ("prefill_tokens", "batches", "shared_prefixes"):
+        for key in ("prefill_tokens", "batches", "shared_prefixes", "prompt_tokens", "cached_tokens"):
             assert report[key] == summary[key], (extra, key)
     assert plan(grouped, model_dir, "--window-jobs", "3")["split_groups"] > 0
 

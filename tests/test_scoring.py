@@ -7,7 +7,7 @@ from jobsets import SHOTS, SYSTEM, edge_case_requests, tokenizer
 from pipeline.engine import Engine
 from pipeline.types import Request, SamplingParams
 from reference import reference_generate
-from tiny_models import ARCHS, make_model
+from tiny_models import ARCHS, make_decoder, make_model
 
 EOS = [2]
 
@@ -96,7 +96,7 @@ def test_generated_tokens_logprobs_and_echo_equal_a_full_forward(arch, tok):
     reqs = edge_case_requests(tok, max_new_tokens=5)
     for r in reqs:
         r.params = SamplingParams(max_new_tokens=r.params.max_new_tokens, n=r.params.n, logprobs=3)
-    reqs[6].score_from = 1  # echo: this job's prompt logprobs too (it gives up sharing its prefix)
+    reqs[6].score_from = 1  # echo: this job's prompt logprobs too (those its shared prefix holds scored there)
     engine = Engine(model, eos_token_ids=EOS, min_shared_tokens=4, max_batch_tokens=300)
     got = {(c.key, c.sample_index): c for c in engine.run(reqs)}
     for r in reqs:
@@ -115,3 +115,55 @@ def test_generated_tokens_logprobs_and_echo_equal_a_full_forward(arch, tok):
             assert torch.allclose(torch.tensor(c.prompt_logprobs), full_logprobs(model, r.prompt_ids), atol=1e-4)
         else:
             assert c.prompt_logprobs is None
+
+
+def prompt_scoring_requests(tok):
+    """Prompts scored from their second token, alone (max_new_tokens 0) and while generating (echo),
+    under nested shared prefixes (a system prompt, few-shot headers below it, questions below
+    those), a prompt that is exactly a prefix the others share, and one- and two-token prompts."""
+    texts = [SYSTEM + SHOTS[0] + q for q in ("Q: why?", "Q: where is it?", "Q: 9+9? A: 18")]
+    texts += [SYSTEM + SHOTS[1] + "Q: why?", SYSTEM + SHOTS[0], SYSTEM]
+    reqs = []
+    for i, text in enumerate(texts):
+        ids = tok.encode_prompt(text)
+        reqs.append(Request(f"alone{i}", ids, SamplingParams(max_new_tokens=0), score_from=1))
+        reqs.append(Request(f"echo{i}", ids, SamplingParams(max_new_tokens=3), score_from=1))
+    reqs.append(Request("gen", tok.encode_prompt(SYSTEM + SHOTS[0] + "Q: who?"), SamplingParams(max_new_tokens=3)))
+    reqs.append(Request("one", [7], SamplingParams(max_new_tokens=3), score_from=1))
+    reqs.append(Request("two", [7, 9], SamplingParams(max_new_tokens=0), score_from=1))
+    reqs.append(Request("two-echo", [7, 9], SamplingParams(max_new_tokens=2), score_from=1))
+    return reqs
+
+
+@pytest.mark.parametrize("arch,options", [("llama", {}), ("mistral", {}), ("gpt2", {"cascade": False}),
+                                          ("qwen2", {"step_tokens": 24, "scored_rows": 5}), ("decoder", {})])
+def test_prompt_logprobs_under_shared_prefixes_are_scored_once_and_equal_a_full_forward(arch, options, tok,
+                                                                                         monkeypatch, tmp_path):
+    from pipeline import engine as engine_mod
+
+    if arch == "decoder":  # batchgen's own decoder runs the engine, transformers' model is the reference
+        model, runner = make_decoder("llama", tmp_path, seed=3)
+    else:
+        model = runner = make_model(arch, seed=3)
+    reqs = prompt_scoring_requests(tok)
+    options = dict(options)
+    monkeypatch.setattr(engine_mod, "SCORED_ROWS", options.pop("scored_rows", engine_mod.SCORED_ROWS))
+    engine = Engine(runner, eos_token_ids=EOS, min_shared_tokens=4, max_batch_tokens=400, **options)
+    got = {(c.key, c.sample_index): c for c in engine.run(reqs)}
+    for r in reqs:
+        c = got[(r.key, 0)]
+        if r.score_from is None:
+            assert c.prompt_logprobs is None
+        else:
+            want = full_logprobs(model, r.prompt_ids)
+            assert len(c.prompt_logprobs) == len(r.prompt_ids) - 1, r.key
+            assert torch.allclose(torch.tensor(c.prompt_logprobs), want, atol=2e-5, rtol=0), f"{arch}: {r.key}"
+            with torch.inference_mode():
+                argmax = model(torch.tensor([r.prompt_ids])).logits[0, :-1].argmax(-1)
+            assert c.prompt_greedy == (argmax == torch.tensor(r.prompt_ids[1:])).tolist()
+        if r.params.max_new_tokens:
+            assert c.token_ids == reference_generate(model, r, EOS), r.key
+    # the headers were prefilled (and scored) once for all the rows below them
+    assert engine.stats.prefix_nodes >= 3
+    assert engine.stats.prefill_tokens < sum(r.fed_len for r in reqs) / 2
+    assert all(got[(f"alone{i}", 0)].cached_tokens > len(tok.encode_prompt(SYSTEM)) / 2 for i in range(6))

@@ -7,8 +7,10 @@ from hypothesis import given, settings, strategies as st
 
 from pipeline.planning import summarize
 from pipeline.prefix_index import PrefixIndex
-from pipeline.schedule import plan, tree_of_sorted
+from pipeline.schedule import plan, tree_of, tree_of_sorted
 from pipeline.sortedplan import plan_sorted
+from pipeline.types import RequestShape
+from pipeline.windows import reused
 
 PROMPTS = st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=14), min_size=1, max_size=40)
 SETTINGS = settings(max_examples=300, deadline=None)
@@ -33,13 +35,58 @@ def test_the_plan_from_numbers_is_the_schedulers_plan(prompts, data, min_shared,
                                   for i, (j, h) in enumerate(zip(jobs, held.tolist())))
     want = plan(tree, shapes, min_shared_tokens=min_shared, max_batch_tokens=budget, cascade=cascade,
                 max_slots=max_slots)
-    got = plan_sorted([len(prompts[j]) for j in jobs], held.tolist(), [ns[j] for j in jobs], [max_new[j] for j in jobs],
-                      min_shared_tokens=min_shared, max_batch_tokens=budget, cascade=cascade, max_slots=max_slots)
+    shapes = RequestShape([len(prompts[j]) for j in jobs], [len(prompts[j]) for j in jobs], [max_new[j] for j in jobs],
+                          [ns[j] for j in jobs])
+    got = plan_sorted([len(prompts[j]) for j in jobs], held.tolist(), [ns[j] for j in jobs], list(range(len(jobs) + 1)),
+                      shapes, min_shared_tokens=min_shared, max_batch_tokens=budget, cascade=cascade,
+                      max_slots=max_slots)
     assert got.prefixes == [(p.key, p.start, p.end) for p in want.prefixes.values()]
     keys = [r.key for r in want.rows]  # a row split over slots is one job here
     assert got.rows == [k for i, k in enumerate(keys) if not i or keys[i - 1] != k]
     assert got.batches == want.batches
     assert got.prefill_tokens == want.prefill_tokens()
+
+
+def requests_of(prompts, data):
+    """Each key's job: a generating one (its prompt), or several requests that share the key but
+    its last token and run some tokens of their own beyond it (continuations, a prompt scored)."""
+    out = []
+    for key in prompts:
+        if data.draw(st.booleans()):
+            n, new = data.draw(st.sampled_from([1, 1, 2, 9])), data.draw(st.integers(1, 40))
+            out.append([RequestShape(len(key), len(key), new, n)])
+        else:
+            runs = data.draw(st.lists(st.integers(len(key), len(key) + 6), min_size=1, max_size=4))
+            out.append([RequestShape(fed + 1, fed, 0, 1) for fed in runs])
+    return out
+
+
+@SETTINGS
+@given(PROMPTS, st.data(), st.integers(0, 5), st.sampled_from([16, 40, 65536]), st.booleans())
+def test_jobs_of_several_requests_are_planned_as_the_engine_plans_their_requests(prompts, data, min_shared, budget,
+                                                                                 cascade):
+    requests = requests_of(prompts, data)
+    index = PrefixIndex.of(prompts, vocab_size=300, run_jobs=7, requests=requests)
+    jobs, held = index.subset(np.arange(len(index)))
+    first, shapes = index.requests_of(jobs)
+    # the engine's tree: each request in window order, holding its job's key but the last token
+    flat = [(j, r) for j in jobs.tolist() for r in requests[j]]
+    tree, jobshapes = tree_of((i, prompts[j][:-1], r.fed, r.max_new_tokens, r.n) for i, (j, r) in enumerate(flat))
+    want = plan(tree, jobshapes, min_shared_tokens=min_shared, max_batch_tokens=budget, cascade=cascade)
+    got = plan_sorted(index.lengths[jobs].tolist(), held.tolist(), index.weights[jobs].tolist(), first.tolist(),
+                      RequestShape(*(c.tolist() for c in shapes)), min_shared_tokens=min_shared,
+                      max_batch_tokens=budget, cascade=cascade)
+    owner = np.repeat(np.arange(len(jobs)), np.diff(first)).tolist()
+    assert got.prefixes == [(owner[p.key], p.start, p.end) for p in want.prefixes.values()]
+    keys = [r.key for r in want.rows]
+    assert got.rows == [k for i, k in enumerate(keys) if not i or keys[i - 1] != k]
+    assert got.batches == want.batches
+    assert got.prefill_tokens == want.prefill_tokens()
+    # every row's cached tokens: what windows.reused says of its job, in one tree of all jobs
+    depth = dict(zip(jobs.tolist(), reused(held, index.lengths[jobs], index.weights[jobs], min_shared).tolist()))
+    assert all(r.cached == depth[flat[r.key][0]] for r in want.rows)
+    kw = dict(min_shared_tokens=min_shared, max_batch_tokens=budget, window_jobs=3, window_tokens=40)
+    assert summarize(index, **kw) == summarize(index, reference=True, **kw)
 
 
 @settings(max_examples=100, deadline=None)

@@ -16,11 +16,11 @@ CHAT_TEMPLATE = (
 )
 
 
-def make_tokenizer() -> PreTrainedTokenizerFast:
+def make_tokenizer(extra_merges: list[tuple[str, str]] = ()) -> PreTrainedTokenizerFast:
     chars = sorted(set(string.printable) - set(string.whitespace) | {"▁", "\n"})
     vocab = {tok: i for i, tok in enumerate(SPECIALS + chars)}
     # a few merges make multi-character tokens, so token and string boundaries differ
-    merges = [("t", "h"), ("th", "e"), ("▁", "th"), ("▁th", "e"), ("i", "n"), ("▁", "a"), ("e", "r")]
+    merges = [("t", "h"), ("th", "e"), ("▁", "th"), ("▁th", "e"), ("i", "n"), ("▁", "a"), ("e", "r"), *extra_merges]
     for a, b in merges:
         vocab.setdefault(a + b, len(vocab))
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
