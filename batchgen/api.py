@@ -61,7 +61,7 @@ class Engine:
     """A loaded model and its tokenizer, for repeated `generate` calls."""
 
     def __init__(self, model: Any, tokenizer: Any, *, name: str | None = None) -> None:
-        from pipeline.tokenize import Tokenizer
+        from pipeline.text.tokenize import Tokenizer
 
         self.model = model.eval()
         self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer(tokenizer)
@@ -73,11 +73,11 @@ class Engine:
     def load(cls, model: str | None = None, *, device: str = "auto", dtype: str = "auto",
              trust_remote_code: bool = False, threads: int | None = None) -> "Engine":
         """Load a model (a Hugging Face id or local directory; None: the embedded default model)."""
-        from pipeline.model import DEFAULT_MODEL, load_model
-        from pipeline.tokenize import Tokenizer
+        from pipeline.model.load import DEFAULT_MODEL, load_model
+        from pipeline.text.tokenize import Tokenizer
 
         if threads is not None:  # torch's threads are the process's: changed only when asked
-            from pipeline.kernels import set_threads
+            from pipeline.model.kernels import set_threads
 
             set_threads(threads)
         loaded, source = load_model(model, device, dtype, trust_remote_code)
@@ -86,9 +86,9 @@ class Engine:
     @_keywords
     def generate(self, jobs: Any, *, output: str | None = None, progress: bool = False, **options: Any) -> Any:
         """As `batchgen.generate`, with this engine's model (loading options do not apply)."""
-        from pipeline.inmemory import tokenized
-        from pipeline.preflight import check_output
-        from pipeline.runner import fingerprint, write_results
+        from pipeline.run.inmemory import tokenized
+        from pipeline.run.preflight import check_output
+        from pipeline.run.runner import fingerprint, write_results
 
         opts = run_options(options)
         source = source_of(jobs)
@@ -109,8 +109,8 @@ class Engine:
 
     def _read(self, source: Source, opts: Any) -> tuple[dict[int, Job], dict[int, InvalidRow], pa.Schema]:
         from jobs.readers import jobs_of_records
-        from pipeline.inmemory import checked_rows
-        from pipeline.inputrows import read_checked
+        from pipeline.run.inmemory import checked_rows
+        from pipeline.run.inputrows import read_checked
 
         if source.kind == "files":
             return read_checked(source.paths, opts)
@@ -125,11 +125,11 @@ class Engine:
         """Result rows and error rows, each with its input position, as the CLI's runner makes them."""
         from tqdm.auto import tqdm
 
-        from pipeline.engine import Engine as Core
-        from pipeline.expand import order_of
-        from pipeline.parts import ORDER
-        from pipeline.results import job_rows
-        from pipeline.runner import _eos_ids
+        from pipeline.engine.engine import Engine as Core
+        from pipeline.text.expand import order_of
+        from pipeline.run.parts import ORDER
+        from pipeline.text.results import job_rows
+        from pipeline.run.runner import _eos_ids
 
         jobs = checked.jobs
         core = Core(self.model, eos_token_ids=_eos_ids(self.model, self.tokenizer),
@@ -153,7 +153,7 @@ class Engine:
 def run_options(options: dict[str, Any]) -> Any:
     """RunOptions from keyword options: generation parameters are checked as a job's fields are
     (location "options"), so an unsupported one is refused, not ignored."""
-    from pipeline.runner import RunOptions
+    from pipeline.run.runner import RunOptions
 
     unknown = sorted(k for k in options if k not in RUN_OPTIONS and not _is_param(k))
     if unknown:
@@ -176,7 +176,7 @@ def _is_param(name: str) -> bool:
 def _in_order(rows: list[dict[str, Any]], errors: list[dict[str, Any]], checked: Any,
               schema: pa.Schema) -> list[dict[str, Any]]:
     """Every input position's rows: its samples, or one row saying why it failed."""
-    from pipeline.parts import ORDER
+    from pipeline.run.parts import ORDER
 
     by_order: dict[int, list[dict[str, Any]]] = {}
     for r in rows:

@@ -65,7 +65,7 @@ def command(system: str, jobs: Path, out: Path, args) -> list[str] | None:
     if system == "ctranslate2-static":
         if not (peers / "ct2" / "bin" / "python").exists() or not (peers / "ct2_model").exists():
             return None
-        from pipeline.model import default_model_path
+        from pipeline.model.load import default_model_path
 
         return [str(peers / "ct2/bin/python"), str(ROOT / "bench/peers/ct2_run.py"), str(peers / "ct2_model"),
                 str(default_model_path() / "tokenizer.json"), str(jobs), str(out), "static", "0", str(args.threads)]

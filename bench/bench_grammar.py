@@ -62,7 +62,7 @@ class LLGuidance:
     def fill(self, matchers, bitmask) -> None:
         import llguidance.torch as lt
 
-        for i, m in enumerate(matchers):  # serial, as the engine fills them (see pipeline/grammar.py)
+        for i, m in enumerate(matchers):  # serial, as the engine fills them (see pipeline/text/grammar.py)
             lt.fill_next_token_bitmask(m, bitmask, i)
 
     def accept(self, m, token: int) -> None:
@@ -140,7 +140,7 @@ def main() -> None:
     torch.set_num_threads(1)
     from transformers import AutoTokenizer
 
-    from pipeline.model import default_model_path
+    from pipeline.model.load import default_model_path
 
     hf = AutoTokenizer.from_pretrained(default_model_path())
     vocab = len(hf)

@@ -90,7 +90,7 @@ def main() -> int:
     p.add_argument("--hf-batch-sizes", default="16,32")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     args = p.parse_args()
-    from pipeline.model import default_model_path
+    from pipeline.model.load import default_model_path
 
     model_dir = default_model_path()
     bindir = Path(sys.executable).parent
@@ -142,9 +142,9 @@ def prefill_work(task_dir: Path, tasks: str) -> dict[str, int]:
     from lm_eval.tasks import TaskManager, get_task_dict
 
     import pipeline.evalharness  # noqa: F401
-    from pipeline.engine import Engine
-    from pipeline.prefix_tree import PrefixTree
-    from pipeline.types import Request, SamplingParams
+    from pipeline.engine.engine import Engine
+    from pipeline.engine.prefix_tree import PrefixTree
+    from pipeline.engine.types import Request, SamplingParams
 
     lm = __import__("lm_eval.api.registry", fromlist=["get_model"]).get_model("batchgen").create_from_arg_string(
         "dtype=float32", {})

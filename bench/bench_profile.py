@@ -36,9 +36,9 @@ VIEWS = {"aten::view", "aten::reshape", "aten::transpose", "aten::slice", "aten:
 
 def model_linears(model) -> list[tuple[str, object, str, int, int]]:
     """(name, holder, attribute, in, out) of every weight matmul the model's forwards run, each
-    called as `getattr(holder, attribute)`: the decoder's fused layers (`pipeline.decoder`) or a
+    called as `getattr(holder, attribute)`: the decoder's fused layers (`pipeline.model.decoder`) or a
     transformers model's `nn.Linear` modules."""
-    from pipeline.decoder import Decoder
+    from pipeline.model.decoder import Decoder
 
     if isinstance(model, Decoder):
         c = model.config
@@ -53,8 +53,8 @@ def model_linears(model) -> list[tuple[str, object, str, int, int]]:
 
 def linear_rate(dtype: torch.dtype, m: int, model) -> float:
     """GFLOP/s of the model's own linear layers (one layer's) at M rows, run as the engine runs them."""
-    from pipeline import kernels
-    from pipeline.decoder import Decoder
+    from pipeline.model import kernels
+    from pipeline.model.decoder import Decoder
 
     if isinstance(model, Decoder):
         calls = [(getattr(holder, attr), i, o) for _, holder, attr, i, o in model_linears(model)[:5]]  # layer 0
@@ -89,18 +89,18 @@ def main() -> int:
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--json", default=None)
     p.add_argument("--model-code", default="batchgen", choices=["batchgen", "transformers"],
-                   help="batchgen's own decoder (pipeline/decoder.py) or transformers' model code")
+                   help="batchgen's own decoder (pipeline/model/decoder.py) or transformers' model code")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
     from bench import corpus
-    from pipeline import attention
-    from pipeline.engine import Engine
-    from pipeline.model import load_model
-    from pipeline.types import Request, SamplingParams
+    from pipeline.model import attention
+    from pipeline.engine.engine import Engine
+    from pipeline.model.load import load_model
+    from pipeline.engine.types import Request, SamplingParams
 
-    from pipeline.decoder import Decoder
+    from pipeline.model.decoder import Decoder
 
     model, source = load_model(None, "cpu", args.dtype, own_decoder=args.model_code == "batchgen")
     tok = AutoTokenizer.from_pretrained(source)
@@ -224,7 +224,7 @@ def main() -> int:
 
 def kernels_per_decode_step(model, reqs, static: bool) -> int:
     """ATen ops that compute (no views) in one decode step of 32 rows."""
-    from pipeline.engine import Engine
+    from pipeline.engine.engine import Engine
 
     engine = Engine(model, eos_token_ids=[], static_decode=static)
     counts = []

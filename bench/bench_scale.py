@@ -4,7 +4,7 @@
 Synthetic jobs of the issue's shape: 20 system prompts of about 250 tokens, each job one of them
 plus a ~20-token suffix of random words (unique per job), and one malformed line per 10,000 so
 the errors path runs too. The model is a tiny random Llama with the tests' character-level
-tokenizer (tests/tiny_models.py, tests/tiny_tokenizer.py), saved to a temporary directory.
+tokenizer (tests/helpers/tiny_models.py, tests/helpers/tiny_tokenizer.py), saved to a temporary directory.
 
 Every command runs as its own process (`python -m pipeline ...`); its peak RSS is the kernel's
 (`os.wait4`), file-backed pages included. "model" is the peak RSS of a process that only imports
@@ -36,9 +36,9 @@ WORDS = ("time year people way day man thing woman life child world school state
 
 
 def make_model(where: Path) -> None:
-    sys.path.insert(0, str(ROOT / "tests"))
-    from tiny_models import make_model as tiny_model
-    from tiny_tokenizer import make_tokenizer
+    sys.path.insert(0, str(ROOT))  # the tests' helpers: tests.helpers
+    from tests.helpers.tiny_models import make_model as tiny_model
+    from tests.helpers.tiny_tokenizer import make_tokenizer
 
     tiny_model("llama").save_pretrained(where)
     make_tokenizer().save_pretrained(where)
@@ -98,7 +98,7 @@ def main() -> None:
         make_model(model)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.threads)}
     py = [sys.executable, "-m", "pipeline"]
-    probe = [sys.executable, "-c", "import pipeline.engine; from pipeline.model import load_model; "
+    probe = [sys.executable, "-c", "import pipeline.engine.engine; from pipeline.model.load import load_model; "
              f"load_model({str(model)!r}, 'cpu', 'float32')"]
     _, model_rss, _, _ = measure(probe, env)
     print(f"model loaded: peak RSS {model_rss:.0f} MB", flush=True)

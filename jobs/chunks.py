@@ -12,7 +12,7 @@ caller asks for one (``PlainRows.job``).
 Every other row, and every row this path is unsure of (a parse error, any other field, a float
 id, a prompt holding a surrogate ...), goes through the reference path's own per-record step
 (``readers.RecordJobs``), which numbers the records and keeps the ids seen for both paths: the
-jobs, errors and messages are those of read_jobs (tests/test_chunks.py compares the two). The
+jobs, errors and messages are those of read_jobs (tests/run/test_chunks.py compares the two). The
 fast path runs only where a plain row means one job whatever the options: no --prompt-template,
 no --system; Parquet and datasets inputs take the per-record path.
 """

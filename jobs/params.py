@@ -26,7 +26,7 @@ MAX_TOKEN_ID = 2**31 - 1  # the model's vocabulary is checked once the tokenizer
 
 @dataclass(frozen=True)
 class Constraint:
-    """What a job's output must match (pipeline/grammar.py compiles it)."""
+    """What a job's output must match (pipeline/text/grammar.py compiles it)."""
 
     kind: str  # "json_schema", "json_object", "regex" or "choice"
     spec: str  # the schema as JSON text, the regular expression, the choices as a JSON list; "" for json_object
@@ -235,7 +235,7 @@ def constraint(check: Checker, params: Mapping[str, Any], spelled: Mapping[str, 
 def choice_min_tokens(check: Checker, rule: Constraint | None, min_tokens: int, spelled: Mapping[str, str]) -> None:
     """A choice ends where its text does, so min_tokens (which holds back the end) cannot apply to it.
     (A schema or regex can allow more text: there min_tokens holds back EOS, and a text that is
-    complete before min_tokens fails its row, see pipeline/sampling.py.)"""
+    complete before min_tokens fails its row, see pipeline/engine/sampling.py.)"""
     if rule is None or rule.kind != "choice" or not min_tokens:
         return
     choice = rule.source or "choice"

@@ -159,7 +159,7 @@ class Job:
     # id (its custom_id), so a job is (id, prompt_index), never a name made from the id
     prompt_index: int | None = None
     request_model: str | None = None  # an OpenAI request's body.model (OpenAI output echoes it)
-    # a scoring job: these are scored after the prompt, nothing is generated (pipeline/expand.py)
+    # a scoring job: these are scored after the prompt, nothing is generated (pipeline/text/expand.py)
     continuations: tuple[str, ...] | None = None
 
     @property

@@ -193,9 +193,9 @@ def process(inputs, output, model, trust_remote_code, device, dtype, max_batch_t
     """
     from transformers.utils import logging as hf_logging
 
-    from pipeline.progress import ProgressReport
-    from pipeline.runner import RunOptions, process as run_process
-    from pipeline.signals import PREEMPTED_EXIT_CODE, Preempted
+    from pipeline.run.progress import ProgressReport
+    from pipeline.run.runner import RunOptions, process as run_process
+    from pipeline.run.signals import PREEMPTED_EXIT_CODE, Preempted
 
     hf_logging.disable_progress_bar()  # our own bar reports progress; logs stay quiet
 
@@ -206,7 +206,7 @@ def process(inputs, output, model, trust_remote_code, device, dtype, max_batch_t
                          on_error=on_error, shard=shard, commit_every=commit_every, threads=threads,
                          window_jobs=window_jobs, window_tokens=window_tokens, engine=engine)
     if engine == "ray":
-        from pipeline.ray_runner import process_ray
+        from pipeline.run.ray_runner import process_ray
 
         summary = _guard(process_ray, list(inputs), output, options, address=address, workers=workers,
                          gpus_per_worker=gpus_per_worker)
@@ -245,7 +245,7 @@ def process(inputs, output, model, trust_remote_code, device, dtype, max_batch_t
 def plan(inputs, model, trust_remote_code, dataset, split, prompt_template, system, min_shared_tokens,
          max_batch_tokens, top, as_json, window_jobs, window_tokens, **gen):
     """Show how INPUTS share prefixes and the predicted prefill saving (tokenizer only, no model)."""
-    from pipeline.planning import describe
+    from pipeline.run.planning import describe
 
     report = _guard(describe, list(inputs), _guard(_defaults, gen), model=model, dataset=dataset, split=split,
                     prompt_template=prompt_template, system=system, min_shared_tokens=min_shared_tokens,
@@ -279,8 +279,8 @@ def validate(inputs, model, trust_remote_code, dataset, split, prompt_template, 
     columns, tokenization and the model's context window; the tokenizer and config only, no
     weights) and report every problem with its file:line. Pass the --output-format and --engine
     that `process` will run with: they refuse jobs of their own (a scoring job under openai or ray)."""
-    from pipeline.preflight import check_inputs
-    from pipeline.runner import RunOptions
+    from pipeline.run.preflight import check_inputs
+    from pipeline.run.runner import RunOptions
 
     options = RunOptions(model=model, defaults=_guard(_defaults, gen), prompt_template=prompt_template, system=system,
                          dataset=dataset, split=split, trust_remote_code=trust_remote_code,
@@ -300,7 +300,7 @@ def validate(inputs, model, trust_remote_code, dataset, split, prompt_template, 
 def merge(shards, output, overwrite):
     """Join the outputs of `process --shard I/N` runs in input order, checking that every job of
     the input is present exactly once (in an output or an errors file)."""
-    from pipeline.sharding import merge as run_merge
+    from pipeline.run.sharding import merge as run_merge
 
     summary = _guard(run_merge, list(shards), output, overwrite)
     click.echo(f"merged {summary['shards']} shards: {summary['completed']} jobs done, {summary['failed']} failed "

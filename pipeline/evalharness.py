@@ -28,7 +28,7 @@ from jobs.checks import Checker
 from jobs.errors import JobValidationError, Location
 from jobs.params import PARAMS, normalize, split_fields
 from jobs.schema import GenerationDefaults
-from pipeline.types import Request, SamplingParams
+from pipeline.engine.types import Request, SamplingParams
 
 # generate_until's kwargs beside until, max_gen_toks, do_sample and temperature, as batchgen's job
 # fields: those of transformers' generate that the hf backend passes on and batchgen has
@@ -48,11 +48,11 @@ class BatchgenLM(TemplateLM):
                  trust_remote_code: bool = False, add_bos_token: bool | None = None, batch_size: Any = None,
                  threads: int | None = None, **unused: Any) -> None:
         super().__init__()
-        from pipeline.engine import Engine
-        from pipeline.kernels import set_threads
-        from pipeline.model import load_model
-        from pipeline.preflight import context_window
-        from pipeline.tokenize import Tokenizer
+        from pipeline.engine.engine import Engine
+        from pipeline.model.kernels import set_threads
+        from pipeline.model.load import load_model
+        from pipeline.run.preflight import context_window
+        from pipeline.text.tokenize import Tokenizer
 
         if unused:
             raise ValueError(f"batchgen model_args: unknown {sorted(unused)}")

@@ -1,18 +1,11 @@
-import sys
-from pathlib import Path
-
-# the tests' helpers (tiny models, tiny tokenizer) import as top-level modules
-sys.path.insert(0, str(Path(__file__).parent))
-
-
-import pytest  # noqa: E402
+import pytest
 
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     """A tiny random Llama and the tiny tokenizer saved as a model directory, for CLI runs."""
-    from tiny_models import make_model
-    from tiny_tokenizer import make_tokenizer
+    from tests.helpers.tiny_models import make_model
+    from tests.helpers.tiny_tokenizer import make_tokenizer
 
     d = tmp_path_factory.mktemp("tiny-llama")
     make_model("llama").save_pretrained(d)

@@ -1,0 +1,135 @@
+"""Choosing the next token of each row: one `RowState` per sample, and one batched `sample` call
+per step over the rows that have logits.
+
+Each sample draws from its own generator seeded from (job seed, sample index), so its text
+does not depend on which rows share its batch or in what order they run. Before choosing, the
+rows' logits processors run batched (pipeline/engine/logits.py: bias, penalties, min_tokens, grammar).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from pipeline.engine.logits import process
+from pipeline.engine.types import Request, SamplingParams
+
+if TYPE_CHECKING:
+    from pipeline.text.grammar import Matcher
+
+_GOLDEN = 0x9E3779B97F4A7C15  # spreads (seed, sample) pairs over the 64-bit seed space
+_MASK = (1 << 63) - 1
+
+
+def row_seed(seed: int, sample_index: int) -> int:
+    return (seed * 1_000_003 + (sample_index + 1) * _GOLDEN) & _MASK
+
+
+def make_generator(seed: int, sample_index: int, device: torch.device) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(row_seed(seed, sample_index))
+    return gen
+
+
+@lru_cache(maxsize=256)
+def _warpers(temperature: float, top_k: int, top_p: float) -> LogitsProcessorList:
+    procs = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+    if top_k > 0:
+        procs.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        procs.append(TopPLogitsWarper(top_p))
+    return procs
+
+
+@dataclass
+class RowState:
+    """What choosing one sample's tokens needs: its parameters, its generator, what it generated,
+    and what its processors keep (the prompt for the repetition penalty, its grammar matcher)."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)
+    prompt: Sequence[int] = ()
+    ends: frozenset[int] = frozenset()  # tokens that end it: EOS and its stop_token_ids
+    matcher: Matcher | None = None
+    error: str | None = None  # why it cannot go on (its grammar reached a dead end, or ended before min_tokens)
+    _seen: torch.Tensor | None = None  # (V,) bool: prompt and output tokens (repetition penalty)
+    _counts: torch.Tensor | None = None  # (V,) output token counts (presence/frequency penalties)
+
+    def accept(self, token: int) -> None:
+        self.tokens.append(token)
+        if self._seen is not None and token < self._seen.shape[0]:
+            self._seen[token] = True
+        if self._counts is not None and token < self._counts.shape[0]:
+            self._counts[token] += 1
+        if self.matcher is not None and token not in self.ends:
+            self.matcher.accept(token)
+            if len(self.tokens) < self.params.min_tokens and self.matcher.done:
+                # min_tokens holds back EOS, but a complete text that allows nothing more ends here
+                self.error = (f"its constraint's text is complete after {len(self.tokens)} tokens, before "
+                              f"min_tokens ({self.params.min_tokens}): it allows no more; lower min_tokens")
+
+    @property
+    def finished(self) -> bool:
+        """Its grammar is complete and allows nothing more."""
+        return self.matcher is not None and self.matcher.done
+
+    def seen(self, vocab: int, device: torch.device) -> torch.Tensor:
+        if self._seen is None:  # built on first use, when the vocabulary size is known
+            self._seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+            ids = [t for t in (*self.prompt, *self.tokens) if t < vocab]  # as transformers: ids past it are dropped
+            self._seen[torch.tensor(ids, dtype=torch.long, device=device)] = True
+        return self._seen
+
+    def counts(self, vocab: int, device: torch.device) -> torch.Tensor:
+        if self._counts is None:
+            ids = torch.tensor([t for t in self.tokens if t < vocab], dtype=torch.long, device=device)
+            self._counts = torch.bincount(ids, minlength=vocab).float()
+        return self._counts
+
+
+def row_state(params: SamplingParams, seed: int, sample_index: int, device: torch.device,
+              request: Request | None = None, eos: Iterable[int] = ()) -> RowState:
+    """A sample's state; with its request, what its processors need (prompt, EOS, a fresh matcher)."""
+    state = RowState(params, None if params.greedy else make_generator(seed, sample_index, device))
+    if request is not None:
+        state.prompt = request.prompt_ids
+        state.ends = frozenset(eos) | frozenset(params.stop_token_ids)
+        state.matcher = request.grammar() if request.grammar is not None else None
+    return state
+
+
+def _processed(row: RowState) -> bool:
+    p = row.params
+    return bool(row.matcher is not None or p.logit_bias or p.penalized or len(row.tokens) < p.min_tokens)
+
+
+def sample(logits: torch.Tensor, rows: list[RowState]) -> torch.Tensor:
+    """The next token of each row: logits (B, V) -> token ids (B,). A row that no token can continue
+    (its grammar, bias and min_tokens exclude them all) gets its `error` set (and token 0, which
+    it never takes). The caller's logits are left as they are (logprobs are reported from them)."""
+    dead: list[int] = []
+    if any(_processed(r) for r in rows):
+        logits = process(logits.clone(), rows)
+        dead = (~torch.isfinite(logits).any(dim=-1)).nonzero().flatten().tolist()
+    tokens = logits.argmax(dim=-1)  # (B,) greedy for every row; sampled rows overwrite below
+    for r, row in enumerate(rows):
+        p = row.params
+        if p.greedy or r in dead:
+            continue
+        warped = _warpers(p.temperature, p.top_k, p.top_p)(None, logits[r : r + 1].float())  # (1, V)
+        probs = torch.softmax(warped, dim=-1)
+        tokens[r] = torch.multinomial(probs, 1, generator=row.generator)[0, 0]
+    for r in dead:
+        tokens[r] = 0
+        row = rows[r]
+        if row.matcher is None:
+            row.error = f"after {len(row.tokens)} tokens no token is left: logit_bias and min_tokens exclude them all"
+        else:
+            detail = f" (llguidance: {row.matcher.error})" if row.matcher.error else ""
+            row.error = (f"its constraint reached a dead end after {len(row.tokens)} tokens: no token of this "
+                         f"vocabulary can continue it{detail}")
+    return tokens

@@ -1,0 +1,203 @@
+"""batchgen's own forward for Llama-family decoders (Llama, Mistral, Qwen2, Qwen3), on a CPU.
+
+Why it exists, measured on the project machine (2 cores, SmolLM2-135M, float32):
+- a process that loads transformers' model classes spends 1.8 s importing them (their import
+  graph pulls in `torch.distributed.tensor`, sympy, `torch._dynamo` and scipy) and 0.7 s in
+  `from_pretrained`; this one reads `config.json` and the safetensors files itself;
+- transformers' model code runs op by op through module calls, masks and hooks: about a third of
+  a 32-row decode step beside the weight matmuls and attention. Here a layer is one fused
+  query/key/value GEMM, rotary embeddings for queries and keys in one pass over a per-position
+  table, batchgen's attention (`attention.attend`), the SiLU MLP; the linear layers run on
+  weights packed once for oneDNN (`kernels.linear`).
+
+Which models it takes is `pipeline.model.decoder_config`'s decision (everything the forward depends on
+stated in the model's files); every other model, every other device, and `BATCHGEN_DECODER=0`
+run transformers' model code, which stays the reference: the tests compare the two.
+The arithmetic follows transformers' modules operation by operation (RMSNorm in float32 then
+cast, rotary tables in float32 then cast), so outputs agree to float rounding.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import warnings
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from pipeline.model import attention
+
+from pipeline.model import kernels
+
+from pipeline.model import rope
+from pipeline.model.decoder_config import FLOAT_DTYPES, DecoderConfig, header
+from pipeline.model.kv import LayerShape
+from pipeline.model.step import Step
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+def enabled() -> bool:
+    """`BATCHGEN_DECODER=0` runs transformers' model code for every model (the reference path)."""
+    return os.environ.get("BATCHGEN_DECODER", "1") != "0"
+
+
+@dataclass
+class Layer:
+    input_norm: torch.Tensor  # (H,)
+    qkv: Linear  # (T, H) -> (T, (Hq + 2 Hkv) D)
+    o: Linear  # (T, Hq D) -> (T, H)
+    post_norm: torch.Tensor  # (H,)
+    # gate and up stay two GEMMs: fused they were no faster, and oneDNN's scratch for the fused
+    # one held 25 MB more at 2,048 tokens
+    gate: Linear  # (T, H) -> (T, I)
+    up: Linear  # (T, H) -> (T, I)
+    down: Linear  # (T, I) -> (T, H)
+    q_norm: torch.Tensor | None = None  # (D,) Qwen3
+    k_norm: torch.Tensor | None = None
+
+
+class Decoder:
+    """A loaded model: `forward(step, keep)` gives the logits of the step's tokens at `keep`.
+    `config` and `generation_config.eos_token_id` read as a transformers model's do."""
+
+    def __init__(self, config: DecoderConfig, device: torch.device, dtype: torch.dtype) -> None:
+        self.config = config
+        self.device, self.dtype = device, dtype
+        self.generation_config = SimpleNamespace(eos_token_id=config.eos_token_id)
+        c = config
+        self.hq, self.hkv, self.d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.scale = c.head_dim ** -0.5
+        weights = _read(c, device, dtype)
+        self.embed = weights.pop("model.embed_tokens.weight")  # (V, H)
+        self.norm = weights.pop("model.norm.weight")
+        head = self.embed if c.tie_word_embeddings else weights.pop("lm_head.weight")
+        self.lm_head = kernels.linear(head)
+        self.layers = [self._layer(weights, f"model.layers.{i}.") for i in range(c.num_hidden_layers)]
+        self._cos = self._sin = torch.empty(0, self.d, dtype=dtype, device=device)
+
+    @staticmethod
+    def _layer(weights: dict[str, torch.Tensor], p: str) -> Layer:
+        """Layer `p` out of the checkpoint's tensors (taken from `weights`, so each goes once used)."""
+        def proj(part: str, *names: str) -> Linear:
+            return _fused([weights.pop(f"{p}{part}.{x}_proj.weight") for x in names],
+                          [weights.pop(f"{p}{part}.{x}_proj.bias", None) for x in names])
+
+        return Layer(input_norm=weights.pop(p + "input_layernorm.weight"), qkv=proj("self_attn", "q", "k", "v"),
+                     o=proj("self_attn", "o"), post_norm=weights.pop(p + "post_attention_layernorm.weight"),
+                     gate=proj("mlp", "gate"), up=proj("mlp", "up"), down=proj("mlp", "down"),
+                     q_norm=weights.pop(p + "self_attn.q_norm.weight", None),
+                     k_norm=weights.pop(p + "self_attn.k_norm.weight", None))
+
+    # what the rest of batchgen (and its Python API) reads of a loaded model, as of a transformers one
+    def parameters(self):
+        """The embedding: the model's device and dtype."""
+        yield self.embed
+
+    def eval(self) -> "Decoder":
+        return self  # inference only: nothing to switch
+
+    def layer_shapes(self) -> list[LayerShape]:
+        return [LayerShape(self.hkv, self.d, self.d)] * self.config.num_hidden_layers
+
+    def forward(self, step: Step, keep: torch.Tensor) -> torch.Tensor:
+        """The step's flat tokens through every layer; logits (N, V) at the token indices `keep`."""
+        ids, pos = step.input_ids[0], step.positions[0]  # (T,), (T,)
+        t, hq, hkv, d = ids.shape[0], self.hq, self.hkv, self.d
+        cos, sin = self._rope(pos)  # (T, 1, D) each; sin with the first half negated
+        windows = self.config.layer_windows
+        x = F.embedding(ids, self.embed)  # (T, H)
+        for i, layer in enumerate(self.layers):
+            qkv = layer.qkv(self._norm(x, layer.input_norm)).view(t, hq + 2 * hkv, d)
+            q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]  # (T, H*, D) views
+            if layer.q_norm is not None:
+                q, k = self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)
+                q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            else:  # queries and keys sit side by side: one pass rotates both
+                qk = _rotate(qkv[:, : hq + hkv], cos, sin)
+                q, k = qk[:, :hq], qk[:, hq:]
+            out = attention.attend(step, i, q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                   self.scale, windows[i])  # (T, Hq, D) float32
+            x = x + layer.o(out.to(self.dtype).view(t, hq * d))
+            h = self._norm(x, layer.post_norm)
+            x = x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
+        if not keep.numel():  # a prefix being prefilled: no logits wanted
+            return x.new_empty(0, self.config.vocab_size, dtype=torch.float32)
+        x = self._norm(x.index_select(0, keep), self.norm)  # (N, H): the norm is per token
+        return self.lm_head(x).float()  # (N, V)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """transformers' RMSNorm: in float32, cast back, then scaled."""
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return weight * xf.to(x.dtype)
+
+    def _rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin (T, 1, D) at these positions, from a table grown on demand and
+        computed as transformers computes it (its float32 frequencies, `rope.inv_freq`, and scale
+        factor, then cast)."""
+        need = int(pos.max()) + 1 if pos.numel() else 0
+        if need > self._cos.shape[0]:
+            n = max(need, 2 * self._cos.shape[0], 256)
+            d, c = self.d, self.config
+            inv_freq, scale = rope.inv_freq(c.rope_parameters, c.hidden_size, c.num_attention_heads, d,
+                                            c.max_position_embeddings)
+            freqs = torch.arange(n, dtype=torch.int64).float()[:, None] * inv_freq.float()[None, :]  # (n, D/2)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            sin = emb.sin() * scale
+            sin[:, : d // 2].neg_()  # rotate_half(x) * sin == roll(x, D/2) * (sin, first half negated)
+            self._cos, self._sin = (emb.cos() * scale).to(self.device, self.dtype), sin.to(self.device, self.dtype)
+        return self._cos[pos][:, None], self._sin[pos][:, None]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' `x * cos + rotate_half(x) * sin`, x (T, H, D): the same products and sum."""
+    out = x * cos
+    out += x.roll(x.shape[-1] // 2, dims=-1) * sin
+    return out
+
+
+def _fused(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> Linear:
+    """Linear layers that read the same input as one GEMM (their weights stacked by output). The
+    weights may be views of the checkpoint's memory map: what is kept is always a copy."""
+    w = torch.cat(weights) if len(weights) > 1 else weights[0]
+    if w is weights[0] and not kernels.packs(w.device, w.dtype):
+        w = w.clone()
+    b = None
+    if any(b is not None for b in biases):
+        b = torch.cat([b if b is not None else w.new_zeros(x.shape[0]) for b, x in zip(biases, weights)])
+    return kernels.linear(w, b)
+
+
+_DTYPES = dict(zip(FLOAT_DTYPES, (torch.float32, torch.bfloat16, torch.float16, torch.float64)))
+
+
+def _read(config: DecoderConfig, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors the forward reads, in `dtype` on `device`. The files are memory-
+    mapped: a linear layer's weight in the checkpoint's dtype is a view of the map, which its packed
+    copy replaces, so loading never holds a second copy of every weight (transformers' loader maps
+    the files too); every other tensor is copied out, and the map goes once the views do."""
+    want, out = config.tensor_names(), {}
+    for path in config.files:
+        data, tensors = header(path)
+        with open(path, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        for name in want & tensors.keys():
+            meta = tensors[name]
+            kind = _DTYPES.get(meta["dtype"])
+            if kind is None:
+                raise OSError(f"{path}: tensor {name} is {meta['dtype']}, not a floating-point type")
+            start, end = meta["data_offsets"]
+            if not 0 <= start <= end <= len(mm) - data:
+                raise OSError(f"{path}: tensor {name} lies at bytes {start}-{end} of the data, "
+                              f"past the file's end ({len(mm) - data} bytes of data)")
+            with warnings.catch_warnings():  # a read-only map: nothing here writes to it
+                warnings.simplefilter("ignore", UserWarning)
+                t = torch.frombuffer(mm, dtype=kind, count=(end - start) // kind.itemsize, offset=data + start)
+            t = t.view(meta["shape"])
+            view_ok = name.endswith("_proj.weight") or name == "lm_head.weight"
+            out[name] = t.to(device=device, dtype=dtype, copy=not view_ok)
+    return out

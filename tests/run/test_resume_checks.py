@@ -1,0 +1,205 @@
+"""Preemption before generation, precision-safe resume, and summaries that do not depend on how
+often a run was interrupted."""
+import json
+import os
+import signal
+
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from jobs import JobError
+from pipeline.cli import main
+from pipeline.run.runner import Preempted, RunOptions, process
+
+HEAD = "Shared instructions for every job: reply with a short and friendly sentence. "
+JOB_COUNTS = ("jobs", "completed", "failed", "rows", "prompt_tokens", "cached_tokens", "completion_tokens")
+
+
+@pytest.fixture
+def jobs_file(tmp_path):
+    rows = [{"id": f"j{i}", "prompt": HEAD + f"Item {i} of the list?", "n": 1 + (i % 4 == 0)} for i in range(24)]
+    path = tmp_path / "jobs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "{broken\n")
+    return path
+
+
+def options(model_dir, **kw):
+    from jobs import GenerationDefaults
+
+    base = dict(model=str(model_dir), defaults=GenerationDefaults(max_new_tokens=4), min_shared_tokens=4,
+                max_batch_tokens=200, commit_every=3)
+    return RunOptions(**{**base, **kw})
+
+
+class Interrupted(BaseException):
+    pass
+
+
+def interrupt_after(jobs):
+    def progress(p):
+        if p.jobs_done - p.resumed >= jobs:
+            raise Interrupted()
+    return progress
+
+
+# --- 10: a SIGTERM while reading or tokenizing exits 75 ---------------------------------------
+
+def test_sigterm_while_reading_exits_75_with_nothing_written(tmp_path, model_dir, jobs_file, monkeypatch):
+    import jobs.readers
+
+    seen = []
+    # stands in for the scheduler's kill: without batchgen's handler the test process would die
+    old = signal.signal(signal.SIGTERM, lambda *a: seen.append("ignored by batchgen"))
+    real = jobs.readers._open_binary
+
+    class Killed:  # the input file, whose sixth line comes with a SIGTERM
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def peek(self, n):
+            return self.f.peek(n)
+
+        def __iter__(self):
+            for i, line in enumerate(self.f):
+                if i == 5:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                yield line
+
+    monkeypatch.setattr(jobs.readers, "_open_binary", lambda path: Killed(real(path)))
+    try:
+        out = tmp_path / "out" / "out.parquet"
+        res = CliRunner().invoke(main, ["process", str(jobs_file), "-o", str(out), "--model", str(model_dir)])
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert res.exit_code == 75, res.output + repr(res.exception)
+    assert seen == [] and "rerun the same command" in res.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_sigterm_while_loading_the_model_raises_preempted(tmp_path, model_dir, jobs_file, monkeypatch):
+    import pipeline.model.load
+
+    real = pipeline.model.load.load_model
+
+    def load_model(*a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(*a, **k)
+
+    monkeypatch.setattr(pipeline.model.load, "load_model", load_model)
+    seen = []
+
+    def ours(*a):
+        seen.append("ignored by batchgen")
+
+    before = signal.signal(signal.SIGTERM, ours)
+    try:
+        with pytest.raises(Preempted):
+            process([str(jobs_file)], str(tmp_path / "out.parquet"), options(model_dir))
+        assert seen == [] and os.listdir(tmp_path) == ["jobs.jsonl"]
+        assert signal.getsignal(signal.SIGTERM) is ours  # restored after the run
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+# --- 11: resumed work is judged by the resolved precision -------------------------------------
+
+def test_resume_compares_the_resolved_dtype_not_the_option(tmp_path, model_dir, jobs_file, monkeypatch):
+    import torch
+
+    import pipeline.model.load
+
+    out = str(tmp_path / "out.parquet")
+
+    def parts():
+        return len(json.loads(open(out + ".parts/manifest.json").read())["parts"])
+
+    with pytest.raises(Interrupted):
+        process([str(jobs_file)], out, options(model_dir, dtype="float32"), progress=interrupt_after(4))
+    first = parts()
+    # `auto` on this CPU is float32: the same precision, so the work resumes
+    with pytest.raises(Interrupted):
+        process([str(jobs_file)], out, options(model_dir, dtype="auto"), progress=interrupt_after(4))
+    assert parts() > first
+    # `auto` on a CUDA machine is bfloat16: finished float32 work must not be mixed in
+    real = pipeline.model.load.resolve_dtype
+    monkeypatch.setattr(pipeline.model.load, "resolve_dtype",
+                        lambda d, dev: torch.bfloat16 if d == "auto" else real(d, dev))
+    with pytest.raises(JobError, match="other jobs, options or model"):
+        process([str(jobs_file)], out, options(model_dir, dtype="auto"))
+    monkeypatch.setattr(pipeline.model.load, "resolve_dtype", real)
+    summary = process([str(jobs_file)], out, options(model_dir, dtype="auto"))
+    assert summary["resumed_jobs"] == 7 and summary["dtype"] == "float32" and summary["device_type"] == "cpu"
+
+
+# --- 13: the summary of a resumed run equals an uninterrupted run's -----------------------------
+
+def test_a_resumed_runs_summary_equals_an_uninterrupted_runs(tmp_path, model_dir, jobs_file):
+    ref = process([str(jobs_file)], str(tmp_path / "ref.parquet"), options(model_dir))
+    out = str(tmp_path / "out.parquet")
+    for _ in range(3):
+        with pytest.raises(Interrupted):
+            process([str(jobs_file)], out, options(model_dir), progress=interrupt_after(4))
+    summary = process([str(jobs_file)], out, options(model_dir))
+    assert summary["resumed_jobs"] > 0
+    assert {k: summary[k] for k in JOB_COUNTS} == {k: ref[k] for k in JOB_COUNTS}
+    assert summary["jobs"] == 25 and summary["failed"] == 1 and summary["rows"] == 30
+    table = pq.read_table(out).to_pylist()
+    assert summary["prompt_tokens"] == sum(r["prompt_tokens"] for r in table if r["sample_index"] == 0)
+    assert summary["completion_tokens"] == sum(r["completion_tokens"] for r in table)
+    # work counters: all runs' work, so at least the uninterrupted run's
+    assert summary["prefill_tokens"] >= ref["prefill_tokens"] and summary["batches"] >= ref["batches"]
+
+
+def test_merge_keeps_every_summary_field(tmp_path, model_dir, jobs_file):
+    outs = []
+    for i in range(2):
+        out = str(tmp_path / f"shard-{i}.parquet")
+        process([str(jobs_file)], out, options(model_dir, shard=f"{i}/2"))
+        outs.append(out)
+    single = process([str(jobs_file)], str(tmp_path / "single.parquet"), options(model_dir))
+    res = CliRunner().invoke(main, ["merge", *outs, "-o", str(tmp_path / "all.parquet")])
+    assert res.exit_code == 0, res.output
+    merged = json.loads(open(tmp_path / "all.parquet.summary.json").read())
+    shard = json.loads(open(outs[0] + ".summary.json").read())
+    assert set(shard) <= set(merged), set(shard) - set(merged)
+    assert {k: merged[k] for k in JOB_COUNTS} == {k: single[k] for k in JOB_COUNTS}
+    for key in ("cascade_batches", "admitted_rows", "prefill_tokens", "decode_steps"):
+        assert merged[key] == sum(json.loads(open(o + ".summary.json").read())[key] for o in outs), key
+
+
+# --- issue 23, 8: job-level counts do not depend on which jobs a resumed run has left -----------
+
+def test_a_resumed_run_of_scoring_and_generating_jobs_has_every_count_of_an_uninterrupted_one(tmp_path, model_dir):
+    from tests.helpers.cli_helpers import write_jsonl
+
+    # one context: questions scored, others generated, prompts scored alone, some sharing more
+    rows = [{"id": f"q{i}", "prompt": HEAD + f"Q: {i}+{i}?", "continuations": [f" {2 * i}", " 0"]} for i in range(6)]
+    rows += [{"id": f"g{i}", "prompt": HEAD + f"Q: {i}?", "n": 1 + (i == 2)} for i in range(6)]
+    rows += [{"id": f"p{i}", "prompt": HEAD + f"Q: {i}+{i}? Why", "prompt_logprobs": True, "max_new_tokens": 0}
+             for i in range(3)]
+    src = str(write_jsonl(tmp_path / "jobs.jsonl", rows))
+    opts = options(model_dir, commit_every=2)
+    ref = process([src], str(tmp_path / "ref.parquet"), opts)
+    out = str(tmp_path / "out.parquet")
+    for done in (2, 3, 5):  # each run commits a few more jobs, then is interrupted
+        with pytest.raises(Interrupted):
+            process([src], out, opts, progress=interrupt_after(done))
+    summary = process([src], out, opts)
+    assert summary["resumed_jobs"] > 0
+    counts = ("id", "sample_index", "prompt_tokens", "cached_tokens", "completion_tokens")
+    got, want = pq.read_table(out, columns=list(counts)), pq.read_table(str(tmp_path / "ref.parquet"), columns=list(counts))
+    assert got.to_pylist() == want.to_pylist()
+    assert {k: summary[k] for k in JOB_COUNTS} == {k: ref[k] for k in JOB_COUNTS}
+    # and what the Python API reports, whose engine runs all the jobs in one tree
+    import batchgen
+
+    api = batchgen.generate(src, str(model_dir), max_new_tokens=4, min_shared_tokens=4, max_batch_tokens=200,
+                            dtype="float32")
+    assert [{k: r[k] for k in counts} for r in api] == want.to_pylist()
