@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from pipeline.model.files import cache_dir
+
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-pthread"]
 # -fopenmp: the kernel's threads are torch's (the loader shares the libgomp.so.1 torch has loaded),
@@ -50,8 +52,6 @@ def _cpu_key() -> str:
 
 
 def _build(fold: int, head: int) -> ctypes.CDLL:
-    from pipeline.model.load import cache_dir
-
     compiler = os.environ.get("CC", "cc")
     layout = [f"-DBATCHGEN_G={fold}", f"-DBATCHGEN_D={head}"]
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS, *layout, _cpu_key()]).encode())
