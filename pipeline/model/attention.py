@@ -112,8 +112,8 @@ def _attend(q, k, v, mask, scale, softcap, causal=False, decode=False):
     """q (B, Hq, Q, D) over k/v (B, Hkv, L, D), Hq a multiple of Hkv: (output, log-sum-exp (B, Hq, Q) float32).
     `decode`: one token per row (its query heads folded as Q)."""
     if q.device.type == "cpu" and q.dtype != torch.float32 and decode:
-        # one query per row (decode) in half precision: PyTorch's CPU flash kernel takes 6x longer
-        # than the float32 one on this shape; half-precision matmuls (AVX-512 BF16) read the keys at
+        # one query per row (decode) in half precision: PyTorch's CPU flash kernel takes several
+        # times longer than the float32 one on this shape; half-precision matmuls (AVX-512 BF16) read the keys at
         # half the bytes, as Hugging Face's eager attention computes it
         return partial(q, k, v, mask, scale, softcap, matmul_dtype=q.dtype)
     if softcap is None and fused_ok(q.device, q.dtype, q.shape[-1]):

@@ -1,11 +1,11 @@
 """batchgen's own forward for Llama-family decoders (Llama, Mistral, Qwen2, Qwen3), on a CPU.
 
-Why it exists, measured on the project machine (2 cores, SmolLM2-135M, float32):
-- a process that loads transformers' model classes spends 1.8 s importing them (their import
-  graph pulls in `torch.distributed.tensor`, sympy, `torch._dynamo` and scipy) and 0.7 s in
+Why it exists (the measurements are in BENCHMARKS.md):
+- a process that loads transformers' model classes spends seconds importing them (their import
+  graph pulls in `torch.distributed.tensor`, sympy, `torch._dynamo` and scipy) and in
   `from_pretrained`; this one reads `config.json` and the safetensors files itself;
-- transformers' model code runs op by op through module calls, masks and hooks: about a third of
-  a 32-row decode step beside the weight matmuls and attention. Here a layer is one fused
+- transformers' model code runs op by op through module calls, masks and hooks: a large share of
+  a decode step beside the weight matmuls and attention. Here a layer is one fused
   query/key/value GEMM, rotary embeddings for queries and keys in one pass over a per-position
   table, batchgen's attention (`attention.attend`), the SiLU MLP; the linear layers run on
   weights packed once for oneDNN (`kernels.linear`).
@@ -52,7 +52,7 @@ class Layer:
     o: Linear  # (T, Hq D) -> (T, H)
     post_norm: torch.Tensor  # (H,)
     # gate and up stay two GEMMs: fused they were no faster, and oneDNN's scratch for the fused
-    # one held 25 MB more at 2,048 tokens
+    # one held more memory at long steps
     gate: Linear  # (T, H) -> (T, I)
     up: Linear  # (T, H) -> (T, I)
     down: Linear  # (T, I) -> (T, H)
