@@ -61,9 +61,10 @@ class Engine:
     """A loaded model and its tokenizer, for repeated `generate` calls."""
 
     def __init__(self, model: Any, tokenizer: Any, *, name: str | None = None) -> None:
+        from pipeline.model.hf import as_forward
         from pipeline.text.tokenize import Tokenizer
 
-        self.model = model.eval()
+        self.model = as_forward(model)  # a transformers model, or one `Engine.load` loaded
         self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer(tokenizer)
         # what OpenAI output reports as the model: the name it was loaded by
         self.name = name or getattr(model.config, "_name_or_path", None) or type(model).__name__

@@ -152,7 +152,8 @@ def main() -> int:
     attention.native.decode_attention = native_attend
     attention.native.prefill_attention = prefill_attend
     attention.attend = timing(real_attention, "attention")  # both model codes call it per layer
-    engine.linears = [(m, timing(f, "linear")) for m, f in engine.linears]  # oneDNN's, switched on per forward
+    if not isinstance(model, Decoder):  # transformers' model code: oneDNN's linears, switched on per forward
+        engine.model.linears = [(m, timing(f, "linear")) for m, f in engine.model.linears]
     if isinstance(model, Decoder):  # its fused layers are callables on the layers
         packed = [(holder, attr, getattr(holder, attr)) for _, holder, attr, _, _ in linears]
     else:  # packed in place by load_model: oneDNN's for good

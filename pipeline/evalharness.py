@@ -49,6 +49,7 @@ class BatchgenLM(TemplateLM):
                  threads: int | None = None, **unused: Any) -> None:
         super().__init__()
         from pipeline.engine.engine import Engine
+        from pipeline.model.hf import as_forward
         from pipeline.model.kernels import set_threads
         from pipeline.model.load import load_model
         from pipeline.run.preflight import context_window
@@ -63,9 +64,9 @@ class BatchgenLM(TemplateLM):
         set_threads(threads)
         model, source = load_model(pretrained, device, str(dtype), bool(trust_remote_code))
         self.tok = Tokenizer.load(source, trust_remote_code=bool(trust_remote_code))
-        eos = model.generation_config.eos_token_id
-        eos = list(eos) if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else self.tok.eos_token_ids)
-        self.engine = Engine(model, eos_token_ids=eos, min_shared_tokens=int(min_shared_tokens),
+        forward = as_forward(model)
+        eos = self.tok.eos_token_ids if forward.eos_token_ids is None else forward.eos_token_ids
+        self.engine = Engine(forward, eos_token_ids=eos, min_shared_tokens=int(min_shared_tokens),
                              max_batch_tokens=int(max_batch_tokens))
         self.add_bos_token = None if add_bos_token is None else str(add_bos_token).lower() in ("1", "true", "yes")
         self._max_length = int(max_length) if max_length else (context_window(model.config) or 2048)
@@ -157,14 +158,14 @@ class BatchgenLM(TemplateLM):
 
 
 def _generation_config(source: str, model: Any) -> Any:
-    """The model's generation_config.json as transformers reads it (batchgen's own decoder carries
-    only its EOS), else what the model has."""
+    """The model's generation_config.json as transformers reads it, else what a transformers model
+    has (None for batchgen's own decoder, which reads only the EOS ids)."""
     from transformers import GenerationConfig
 
     try:
         return GenerationConfig.from_pretrained(source)
     except OSError:  # no generation_config.json
-        return model.generation_config
+        return getattr(model, "generation_config", None)
 
 
 def generation(gen_kwargs: dict[str, Any], where: str,

@@ -24,11 +24,8 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from pipeline.model import attention
-
-from pipeline.model import kernels
-from pipeline.model.attention import EngineError, layer_shapes  # noqa: F401  (EngineError: part of the engine's API)
-from pipeline.model.decoder import Decoder
+from pipeline.model.forward import EngineError, Forward  # noqa: F401  (EngineError: part of the engine's API)
+from pipeline.model.hf import as_forward
 from pipeline.model.kv import PrefixKV, RowKV
 from pipeline.engine.prefix_tree import PrefixTree
 from pipeline.engine.prefix_scores import PrefixScores
@@ -45,7 +42,7 @@ SCORED_ROWS = 512  # scored prompt positions per forward: their logits (rows x v
 class Engine:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: Forward | torch.nn.Module,  # a transformers model runs behind `pipeline.model.hf.HFModel`
         *,
         eos_token_ids: Iterable[int] = (),
         min_shared_tokens: int = 16,
@@ -56,9 +53,8 @@ class Engine:
         join: bool = True,
         static_decode: bool | None = None,
     ) -> None:
-        self.model = model
-        self.device = next(model.parameters()).device
-        self.dtype = next(model.parameters()).dtype
+        self.model = as_forward(model)
+        self.device, self.dtype = self.model.device, self.model.dtype
         self.eos = frozenset(eos_token_ids)
         self.min_shared_tokens = min_shared_tokens
         self.max_batch_tokens = max_batch_tokens
@@ -70,12 +66,7 @@ class Engine:
         # which read each run of slots only as far as its longest row, are faster
         self.static_decode = self.device.type == "cuda" if static_decode is None else static_decode
         self.attention_path = "cascade" if cascade else "copy"
-        self.own_decoder = isinstance(model, Decoder)  # batchgen's forward, else transformers' model code
-        self.layers = model.layer_shapes() if self.own_decoder else layer_shapes(model)
-        # float32 on CPU: oneDNN's GEMM, not MKL's (the decoder packs its own)
-        self.linears = [] if self.own_decoder else kernels.fast_linears(model)
-        if self.device.type == "cpu":
-            kernels.keep_freed_memory()  # activations reuse memory instead of faulting in fresh pages
+        self.layers = self.model.layer_shapes()
         self.stats = RunStats()
 
     def generate(self, requests: Sequence[Request]) -> list[Completion]:
@@ -216,18 +207,11 @@ class Engine:
 
     def forward(self, step: Step, keep: list[int]) -> torch.Tensor:
         """One forward over the step's flat tokens: the logits (N, V) at the token indices `keep`."""
-        index = torch.tensor(keep, dtype=torch.long, device=self.device)
-        if self.own_decoder:
-            logits = self.model.forward(step, index)
-        else:
-            with attention.selected(self.model), kernels.linears_on_onednn(self.linears):
-                out = self.model(input_ids=step.input_ids, position_ids=step.positions, use_cache=False,
-                                 logits_to_keep=index, **{attention.KWARG: step})
-            logits = out.logits[0].float()
+        logits = self.model.forward(step, keep)
         self.stats.compiled_attention_layers += step.kernel_layers[0]
         self.stats.pytorch_attention_layers += step.kernel_layers[1]
-        self.stats.own_decoder_forwards += self.own_decoder
-        self.stats.transformers_forwards += not self.own_decoder
+        self.stats.own_decoder_forwards += self.model.model_code == "batchgen"
+        self.stats.transformers_forwards += self.model.model_code == "transformers"
         return logits
 
     def _commit(self, step: Step, kv: RowKV, filling: list[Fill], running: list[Live]) -> None:

@@ -1,10 +1,7 @@
 """batchgen's attention: packed tokens, shared prefixes read once, merged exactly.
 
-The one module that touches transformers' attention API (it churns between releases). batchgen's
-own decoder (`pipeline.model.decoder`) calls `attend` per layer. For transformers' model code, batchgen
-registers `attention` in transformers' attention registry (imported only then) and, for its own
-forwards only, selects it and passes the forward's layout (`pipeline.model.step.Step`) as a keyword
-argument, which transformers forwards to every attention call.
+Both model codes call `attend` per layer: batchgen's own decoder (`pipeline.model.decoder`) directly,
+transformers' model code through the attention function `pipeline.model.hf` registers.
 
 Per layer, for the forward's flat list of tokens:
 1. the new keys/values are written into their buffers (row slots or a prefix being prefilled);
@@ -25,34 +22,10 @@ size; soft-capped models (Gemma2) and refused shapes use the reference.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Iterator
-
 import torch
 
 from pipeline.model import native
-from pipeline.errors import BatchgenError
-from pipeline.model.kv import LayerShape
 from pipeline.model.step import Step
-
-NAME = "batchgen"
-
-
-class EngineError(BatchgenError):
-    """The model cannot run on this engine; the message says why."""
-
-
-KWARG = "batchgen_step"
-
-
-def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask=None,
-              scaling: float | None = None, dropout: float = 0.0, sliding_window: int | None = None,
-              softcap: float | None = None, **kwargs):
-    """transformers' attention interface: query (1, Hq, T, D), key/value (1, Hkv, T, D), the
-    forward's new tokens; returns (1, T, Hq, Dv)."""
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = attend(kwargs[KWARG], module.layer_idx, query[0], key[0], value[0], scale, sliding_window, softcap)
-    return out.to(query.dtype)[None], None
 
 
 def attend(step: Step, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -139,8 +112,8 @@ def _attend(q, k, v, mask, scale, softcap, causal=False, decode=False):
     """q (B, Hq, Q, D) over k/v (B, Hkv, L, D), Hq a multiple of Hkv: (output, log-sum-exp (B, Hq, Q) float32).
     `decode`: one token per row (its query heads folded as Q)."""
     if q.device.type == "cpu" and q.dtype != torch.float32 and decode:
-        # one query per row (decode) in half precision: PyTorch's CPU flash kernel takes 6x longer
-        # than the float32 one on this shape; half-precision matmuls (AVX-512 BF16) read the keys at
+        # one query per row (decode) in half precision: PyTorch's CPU flash kernel takes several
+        # times longer than the float32 one on this shape; half-precision matmuls (AVX-512 BF16) read the keys at
         # half the bytes, as Hugging Face's eager attention computes it
         return partial(q, k, v, mask, scale, softcap, matmul_dtype=q.dtype)
     if softcap is None and fused_ok(q.device, q.dtype, q.shape[-1]):
@@ -264,60 +237,3 @@ def native_ok(dtype: torch.dtype, hq: int, hkv: int, d: int, dv: int) -> bool:
             ok = ok and bool(torch.allclose(out[i], ref[0, :, 0], atol=1e-4 if dtype == torch.float32 else 2e-2))
         _NATIVE_OK[key] = ok
     return _NATIVE_OK[key]
-
-
-@contextmanager
-def selected(model: torch.nn.Module) -> Iterator[None]:
-    """Route the model's attention through this module for one forward."""
-    _register(NAME, attention)
-    config = model.config
-    previous = config._attn_implementation
-    config._attn_implementation = NAME
-    try:
-        yield
-    finally:
-        config._attn_implementation = previous
-
-
-@contextmanager
-def probing(model: torch.nn.Module, fn) -> Iterator[None]:
-    """Route the model's attention to `fn` for one forward (the engine reads the layers' shapes)."""
-    _register(NAME + "_probe", fn)
-    config = model.config
-    previous = config._attn_implementation
-    config._attn_implementation = NAME + "_probe"
-    try:
-        yield
-    finally:
-        config._attn_implementation = previous
-
-
-def layer_shapes(model: torch.nn.Module) -> list[LayerShape]:
-    """Per layer, the key/value heads and sizes, read off one probe forward of one token; it also
-    checks that every layer's attention reaches batchgen's attention function."""
-    seen: dict[int, LayerShape] = {}
-
-    def probe(module, query, key, value, *args, **kwargs):
-        seen[module.layer_idx] = LayerShape(key.shape[1], key.shape[-1], value.shape[-1])
-        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
-
-    layers = getattr(model.config, "num_hidden_layers", None)
-    device = next(model.parameters()).device
-    try:
-        with probing(model, probe), torch.inference_mode():
-            model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
-                  position_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False, logits_to_keep=1)
-    except Exception as e:  # noqa: BLE001 - any failure means the same: this model is not supported
-        raise EngineError(f"{type(model).__name__}: its attention cannot run through batchgen's ({e})") from e
-    if not seen or (layers is not None and sorted(seen) != list(range(layers))):
-        raise EngineError(f"{type(model).__name__}: its attention layers do not all go through transformers' "
-                          "attention interface with a layer index, which batchgen needs")
-    return [seen[i] for i in sorted(seen)]
-
-
-def _register(name: str, fn) -> None:
-    """transformers' registry is imported only for a transformers model: a process that runs
-    batchgen's own decoder (`pipeline.model.decoder`) never imports transformers' model code."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(name, fn)

@@ -1,11 +1,11 @@
 """batchgen's own forward for Llama-family decoders (Llama, Mistral, Qwen2, Qwen3), on a CPU.
 
-Why it exists, measured on the project machine (2 cores, SmolLM2-135M, float32):
-- a process that loads transformers' model classes spends 1.8 s importing them (their import
-  graph pulls in `torch.distributed.tensor`, sympy, `torch._dynamo` and scipy) and 0.7 s in
+Why it exists (the measurements are in BENCHMARKS.md):
+- a process that loads transformers' model classes spends seconds importing them (their import
+  graph pulls in `torch.distributed.tensor`, sympy, `torch._dynamo` and scipy) and in
   `from_pretrained`; this one reads `config.json` and the safetensors files itself;
-- transformers' model code runs op by op through module calls, masks and hooks: about a third of
-  a 32-row decode step beside the weight matmuls and attention. Here a layer is one fused
+- transformers' model code runs op by op through module calls, masks and hooks: a large share of
+  a decode step beside the weight matmuls and attention. Here a layer is one fused
   query/key/value GEMM, rotary embeddings for queries and keys in one pass over a per-position
   table, batchgen's attention (`attention.attend`), the SiLU MLP; the linear layers run on
   weights packed once for oneDNN (`kernels.linear`).
@@ -22,7 +22,6 @@ import mmap
 import os
 import warnings
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -34,6 +33,7 @@ from pipeline.model import kernels
 
 from pipeline.model import rope
 from pipeline.model.decoder_config import FLOAT_DTYPES, DecoderConfig, header
+from pipeline.model.forward import eos_list
 from pipeline.model.kv import LayerShape
 from pipeline.model.step import Step
 
@@ -52,7 +52,7 @@ class Layer:
     o: Linear  # (T, Hq D) -> (T, H)
     post_norm: torch.Tensor  # (H,)
     # gate and up stay two GEMMs: fused they were no faster, and oneDNN's scratch for the fused
-    # one held 25 MB more at 2,048 tokens
+    # one held more memory at long steps
     gate: Linear  # (T, H) -> (T, I)
     up: Linear  # (T, H) -> (T, I)
     down: Linear  # (T, I) -> (T, H)
@@ -61,13 +61,16 @@ class Layer:
 
 
 class Decoder:
-    """A loaded model: `forward(step, keep)` gives the logits of the step's tokens at `keep`.
-    `config` and `generation_config.eos_token_id` read as a transformers model's do."""
+    """A loaded model, as a `pipeline.model.forward.Forward`: `forward(step, keep)` gives the
+    logits of the step's tokens at `keep`. Its `config` reads as a transformers model's does."""
+
+    model_code = "batchgen"
+    decoder_declined = None
 
     def __init__(self, config: DecoderConfig, device: torch.device, dtype: torch.dtype) -> None:
         self.config = config
         self.device, self.dtype = device, dtype
-        self.generation_config = SimpleNamespace(eos_token_id=config.eos_token_id)
+        self.eos_token_ids = eos_list(config.eos_token_id)
         c = config
         self.hq, self.hkv, self.d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.scale = c.head_dim ** -0.5
@@ -78,6 +81,8 @@ class Decoder:
         self.lm_head = kernels.linear(head)
         self.layers = [self._layer(weights, f"model.layers.{i}.") for i in range(c.num_hidden_layers)]
         self._cos = self._sin = torch.empty(0, self.d, dtype=dtype, device=device)
+        if device.type == "cpu":
+            kernels.keep_freed_memory()  # activations reuse memory instead of faulting in fresh pages
 
     @staticmethod
     def _layer(weights: dict[str, torch.Tensor], p: str) -> Layer:
@@ -92,19 +97,12 @@ class Decoder:
                      q_norm=weights.pop(p + "self_attn.q_norm.weight", None),
                      k_norm=weights.pop(p + "self_attn.k_norm.weight", None))
 
-    # what the rest of batchgen (and its Python API) reads of a loaded model, as of a transformers one
-    def parameters(self):
-        """The embedding: the model's device and dtype."""
-        yield self.embed
-
-    def eval(self) -> "Decoder":
-        return self  # inference only: nothing to switch
-
     def layer_shapes(self) -> list[LayerShape]:
         return [LayerShape(self.hkv, self.d, self.d)] * self.config.num_hidden_layers
 
-    def forward(self, step: Step, keep: torch.Tensor) -> torch.Tensor:
+    def forward(self, step: Step, keep: list[int] | torch.Tensor) -> torch.Tensor:
         """The step's flat tokens through every layer; logits (N, V) at the token indices `keep`."""
+        keep = torch.as_tensor(keep, dtype=torch.long, device=self.device)
         ids, pos = step.input_ids[0], step.positions[0]  # (T,), (T,)
         t, hq, hkv, d = ids.shape[0], self.hq, self.hkv, self.d
         cos, sin = self._rope(pos)  # (T, 1, D) each; sin with the first half negated

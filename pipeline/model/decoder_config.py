@@ -1,9 +1,8 @@
 """Which models batchgen's own decoder (`pipeline.model.decoder`) runs, read straight from the files of
 a model directory: `config.json`, `generation_config.json` and the safetensors headers.
 
-Torch-free, and free of transformers' config classes: on this machine importing a Llama config
-class pulls in `torch.distributed.tensor`, sympy and `torch._dynamo` (about 1 s), and the model
-classes another second. A process that runs a model through the decoder reads its context window,
+Torch-free, and free of transformers' config classes: importing a Llama config class pulls in
+`torch.distributed.tensor`, sympy and `torch._dynamo`, and the model classes more (BENCHMARKS.md). A process that runs a model through the decoder reads its context window,
 vocabulary and end-of-sequence ids here instead.
 
 The decoder runs a model exactly as transformers 5.24 does, or not at all. Acceptance is an

@@ -1,19 +1,19 @@
-"""CPU kernel choices, measured on the project machine (2-core AMD EPYC, AVX-512 BF16):
+"""CPU kernel choices (the measurements behind them are in BENCHMARKS.md):
 
 - Threads: torch's default is the host's core count, and under foreign load oversubscription
-  made runs up to 9x slower. batchgen uses the cores this process may actually run on: its CPU
+  made runs several times slower. batchgen uses the cores this process may actually run on: its CPU
   affinity, capped by a cgroup CPU quota (containers, SLURM, Kubernetes).
-- Freed memory stays with the process: glibc serves allocations above 128 KiB-32 MiB with mmap
-  and returns them on free, so every forward's activations (12 MB for a 2048-token MLP) were
-  fresh pages, faulted in and zeroed by the kernel: a 2048-token SiLU*mul took 9.0 ms instead
-  of 1.9, rotary embeddings 6.1 instead of 2.2. With glibc's mmap and trim thresholds raised,
+- Freed memory stays with the process: glibc serves large allocations (above its mmap
+  threshold) with mmap and returns them on free, so every forward's activations were fresh
+  pages, faulted in and zeroed by the kernel, which made elementwise ops such as SiLU*mul and
+  rotary embeddings several times slower. With glibc's mmap and trim thresholds raised,
   the same memory is reused forward after forward (as jemalloc/tcmalloc would).
-- Linear layers: torch 2.13 sends float32 `F.linear` to MKL's sgemm, which on this AMD CPU ran
-  20-50% slower than oneDNN's kernel on the same weights, and both libraries reorder a plain
-  weight into their blocked layout on every call. For batchgen's own forwards only, the model's
-  `nn.Linear` layers call oneDNN on weights packed once (float32 and bfloat16), where a one-time
-  probe finds it present and in agreement with `F.linear`: 20-70% faster at decode's 16-64
-  rows, 5-10% at 2,048 (`bench/bench_profile.py` prints the rates).
+- Linear layers: torch sends float32 `F.linear` to MKL's sgemm, which on an AMD CPU ran slower
+  than oneDNN's kernel on the same weights, and both libraries reorder a plain weight into their
+  blocked layout on every call. For batchgen's own forwards only, the model's `nn.Linear` layers
+  call oneDNN on weights packed once (float32 and bfloat16), where a one-time probe finds it
+  present and in agreement with `F.linear`: faster most of all at decode's few rows
+  (`bench/bench_profile.py` prints the rates).
 """
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def _onednn_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
     """The weight reordered once into oneDNN's blocked layout (an opaque mkldnn tensor), so no
-    call reorders it again; the row-count hint barely matters (measured at 16-2,048 rows)."""
+    call reorders it again; the row-count hint barely matters (measured over the engine's row counts)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight, 64)
 
 
@@ -198,12 +198,12 @@ def fast_linears(model: torch.nn.Module, pack: bool | None = None) -> list[tuple
     (layers `pack_in_place` packed call it always, and are not listed).
 
     On a CPU in float32 or bfloat16, each weight is packed once into oneDNN's blocked layout
-    (20-70% faster at decode's 16-64 rows, 5-10% at 2,048, measured here). For a model the user
+    (faster, most of all at decode's few rows: BENCHMARKS.md). For a model the user
     passed in, the packed copies sit beside its own weights (which its plain forward and tied
     embeddings keep using), so they are made only where they fit in a quarter of the available
     memory (`pack=None`), or as `pack` says; never beside a model packed in place, whose leftover
     plain layer is a tied head. Without packing, float32 layers still call oneDNN on their plain
-    weights (MKL's sgemm is slower on this AMD CPU) and bfloat16 ones keep `F.linear`, which
+    weights (MKL's sgemm is slower on AMD CPUs) and bfloat16 ones keep `F.linear`, which
     already goes to oneDNN. None off CPU, or where the probe fails."""
     dtype = _cpu_dtype_ok(model)
     if dtype is None:

@@ -23,8 +23,8 @@ import torch
 def zeroed(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
     """Zero-filled tensors of these shapes. On a CPU they are views into one private anonymous
     memory map, whose pages read as zeros and take memory only once written: `torch.zeros`
-    wrote 1.1 GB of zeros (0.27 s) for a 64-slot batch on this machine before its first token, and
-    held all of it, though short rows write a fraction of their slot. The map is unmapped when
+    writes a large batch's every zero before its first token, and holds all of them, though short
+    rows write a fraction of their slot (BENCHMARKS.md). The map is unmapped when
     the last view goes. Elsewhere (CUDA; Windows), `torch.zeros`."""
     if device.type != "cpu" or not hasattr(mmap, "MAP_PRIVATE"):
         return [torch.zeros(s, dtype=dtype, device=device) for s in shapes]

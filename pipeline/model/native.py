@@ -5,10 +5,10 @@ Built on first use with the machine's C compiler (`$CC`, else `cc`), one small l
 layout (query heads per key head, head size: a model has one), into batchgen's cache, keyed by
 the source, the flags, the layout and the CPU's instruction set (`-march=native`: a cache shared
 by machines of different CPUs gets one library per CPU); loaded with ctypes. Plain C with no
-Python or torch headers compiles in a third of a second, where a torch extension takes a minute.
+Python or torch headers compiles in well under a second, where a torch extension takes a minute.
 
-The kernels need AVX-512 (on AVX2 their 16-float vectors spill: the decode kernel ran 9x slower
-than PyTorch's kernels). Without AVX-512, without a compiler, for another layout or dtype, or with
+The kernels need AVX-512 (on AVX2 their 16-float vectors spill: the decode kernel ran slower
+than PyTorch's kernels, BENCHMARKS.md). Without AVX-512, without a compiler, for another layout or dtype, or with
 ``BATCHGEN_NATIVE=0``, `supports` is False and the engine reads decode attention through PyTorch's
 kernels (`pipeline.model.attention`): the same results, more slowly. `why_not` says which.
 `pipeline.model.attention.native_ok` checks both kernels against the reference once per layout.
@@ -25,11 +25,13 @@ from pathlib import Path
 
 import torch
 
+from pipeline.model.files import cache_dir
+
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-pthread"]
 # -fopenmp: the kernel's threads are torch's (the loader shares the libgomp.so.1 torch has loaded),
-# which still spin after torch's last op; new pthreads would fight them for the cores (2.4x slower
-# here). A compiler without OpenMP builds the pthreads version.
+# which still spin after torch's last op; new pthreads would fight them for the cores (slower:
+# BENCHMARKS.md). A compiler without OpenMP builds the pthreads version.
 THREADING = (["-fopenmp"], ["-fopenmp-simd"])
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_FOLD, MAX_HEAD = 8, 128
@@ -50,8 +52,6 @@ def _cpu_key() -> str:
 
 
 def _build(fold: int, head: int) -> ctypes.CDLL:
-    from pipeline.model.load import cache_dir
-
     compiler = os.environ.get("CC", "cc")
     layout = [f"-DBATCHGEN_G={fold}", f"-DBATCHGEN_D={head}"]
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS, *layout, _cpu_key()]).encode())

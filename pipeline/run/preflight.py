@@ -34,7 +34,7 @@ from pipeline.run.inputrows import PlainCheck, Rows, tokenize_plain
 from pipeline.run.jobstore import JobSpool, Problems
 from pipeline.run.overlap import check_apart
 from pipeline.run.prefix_index import IndexBuilder, PrefixIndex, pack_keys
-from pipeline.text.tokenize import Tokenizer, TokenizerError
+from pipeline.text.tokenize import Tokenizer, TokenizerError, torch_hidden
 from pipeline.text.expand import JobTokens, index_entry, job_requests, plain_entries, token_problem, tokenize_jobs
 from pipeline.engine.types import Request
 
@@ -143,7 +143,8 @@ def check_inputs(inputs: list[str], options: RunOptions, purpose: str = "process
     check_options(options)
     light = purpose != "process"
     _, source = model_source(options.model)
-    config = load_config(options.model, options.trust_remote_code, without_torch=light)
+    with torch_hidden(light):
+        config = load_config(options.model, options.trust_remote_code)
     window, vocab = context_window(config), vocab_size(config)
     tokenizer = Tokenizer.load(source, trust_remote_code=options.trust_remote_code, without_torch=light)
     check_default_constraint(tokenizer, options)

@@ -85,10 +85,12 @@ class _Generate:
                  out_dir: str, schema_blob: bytes, trust_remote_code: bool) -> None:
         import pickle
 
+        from pipeline.model.hf import as_forward
         from pipeline.model.load import load_model
         from pipeline.text.tokenize import Tokenizer
 
-        self.model, source = load_model(model, device, dtype, trust_remote_code)
+        loaded, source = load_model(model, device, dtype, trust_remote_code)
+        self.model = as_forward(loaded)
         self.tok = Tokenizer.load(source, trust_remote_code=trust_remote_code)
         self.options, self.out_dir = options, out_dir
         self.jobs = pickle.loads(jobs_blob)

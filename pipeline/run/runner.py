@@ -17,7 +17,7 @@ import os
 import signal
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -36,6 +36,9 @@ from pipeline.text.tokenize import Tokenizer
 from pipeline.text.expand import JobTokens, completions_expected, job_requests, order_of, tokenize_jobs, whole_key
 from pipeline.engine.types import Completion, Request, RunStats
 from pipeline.run.windows import COLLECT_JOBS, WINDOW_JOBS, WINDOW_TOKENS
+
+if TYPE_CHECKING:
+    from pipeline.model.forward import Forward
 
 
 @dataclass
@@ -75,6 +78,7 @@ def run_settings(options: RunOptions, model_name: str, precision: dict[str, str]
 def process(inputs: Sequence[str], output: str, options: RunOptions,
             progress: Callable[[Progress], None] | None = None) -> dict[str, Any]:
     """Run every valid job of `inputs`; write `output`, its errors file and its summary."""
+    from pipeline.model.hf import as_forward
     from pipeline.model.load import DEFAULT_MODEL, load_model, resolve_precision
     from pipeline.run.parts import PartStore, job_set_key, may_resume, read_manifest
     from pipeline.run.sharding import parse_shard
@@ -99,7 +103,7 @@ def process(inputs: Sequence[str], output: str, options: RunOptions,
 
             set_threads(options.threads)
             bound_kernel_caches()
-            model, _ = load_model(options.model, options.device, options.dtype, options.trust_remote_code)
+            model = as_forward(load_model(options.model, options.device, options.dtype, options.trust_remote_code)[0])
 
             stop.defer()  # writing starts: a signal now stops between steps, after committing
             store = None
@@ -206,7 +210,7 @@ class _Run:
                  "attention_kernels": used(compiled=stats.compiled_attention_layers,
                                            pytorch=stats.pytorch_attention_layers),
                  "model_code": used(batchgen=stats.own_decoder_forwards, transformers=stats.transformers_forwards),
-                 "decoder_declined": getattr(self.model, "batchgen_decoder_declined", None),
+                 "decoder_declined": self.model.decoder_declined,
                  "output": self.output,
                  "errors_file": errors_path(self.output, fmt) if counts.failed else None,
                  "resumed_jobs": int(done.sum())}
@@ -373,11 +377,11 @@ def write_results(output: str, fmt: str, schema, rows: list[dict[str, Any]], err
         ew.write(errors)
 
 
-def fingerprint(model: Any, model_name: str) -> str:
+def fingerprint(model: Forward, model_name: str) -> str:
     """OpenAI's system_fingerprint: what produced the output (engine version, model, precision)."""
     from pipeline import __version__
 
-    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    dtype = str(model.dtype).replace("torch.", "")
     return f"batchgen-{__version__}:{model_name}:{dtype}"
 
 
@@ -408,8 +412,6 @@ def _fault(point: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _eos_ids(model: Any, tokenizer: Tokenizer) -> list[int]:
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    if eos is None:
-        return tokenizer.eos_token_ids
-    return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+def _eos_ids(model: Forward, tokenizer: Tokenizer) -> list[int]:
+    """The model's generation config's end-of-sequence ids, else the tokenizer's."""
+    return tokenizer.eos_token_ids if model.eos_token_ids is None else model.eos_token_ids

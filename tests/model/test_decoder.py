@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from tests.helpers.jobsets import edge_case_requests, tokenizer
 from pipeline.model import decoder_config
 from pipeline.model.decoder import Decoder
+from pipeline.model.hf import as_forward
 from pipeline.engine.engine import Engine
 from pipeline.model.kv import PrefixKV
 from pipeline.model.load import load_config, load_model
@@ -120,7 +121,7 @@ def test_greedy_equals_uncached_generate(arch, kernels, tok, tmp_path, monkeypat
     reqs = edge_case_requests(tok)
     engine = Engine(dec, eos_token_ids=EOS, min_shared_tokens=4, max_batch_tokens=250)
     got = {(c.key, c.sample_index): c.token_ids for c in engine.run(reqs)}
-    assert engine.own_decoder and engine.stats.own_decoder_forwards > 0 and engine.stats.transformers_forwards == 0
+    assert engine.model.model_code == "batchgen" and engine.stats.own_decoder_forwards > 0 and engine.stats.transformers_forwards == 0
     assert engine.stats.cascade_batches > 0 and engine.stats.admitted_rows > 3
     for r in reqs:
         want = reference_generate(model, r, EOS)
@@ -169,7 +170,7 @@ def test_its_config_reads_as_transformers_does(arch, tmp_path):
     assert isinstance(ours, decoder_config.DecoderConfig)
     assert (context_window(ours), vocab_size(ours)) == (context_window(theirs), vocab_size(theirs))
     hf = load_model(str(tmp_path), "cpu", own_decoder=False)[0]
-    assert load_model(str(tmp_path), "cpu")[0].generation_config.eos_token_id == hf.generation_config.eos_token_id
+    assert load_model(str(tmp_path), "cpu")[0].eos_token_ids == as_forward(hf).eos_token_ids == [2, 5]
 
 
 def test_tokenizer_without_the_config_class_is_the_same(model_dir):

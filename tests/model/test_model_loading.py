@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, ViTConfig, ViTModel
 
-from pipeline.model import load as pm
+from pipeline.model import default_model as pm
 from pipeline.model.load import ModelLoadError, load_model, resolve_device, resolve_dtype
 from pipeline.errors import OptionError
 

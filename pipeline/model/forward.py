@@ -1,0 +1,46 @@
+"""What the engine needs of a loaded model: one packed forward over a step's flat tokens.
+
+Two model codes implement it: batchgen's own decoder (`pipeline.model.decoder.Decoder`) and
+transformers' model code behind `pipeline.model.hf.HFModel`. The engine sees only this protocol,
+so it never asks which model code it has; `pipeline.model.hf.as_forward` is where a transformers
+model a caller passes in (the tests, the Python API's `batchgen.Engine(model, tokenizer)`) becomes one.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from pipeline.errors import BatchgenError
+from pipeline.model.kv import LayerShape
+from pipeline.model.step import Step
+
+
+class EngineError(BatchgenError):
+    """The model cannot run on this engine; the message says why."""
+
+
+class Forward(Protocol):
+    device: torch.device
+    dtype: torch.dtype
+    config: Any  # what the checks before a run read: `DecoderConfig`, or transformers' config
+    model_code: str  # whose model code runs the forward: "batchgen" or "transformers" (the summary's `model_code`)
+    # the end-of-sequence ids of the model's generation config; None where it states none (the
+    # tokenizer's then apply)
+    eos_token_ids: list[int] | None
+    decoder_declined: str | None  # why batchgen's own decoder does not run it (the summary's `decoder_declined`)
+
+    def layer_shapes(self) -> list[LayerShape]:
+        """Per layer, the key/value heads and sizes the engine's KV buffers are made for."""
+        ...
+
+    def forward(self, step: Step, keep: list[int] | torch.Tensor) -> torch.Tensor:
+        """The step's flat tokens through the model: float32 logits (len(keep), V) at the token indices `keep`."""
+        ...
+
+
+def eos_list(eos: int | list[int] | tuple[int, ...] | None) -> list[int] | None:
+    """A generation config's `eos_token_id` (an id, a list, or None) as a list, or None."""
+    if eos is None:
+        return None
+    return list(eos) if isinstance(eos, (list, tuple)) else [eos]

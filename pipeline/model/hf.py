@@ -1,0 +1,128 @@
+"""transformers' model code behind the engine's forward (`pipeline.model.forward.Forward`).
+
+The one module that touches transformers' model and attention APIs, which churn between releases.
+batchgen registers its attention (`interface`, which calls `pipeline.model.attention.attend`) in transformers'
+attention registry (imported only then: a process that runs batchgen's own decoder never imports
+transformers' model code) and, for its own forwards only, selects it and passes the forward's
+layout (`pipeline.model.step.Step`) as a keyword argument, which transformers forwards to every
+attention call. The model runs with `use_cache=False`: the keys and values live in batchgen's
+buffers (`pipeline.model.kv`), written by that attention function.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+
+from pipeline.model import attention, kernels
+from pipeline.model.forward import EngineError, Forward, eos_list
+from pipeline.model.kv import LayerShape
+from pipeline.model.step import Step
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+NAME = "batchgen"
+KWARG = "batchgen_step"
+
+
+class HFModel:
+    """A transformers causal LM, for inference, as a `Forward`: `forward(step, keep)` runs it on a
+    step's flat tokens through batchgen's attention. On a CPU its plain linear layers call oneDNN
+    for these forwards (`kernels.fast_linears`); the model's own forward is left as it was."""
+
+    model_code = "transformers"
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model.eval()  # inference: no dropout
+        first = next(model.parameters())
+        self.device, self.dtype = first.device, first.dtype
+        self.config = model.config
+        self.eos_token_ids = eos_list(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
+        self.decoder_declined = getattr(model, "batchgen_decoder_declined", None)  # set by `load_model`
+        # float32 on CPU: oneDNN's GEMM, not MKL's (batchgen's decoder packs its own)
+        self.linears = kernels.fast_linears(model)
+        if self.device.type == "cpu":
+            kernels.keep_freed_memory()  # activations reuse memory instead of faulting in fresh pages
+
+    def layer_shapes(self) -> list[LayerShape]:
+        return layer_shapes(self.model)
+
+    def forward(self, step: Step, keep: list[int] | torch.Tensor) -> torch.Tensor:
+        index = torch.as_tensor(keep, dtype=torch.long, device=self.device)
+        with selected(self.model), kernels.linears_on_onednn(self.linears):
+            out = self.model(input_ids=step.input_ids, position_ids=step.positions, use_cache=False,
+                             logits_to_keep=index, **{KWARG: step})
+        return out.logits[0].float()
+
+
+def as_forward(model: Any) -> Forward:
+    """A transformers model (any `torch.nn.Module`) as an `HFModel`; a `Forward` as it is."""
+    return HFModel(model) if isinstance(model, torch.nn.Module) else model
+
+
+def interface(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask=None,
+              scaling: float | None = None, dropout: float = 0.0, sliding_window: int | None = None,
+              softcap: float | None = None, **kwargs):
+    """transformers' attention interface: query (1, Hq, T, D), key/value (1, Hkv, T, D), the
+    forward's new tokens; returns (1, T, Hq, Dv)."""
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = attention.attend(kwargs[KWARG], module.layer_idx, query[0], key[0], value[0], scale, sliding_window, softcap)
+    return out.to(query.dtype)[None], None
+
+
+@contextmanager
+def selected(model: torch.nn.Module) -> Iterator[None]:
+    """Route the model's attention through batchgen's for one forward."""
+    _register(NAME, interface)
+    config = model.config
+    previous = config._attn_implementation
+    config._attn_implementation = NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+
+
+@contextmanager
+def probing(model: torch.nn.Module, fn) -> Iterator[None]:
+    """Route the model's attention to `fn` for one forward (`layer_shapes` reads the layers' shapes)."""
+    _register(NAME + "_probe", fn)
+    config = model.config
+    previous = config._attn_implementation
+    config._attn_implementation = NAME + "_probe"
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+
+
+def layer_shapes(model: torch.nn.Module) -> list[LayerShape]:
+    """Per layer, the key/value heads and sizes, read off one probe forward of one token; it also
+    checks that every layer's attention reaches batchgen's attention function."""
+    seen: dict[int, LayerShape] = {}
+
+    def probe(module, query, key, value, *args, **kwargs):
+        seen[module.layer_idx] = LayerShape(key.shape[1], key.shape[-1], value.shape[-1])
+        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
+
+    layers = getattr(model.config, "num_hidden_layers", None)
+    device = next(model.parameters()).device
+    try:
+        with probing(model, probe), torch.inference_mode():
+            model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
+                  position_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False, logits_to_keep=1)
+    except Exception as e:  # noqa: BLE001 - any failure means the same: this model is not supported
+        raise EngineError(f"{type(model).__name__}: its attention cannot run through batchgen's ({e})") from e
+    if not seen or (layers is not None and sorted(seen) != list(range(layers))):
+        raise EngineError(f"{type(model).__name__}: its attention layers do not all go through transformers' "
+                          "attention interface with a layer index, which batchgen needs")
+    return [seen[i] for i in sorted(seen)]
+
+
+def _register(name: str, fn) -> None:
+    """transformers' registry is imported only for a transformers model."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(name, fn)
