@@ -15,8 +15,9 @@ from typing import Hashable, Mapping
 
 import torch
 
+from pipeline.engine.prefix_cache import PrefixCache
 from pipeline.engine.rows import token_scores
-from pipeline.engine.schedule import Plan, Row
+from pipeline.engine.schedule import Plan, Prefix, Row
 from pipeline.engine.types import Request
 
 
@@ -36,11 +37,11 @@ class Kept:
 
 
 class PrefixScores:
-    """The scores of one plan's prefixes, while they live (the engine drops a prefix's with its KV)."""
+    """Which prefixes of one plan keep scores, and how rows read them. The scores themselves are
+    held with each prefix's KV in the run's `PrefixCache` (its `kept`), made and freed with it."""
 
-    def __init__(self, plan: Plan, requests: Mapping[Hashable, Request]) -> None:
-        self.plan, self.requests = plan, requests
-        self.kept: dict[int, Kept] = {}
+    def __init__(self, plan: Plan, requests: Mapping[Hashable, Request], cache: PrefixCache) -> None:
+        self.plan, self.requests, self.cache = plan, requests, cache
         self.need: dict[int, int] = {}  # prefix -> the first prompt token a row below reads from prefixes
         for row in plan.rows:
             first, pid = requests[row.key].score_from, row.prefix
@@ -50,21 +51,22 @@ class PrefixScores:
                 self.need[pid] = first
                 pid = plan.prefixes[pid].parent
 
-    def open(self, pid: int) -> None:
-        """Prefix `pid` is about to be prefilled (its parent is): what it will keep, if anything."""
-        p = self.plan.prefixes[pid]
-        need = self.need.get(pid, p.end + 1)
+    def open(self, p: Prefix, parent: Kept | None) -> Kept | None:
+        """Prefix `p` is about to be prefilled (its parent is, and keeps `parent`): what it will
+        keep, if anything."""
+        need = self.need.get(p.id, p.end + 1)
         if need > p.end:  # no row below reads a score from it
-            return
-        kept = self.kept[pid] = Kept(max(p.start, need))
+            return None
+        kept = Kept(max(p.start, need))
         if kept.first == p.start and p.start:  # its first token is scored by its parent's last logits
-            lp, greedy = self.kept[p.parent].next(self._ids(pid)[p.start])
+            lp, greedy = parent.next(self._ids(p.id)[p.start])
             kept.logprobs.append(lp)
             kept.greedy.append(greedy)
+        return kept
 
     def positions(self, pid: int, start: int, end: int) -> range:
         """Positions in [start, end) of prefix `pid` whose logits score a token for rows below."""
-        kept = self.kept.get(pid)
+        kept = self._kept(pid)
         if kept is None:
             return range(0)
         lo = max(start, kept.first - 1)  # the logits before its first kept token score it
@@ -77,7 +79,7 @@ class PrefixScores:
             return
         logprobs, chosen, greedy = token_scores(logits, [self._ids(pid)[q + 1] for pid, q in scored])
         for i, ((pid, q), lp, g) in enumerate(zip(scored, chosen, greedy)):
-            kept = self.kept[pid]
+            kept = self._kept(pid)
             if q == self.plan.prefixes[pid].end - 1:
                 kept.last = logprobs[i].clone()
                 kept.best = int(kept.last.argmax())
@@ -99,15 +101,15 @@ class PrefixScores:
         for pid in reversed(chain):  # root first: in prompt order
             p = self.plan.prefixes[pid]
             if p.end > first:
-                kept = self.kept[pid]
+                kept = self._kept(pid)
                 skip = max(p.start, first) - kept.first
                 logprobs += kept.logprobs[skip:]
                 greedy += kept.greedy[skip:]
-        lp, g = self.kept[row.prefix].next(request.prompt_ids[row.cached])
+        lp, g = self._kept(row.prefix).next(request.prompt_ids[row.cached])
         return logprobs + [lp], greedy + [g]
 
-    def drop(self, pid: int | None) -> None:
-        self.kept.pop(pid, None)
+    def _kept(self, pid: int) -> Kept | None:
+        return self.cache[pid].kept
 
     def _ids(self, pid: int) -> list[int]:
         return self.requests[self.plan.prefixes[pid].key].prompt_ids

@@ -1,8 +1,7 @@
 """A radix tree over token ids: every shared prefix, at every level, is one node.
 
-Pure Python, no torch. The scheduling policy walks it; the engine keeps one thing on it: each
-node's reference count, the rows at or below it that have not finished (SGLang's lock_ref). A
-cached prefix's KV is freed when its count drops to zero, and never before.
+Pure Python, no torch. The scheduling policy walks it; the prefixes it picks to cache live in a
+run's `PrefixCache` (prefix_cache.py), which counts their readers.
 """
 from __future__ import annotations
 
@@ -18,7 +17,6 @@ class Node:
     children: dict[int, "Node"] = field(default_factory=dict)  # first token of the child's edge -> child
     keys: list[Hashable] = field(default_factory=list)  # sequences that end exactly here
     size: int = 0  # rows ending in this subtree (a sequence inserted with weight n counts n)
-    ref: int = 0  # unfinished rows at or below this node, while a run holds them (lock/unlock)
 
     @property
     def start(self) -> int:
@@ -101,7 +99,7 @@ class PrefixTree:
         """Cut child's edge after `at` tokens; the new middle node takes child's place."""
         parent = child.parent
         assert parent is not None
-        mid = Node(tokens=child.tokens[:at], depth=child.start + at, parent=parent, size=child.size, ref=child.ref)
+        mid = Node(tokens=child.tokens[:at], depth=child.start + at, parent=parent, size=child.size)
         parent.children[mid.tokens[0]] = mid
         child.tokens = child.tokens[at:]
         child.parent = mid
@@ -113,26 +111,6 @@ class PrefixTree:
 
     def nodes(self) -> Iterator[Node]:
         return self.root.walk()
-
-    @staticmethod
-    def lock(node: Node, count: int = 1) -> None:
-        """`count` more unfinished rows read `node` (and so every node above it)."""
-        while node is not None:
-            node.ref += count
-            node = node.parent
-
-    @staticmethod
-    def unlock(node: Node, count: int = 1) -> list[Node]:
-        """`count` rows below `node` finished; returns the nodes whose count fell to zero, deepest first."""
-        freed = []
-        while node is not None:
-            node.ref -= count
-            if node.ref < 0:
-                raise RuntimeError("prefix tree node unlocked more often than locked")
-            if node.ref == 0:
-                freed.append(node)
-            node = node.parent
-        return freed
 
     def token_count(self) -> int:
         """Distinct token prefixes: the least prefill work any prefix cache can do."""

@@ -69,7 +69,7 @@ class BatchShape:
 @dataclass
 class Plan:
     prefixes: dict[int, Prefix]  # parents before children
-    nodes: dict[int, Node]  # prefix id -> its tree node, where the run counts references
+    nodes: dict[int, Node]  # prefix id -> its tree node (the tokens it caches)
     rows: list[Row]
     batches: list[BatchShape]
     shapes: Mapping[Hashable, JobShape]

@@ -1,5 +1,5 @@
 """The engine's plan of one window, from the sorted index's numbers alone (what `batchgen plan`
-reports for a million jobs in seconds).
+reports without building a tree; its speed is in BENCHMARKS.md).
 
 `schedule.plan` over `schedule.tree_of_sorted` is the reference: the engine runs that plan. It
 builds a Python node per token run and a Row per job, and the tree holds every prompt's tokens;

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Hashable, NamedTuple
 
 if TYPE_CHECKING:
-    from pipeline.text.grammar import Matcher
+    from pipeline.engine.constrain import Matcher
 
 # Called with a row's generated ids; returns True when a stop string has appeared.
 StopCheck = Callable[[list[int]], bool]
@@ -24,7 +24,7 @@ class SamplingParams:
     top_k: int = 0  # 0 means off
     seed: int | None = None
     n: int = 1
-    # logits processors, in the order transformers' generate applies them (see pipeline/engine/logits.py)
+    # logits processors, in the order transformers' generate applies them (see pipeline/engine/sampling.py)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     repetition_penalty: float = 1.0  # transformers' (prompt and generated tokens), 1 is off
     presence_penalty: float = 0.0  # OpenAI's (generated tokens only), 0 is off

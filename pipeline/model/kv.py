@@ -102,6 +102,10 @@ class RowKV:
     def in_use(self) -> int:
         return sum(self.used)
 
+    def advance(self, slot: int, n: int = 1) -> None:
+        """A forward wrote `n` more of the slot's tokens: they count from now on."""
+        self.lens[slot] += n
+
     def copy_in(self, slot: int, prefix: PrefixKV, start: int, end: int) -> None:
         """Tokens [start, end) of a cached prefix become the slot's first own tokens."""
         n = end - start

@@ -7,12 +7,12 @@ triton and a second FFI runtime), its validation returns a message instead of ra
 decode step of tens to hundreds.
 
 One `Grammars` per tokenizer compiles each distinct constraint once; every sample gets its own
-`Matcher` (a copy of the compiled one). `allowed_tokens` fills the masks of all constrained rows
-of a step into one bitmask, one row after the other on the calling thread: llguidance's parallel
-fill keeps a thread pool that competes with torch's threads for the cores, and made the model's
-forward up to 5x slower on a 2-core machine (BENCHMARKS.md), while a serial fill of 32 rows costs a
-few milliseconds. Constraints apply to generated tokens only: prompts and their shared prefixes
-are untouched.
+`Matcher` (a copy of the compiled one). The engine (`engine.constrain.allowed_tokens`) fills the
+masks of all constrained rows of a step into one bitmask, one row after the other on the calling
+thread: llguidance's parallel fill keeps a thread pool that competes with torch's threads for the
+cores, and made the model's forward up to 5x slower on a 2-core machine (BENCHMARKS.md), while a
+serial fill of 32 rows costs a few milliseconds. Constraints apply to generated tokens only:
+prompts and their shared prefixes are untouched.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import json
 import re
 from collections import OrderedDict
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -32,7 +32,6 @@ from pipeline.engine.types import MatcherFactory
 # whitespace lets a model pad forever; compact output is what json.dumps(separators=...) gives.
 JSON_OPTIONS = {"whitespace_flexible": False}
 _PROTOTYPES = 256  # compiled matchers kept for copying; others are rebuilt from their grammar text
-_SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
 class GrammarError(BatchgenError):
@@ -57,7 +56,7 @@ def grammar_text(constraint: Constraint) -> str:
 
 
 class Matcher:
-    """One sample's position in its grammar."""
+    """One sample's position in its grammar (the engine's `constrain.Matcher`)."""
 
     __slots__ = ("ll", "n_vocab")
 
@@ -67,6 +66,12 @@ class Matcher:
 
     def accept(self, token: int) -> None:
         self.ll.consume_token(token)  # a refused token leaves the matcher in its error state
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """The tokens allowed next, into row `row` of the step's bitmask (`engine.constrain.allowed_tokens`)."""
+        import llguidance.torch as lt
+
+        lt.fill_next_token_bitmask(self.ll, bitmask, row)
 
     @property
     def accepting(self) -> bool:
@@ -200,21 +205,6 @@ def _hf_ll_tokenizer(hf: Any) -> Any:
         return llguidance.LLTokenizer(json.dumps(spec), eos_token=hf.eos_token_id)
     except Exception as e:  # noqa: BLE001
         raise GrammarError(f"constrained decoding cannot use this tokenizer ({_first_line(str(e))})") from None
-
-
-def allowed_tokens(matchers: Sequence[Matcher], vocab: int) -> torch.Tensor:
-    """(R, vocab) bool: the tokens each matcher allows next."""
-    import llguidance.torch as lt
-
-    words = (matchers[0].n_vocab + 31) // 32  # one tokenizer per run: one mask width
-    bitmask = torch.zeros((len(matchers), words), dtype=torch.int32)
-    for i, m in enumerate(matchers):
-        lt.fill_next_token_bitmask(m.ll, bitmask, i)
-    bits = ((bitmask.unsqueeze(-1) >> _SHIFTS) & 1).view(len(matchers), words * 32).bool()
-    if bits.shape[1] >= vocab:
-        return bits[:, :vocab]
-    # ids past the tokenizer's vocabulary (padding of the model's output layer) are never allowed
-    return torch.cat([bits, bits.new_zeros(len(matchers), vocab - bits.shape[1])], dim=1)
 
 
 def _first_line(message: str) -> str:

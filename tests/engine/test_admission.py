@@ -106,6 +106,47 @@ def test_out_of_memory_while_rows_join_reruns_them(monkeypatch):
     assert attention  # the step layout the injection reads is the engine's own
 
 
+def test_out_of_memory_halves_the_step_of_that_run_only():
+    """A run that ran out of memory goes on in smaller steps; the engine's next run starts from
+    its configured step again (the halving belongs to the run, not to the engine)."""
+    import torch
+
+    tok = tokenizer()
+    model = make_model("llama", seed=5)
+    reqs = uneven_requests(tok)
+
+    def run(engine):
+        sizes, real = [], engine.forward
+
+        def spy(step, keep):
+            sizes.append(step.tokens)
+            return real(step, keep)
+
+        engine.forward = spy
+        out = sorted((c.key, c.sample_index, c.token_ids) for c in engine.run(reqs))
+        del engine.forward
+        return out, sizes
+
+    options = dict(eos_token_ids=EOS, min_shared_tokens=4, max_batch_tokens=300, step_tokens=64)
+    want, want_sizes = run(Engine(model, **options))
+    engine = Engine(model, **options)
+    real, fired = engine.forward, []
+
+    def failing(step, keep):
+        if not step.n_dec and step.tokens > 16 and not fired:  # the first prefill
+            fired.append(step.tokens)
+            raise torch.OutOfMemoryError("injected")
+        return real(step, keep)
+
+    engine.forward = failing
+    assert sorted((c.key, c.sample_index, c.token_ids) for c in engine.run(reqs)) == want
+    assert fired and engine.stats.oom_splits == 1
+    del engine.forward
+    got, sizes = run(engine)
+    assert got == want
+    assert sizes == want_sizes  # the same steps as a fresh engine's
+
+
 def test_finished_rows_are_yielded_while_their_batch_runs_on():
     """A batch that rows keep joining may run for the whole job: its finished rows must reach the
     output (and a resume) as they finish, and a stop keeps every one yielded so far."""
@@ -136,17 +177,20 @@ def test_prefixes_are_freed_while_one_batch_runs_on_through_many_groups(monkeypa
     reqs = [Request(f"g{g}-q{i}", tok.encode_prompt(f"Group {g} header: " + "context words here " * 3 + f"Q{i}?"),
                     SamplingParams(max_new_tokens=1 + (7 * i + g) % 9)) for g in range(24) for i in range(4)]
     engine = Engine(model, eos_token_ids=[], min_shared_tokens=4, max_batch_tokens=100)
-    alive = []
-    real = engine._prefill_prefixes
+    from pipeline.engine import loop
 
-    def spy(needed):
-        real(needed)
-        alive.append(len(engine._prefixes))
+    alive, runs = [], []
+    real = loop.Pass._prefill_prefixes
 
-    monkeypatch.setattr(engine, "_prefill_prefixes", spy)
+    def spy(self, needed):
+        real(self, needed)
+        runs.append(self)
+        alive.append(len(self.prefixes))
+
+    monkeypatch.setattr(loop.Pass, "_prefill_prefixes", spy)
     got = sorted((c.key, c.token_ids) for c in engine.run(reqs))
     assert engine.stats.admitted_rows > 40 and engine.stats.batches <= 3 and engine.stats.prefix_nodes >= 24
     assert max(alive) <= 12, alive  # a few groups in flight plus the plan's path, not one per group (25)
-    assert not engine._prefixes, "every prefix is freed by the end"
+    assert not runs[-1].prefixes, "every prefix is freed by the end"
     want = sorted((c.key, c.token_ids) for c in Engine(model, eos_token_ids=[], min_shared_tokens=4, join=False).run(reqs))
     assert got == want

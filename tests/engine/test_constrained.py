@@ -198,7 +198,7 @@ def test_a_constraint_holding_a_special_tokens_text_writes_that_text(kind, spec,
 
 def forced_text(grammars: Grammars, constraint: Constraint, hf, limit: int = 64) -> str:
     """Walk a grammar that allows one text, taking the lowest allowed token at each step."""
-    from pipeline.text.grammar import allowed_tokens
+    from pipeline.engine.constrain import allowed_tokens
 
     m = grammars.factory(constraint)()
     ids = []

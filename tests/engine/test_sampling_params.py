@@ -7,7 +7,7 @@ from transformers import (LogitsProcessorList, MinNewTokensLengthLogitsProcessor
 
 from tests.helpers.jobsets import SYSTEM, tokenizer
 from pipeline.engine.engine import Engine
-from pipeline.engine.logits import process
+from pipeline.engine.sampling import process
 from pipeline.engine.sampling import RowState, sample
 from pipeline.engine.types import Request, SamplingParams
 from tests.helpers.tiny_models import make_model

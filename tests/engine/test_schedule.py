@@ -2,6 +2,7 @@ import random
 
 from hypothesis import given, settings, strategies as st
 
+from pipeline.engine.prefix_cache import PrefixCache
 from pipeline.engine.prefix_tree import PrefixTree
 from pipeline.engine.schedule import COPY_LIMIT, plan, tree_of
 
@@ -15,11 +16,11 @@ def simulate(work, prompts):
     """Replay a plan as the engine does, with its reference counts: prefixes are computed from a
     live parent, rows read live prefixes, every prefix is freed once its last row finishes.
     Returns the prefill tokens."""
+    cache = PrefixCache(work.prefixes, lambda p, parent: p.id)  # the engine's, holding no KV
     for row in work.rows:
         if row.prefix is not None:
-            PrefixTree.lock(work.nodes[row.prefix], len(row.samples))
+            cache.lock(row.prefix, len(row.samples))
     alive, done, freed, tokens, runs = set(), set(), set(), 0, {}
-    prefix_of = {id(node): pid for pid, node in work.nodes.items()}
 
     def compute(pid):
         nonlocal tokens
@@ -51,10 +52,10 @@ def simulate(work, prompts):
             tokens += len(prompts[row.key]) - row.cached
             runs.setdefault(row.key, []).extend(row.samples)
             if row.prefix is not None:  # the row finishes
-                for node in PrefixTree.unlock(work.nodes[row.prefix], len(row.samples)):
-                    if id(node) in prefix_of and prefix_of[id(node)] in alive:
-                        alive.remove(prefix_of[id(node)])
-                        freed.add(prefix_of[id(node)])
+                for pid in cache.unlock(row.prefix, len(row.samples)):
+                    if pid in alive:
+                        alive.remove(pid)
+                        freed.add(pid)
     assert not alive, "every prefix is freed"
     assert done == set(work.prefixes), "every planned prefix is computed"
     for key, shape in work.shapes.items():
