@@ -23,7 +23,7 @@ from typing import Any, Container, Iterable, Mapping, Sequence
 
 from .atomic import AtomicWriter
 from .schema import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, InvalidRow, Job
-from .writers import CREATED, RESULT_COLUMNS, _check_required, _dumps
+from .columns import CREATED, RESULT_COLUMNS, check_required, dumps
 
 GENERATION_FAILED = "generation failed: "  # how the runner words a job that failed while generating
 
@@ -110,7 +110,7 @@ class OpenAIBatchWriter(AtomicWriter):
     _allow_gzip = True
 
     def write(self, rows: Sequence[Mapping[str, Any]]) -> None:
-        _check_required(rows, RESULT_COLUMNS)
+        check_required(rows, RESULT_COLUMNS)
         for r in rows:
             key = r.get("request")
             self._requests.setdefault(("custom_id", _custom_id(r)) if key is None else key, []).append(r)
@@ -118,7 +118,7 @@ class OpenAIBatchWriter(AtomicWriter):
     def _finish(self) -> None:
         for samples in self._requests.values():
             line = response_line(_custom_id(samples[0]), samples, self.model, self.endpoint, self.fingerprint)
-            self._file.write((_dumps(line) + "\n").encode("utf-8"))  # type: ignore[union-attr]
+            self._file.write((dumps(line) + "\n").encode("utf-8"))  # type: ignore[union-attr]
         self._requests.clear()
 
 
@@ -207,5 +207,5 @@ class OpenAIErrorWriter(AtomicWriter):
         super().__exit__(exc_type, exc, tb)
 
     def _finish(self) -> None:
-        text = "".join(_dumps(x) + "\n" for x in self._lines.values())
+        text = "".join(dumps(x) + "\n" for x in self._lines.values())
         self._file.write(text.encode("utf-8"))  # type: ignore[union-attr]
