@@ -428,7 +428,26 @@ class Engine:
         filling[:] = [f for f in filling if f.slots[0] not in gone]
         return max(1, used)
 
+    # -- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, fallback_eos_ids: Iterable[int], *, min_shared_tokens: int,
+                  max_batch_tokens: int) -> "Engine":
+        """An engine for `model` whose samples end at the model's EOS ids (`eos_ids`): how the
+        runner, the Ray workers, the Python API and the lm-eval backend all build theirs."""
+        return cls(model, eos_token_ids=eos_ids(model, fallback_eos_ids), min_shared_tokens=min_shared_tokens,
+                   max_batch_tokens=max_batch_tokens)
+
 
 def _release_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def eos_ids(model: torch.nn.Module, fallback: Iterable[int]) -> list[int]:
+    """The token ids that end a sample: the model's generation config's, as `model.generate`
+    reads them, else `fallback` (the tokenizer's)."""
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None:
+        return list(fallback)
+    return list(eos) if isinstance(eos, (list, tuple)) else [eos]

@@ -12,7 +12,8 @@ from click.testing import CliRunner
 
 from jobs import GenerationDefaults
 from pipeline.cli import main
-from pipeline.run.ordered import ORDER, in_order
+from jobs.columns import ORDER
+from pipeline.run.ordered import in_order
 from pipeline.run.runner import RunOptions, process
 from pipeline.engine.types import Completion, RunStats
 
