@@ -347,9 +347,9 @@ def fingerprint(model: Any, model_name: str) -> str:
 
 def bound_kernel_caches(entries: int = 128) -> None:
     """torch's oneDNN kernels cache a primitive per distinct shape (and ideep its buffers), up to
-    1,024 each, and the engine's forwards have a new token count nearly every step: over a run of
-    a million jobs those caches alone grew RSS by hundreds of MB, steadily. 128 entries each keep
-    memory flat at the same speed (measured: BENCHMARKS.md). Read at oneDNN's first call, so set
+    1,024 each, and the engine's forwards have a new token count nearly every step: over a long
+    run those caches alone grow the process's memory steadily. 128 entries each keep memory flat
+    at the same speed (BENCHMARKS.md). Read at oneDNN's first call, so set
     before the model runs; values in the environment win."""
     for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
         os.environ.setdefault(name, str(entries))
