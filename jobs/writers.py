@@ -11,7 +11,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .atomic import AtomicWriter, remove_stale_temps
+from .atomic import AtomicWriter, WrittenIfAny, remove_stale_temps
 from .columns import (CREATED, ERROR_SCHEMA, OUTPUT_COLUMNS, OUTPUT_FIELDS, RESULT_COLUMNS, RESULT_FIELDS,
                       check_required, dumps, json_default)
 from .openai_batch import OpenAIBatchWriter, OpenAIErrorWriter
@@ -221,7 +221,7 @@ def summary_path(output_path: str | os.PathLike[str]) -> str:
     return os.fspath(output_path) + ".summary.json"
 
 
-class ErrorWriter(AtomicWriter):
+class ErrorWriter(WrittenIfAny):
     """Invalid rows to Parquet (id, location, reason), atomically.
 
     No rows -> no file: with ``overwrite`` an errors file of an earlier run at this path is
@@ -231,7 +231,6 @@ class ErrorWriter(AtomicWriter):
 
     def __init__(self, path: str | os.PathLike[str], overwrite: bool = False) -> None:
         super().__init__(path, overwrite)
-        self._overwrite = overwrite
         self._tables: list[pa.Table] = []  # held as Arrow: a run may refuse a million rows
 
     def write(self, rows: Iterable[InvalidRow | Mapping[str, Any]]) -> None:
@@ -244,13 +243,8 @@ class ErrorWriter(AtomicWriter):
         if table.num_rows:
             self._tables.append(table.select(ERROR_SCHEMA.names).cast(ERROR_SCHEMA))
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None and not self._tables:
-            self._discard()  # nothing to report: do not create an empty errors file
-            if self._overwrite and os.path.lexists(self.path):
-                os.unlink(self.path)
-            return
-        super().__exit__(exc_type, exc, tb)
+    def _empty(self) -> bool:
+        return not self._tables
 
     def _finish(self) -> None:
         pq.write_table(pa.concat_tables(self._tables), self._file)
