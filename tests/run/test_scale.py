@@ -97,6 +97,10 @@ class FakeEngine:
     def __init__(self, model, **kwargs):
         self.stats, self.attention_path = RunStats(), "cascade"
 
+    @classmethod
+    def for_model(cls, model, fallback_eos_ids, **kwargs):
+        return cls(model, **kwargs)
+
     def run(self, requests, should_stop=lambda: False):
         FakeEngine.calls.append(len(requests))
         for r in requests:
