@@ -19,7 +19,7 @@ from jobs import GenerationDefaults, InvalidRow, Job, JobError, Location
 from jobs.checks import Checker
 from jobs.errors import keyword_option, option_names
 from jobs.params import CONSTRAINTS, PARAMS, constraint, split_fields
-from jobs.writers import CREATED
+from jobs.columns import CREATED, ORDER
 
 # keyword options besides the generation parameters (jobs/params.py: PARAMS, CONSTRAINTS, aliases)
 RUN_OPTIONS = ("prompt_template", "system", "min_shared_tokens", "max_batch_tokens", "output_format", "overwrite",
@@ -127,26 +127,20 @@ class Engine:
         from tqdm.auto import tqdm
 
         from pipeline.engine.engine import Engine as Core
-        from pipeline.text.expand import order_of
-        from pipeline.run.parts import ORDER
+        from pipeline.text.expand import finished_jobs
         from pipeline.text.results import job_rows
-        from pipeline.run.runner import _eos_ids
 
         jobs = checked.jobs
-        core = Core(self.model, eos_token_ids=_eos_ids(self.model, self.tokenizer),
-                    min_shared_tokens=opts.min_shared_tokens, max_batch_tokens=opts.max_batch_tokens)
+        core = Core.for_model(self.model, self.tokenizer.eos_token_ids, min_shared_tokens=opts.min_shared_tokens,
+                              max_batch_tokens=opts.max_batch_tokens)
         rows: list[dict[str, Any]] = []
         errors = [{**inv.to_row(), ORDER: o} for o, inv in checked.invalid.items()]
-        samples: dict[int, list] = {}
         with tqdm(total=len(checked.expected), disable=not progress, unit="job") as bar:
-            for c in core.run(checked.requests):
-                order = order_of(c.key)
-                samples.setdefault(order, []).append(c)
-                if len(samples[order]) == checked.expected[order]:  # samples, continuations or windows
-                    done, failed = job_rows(order, jobs[order], samples.pop(order), self.tokenizer)
-                    rows += done
-                    errors += failed
-                    bar.update(1)
+            for order, completions in finished_jobs(core.run(checked.requests), checked.expected):
+                done, failed = job_rows(order, jobs[order], completions, self.tokenizer)
+                rows += done
+                errors += failed
+                bar.update(1)
         # input order, as the runner's committed parts give them back (job_rows orders samples)
         return sorted(rows, key=lambda r: r[ORDER]), sorted(errors, key=lambda e: e[ORDER])
 
@@ -154,7 +148,7 @@ class Engine:
 def run_options(options: dict[str, Any]) -> Any:
     """RunOptions from keyword options: generation parameters are checked as a job's fields are
     (location "options"), so an unsupported one is refused, not ignored."""
-    from pipeline.run.runner import RunOptions
+    from pipeline.run.options import RunOptions
 
     unknown = sorted(k for k in options if k not in RUN_OPTIONS and not _is_param(k))
     if unknown:
@@ -177,8 +171,6 @@ def _is_param(name: str) -> bool:
 def _in_order(rows: list[dict[str, Any]], errors: list[dict[str, Any]], checked: Any,
               schema: pa.Schema) -> list[dict[str, Any]]:
     """Every input position's rows: its samples, or one row saying why it failed."""
-    from pipeline.run.parts import ORDER
-
     by_order: dict[int, list[dict[str, Any]]] = {}
     for r in rows:
         by_order.setdefault(r[ORDER], []).append({**r, ERROR: None})

@@ -124,3 +124,24 @@ class AtomicWriter:
 
     def _abort(self) -> None:
         """Release format-level state before the temp file is deleted (subclasses)."""
+
+
+class WrittenIfAny(AtomicWriter):
+    """An atomic file that exists only if something was written to it (`_empty` says whether
+    nothing was): with nothing, no file is created, and with `overwrite` a file of an earlier run
+    at the path is removed, so that it always tells of this run alone (an errors file)."""
+
+    def __init__(self, path: str | os.PathLike[str], overwrite: bool = False) -> None:
+        super().__init__(path, overwrite)
+        self._overwrite = overwrite
+
+    def _empty(self) -> bool:
+        raise NotImplementedError
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None and self._empty():
+            self._discard()
+            if self._overwrite and os.path.lexists(self.path):
+                os.unlink(self.path)
+            return
+        super().__exit__(exc_type, exc, tb)

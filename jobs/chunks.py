@@ -2,8 +2,8 @@
 
 A million-row input is mostly rows like ``{"id": 17, "prompt": "..."}``: a prompt and at most an
 id, nothing else. Through the reference path (``readers.read_jobs``: json.loads, a Location, then
-``Job.from_record`` with every field check) such a row costs about 10 us of Python, most of a
-million-job ``plan``. It can fail only a few checks, so here they run in line: the line is parsed
+``Job.from_record`` with every field check) such rows cost most of a million-job ``plan``
+(BENCHMARKS.md). It can fail only a few checks, so here they run in line: the line is parsed
 by json's own C scanner (what json.loads runs, without its Python layers), then the id's type
 and range, lone surrogates, a blank prompt and an id used before are checked. The row stays in
 columns (``PlainRows``: line numbers, ids, prompts), with no Job or Location object, until a

@@ -21,9 +21,9 @@ import secrets
 import time
 from typing import Any, Container, Iterable, Mapping, Sequence
 
-from .atomic import AtomicWriter
+from .atomic import AtomicWriter, WrittenIfAny
 from .schema import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, InvalidRow, Job
-from .writers import CREATED, RESULT_COLUMNS, _check_required, _dumps
+from .columns import CREATED, RESULT_COLUMNS, check_required, dumps
 
 GENERATION_FAILED = "generation failed: "  # how the runner words a job that failed while generating
 
@@ -110,7 +110,7 @@ class OpenAIBatchWriter(AtomicWriter):
     _allow_gzip = True
 
     def write(self, rows: Sequence[Mapping[str, Any]]) -> None:
-        _check_required(rows, RESULT_COLUMNS)
+        check_required(rows, RESULT_COLUMNS)
         for r in rows:
             key = r.get("request")
             self._requests.setdefault(("custom_id", _custom_id(r)) if key is None else key, []).append(r)
@@ -118,7 +118,7 @@ class OpenAIBatchWriter(AtomicWriter):
     def _finish(self) -> None:
         for samples in self._requests.values():
             line = response_line(_custom_id(samples[0]), samples, self.model, self.endpoint, self.fingerprint)
-            self._file.write((_dumps(line) + "\n").encode("utf-8"))  # type: ignore[union-attr]
+            self._file.write((dumps(line) + "\n").encode("utf-8"))  # type: ignore[union-attr]
         self._requests.clear()
 
 
@@ -180,7 +180,7 @@ def error_line(row: Mapping[str, Any]) -> dict[str, Any]:
             "error": {"code": code, "message": f"{row['location']}: {reason}"}}
 
 
-class OpenAIErrorWriter(AtomicWriter):
+class OpenAIErrorWriter(WrittenIfAny):
     """The error file beside OpenAI output: one line per failed request (the first reason of a
     request whose list prompt failed in several elements). No errors, no file; with ``overwrite``
     an error file of an earlier run goes, as with the Parquet errors file."""
@@ -189,7 +189,6 @@ class OpenAIErrorWriter(AtomicWriter):
 
     def __init__(self, path: str | os.PathLike[str], overwrite: bool = False) -> None:
         super().__init__(path, overwrite)
-        self._overwrite = overwrite
         self._lines: dict[Any, dict[str, Any]] = {}
 
     def write(self, rows: Iterable[InvalidRow | Mapping[str, Any]]) -> None:
@@ -198,14 +197,9 @@ class OpenAIErrorWriter(AtomicWriter):
             key = row.get("request")  # the elements of one request: one line; else a line each
             self._lines.setdefault(("line", len(self._lines)) if key is None else key, error_line(row))
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None and not self._lines:
-            self._discard()
-            if self._overwrite and os.path.lexists(self.path):
-                os.unlink(self.path)
-            return
-        super().__exit__(exc_type, exc, tb)
+    def _empty(self) -> bool:
+        return not self._lines
 
     def _finish(self) -> None:
-        text = "".join(_dumps(x) + "\n" for x in self._lines.values())
+        text = "".join(dumps(x) + "\n" for x in self._lines.values())
         self._file.write(text.encode("utf-8"))  # type: ignore[union-attr]

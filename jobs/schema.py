@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .checks import MESSAGE_ROLES, TOO_DEEP, Checker, show, too_deep_field
+from .columns import CREATED, ORDER
 from .errors import JobError, JobValidationError, Location, option
 from . import openai_limits
 from .params import (CONSTRAINTS, PARAMS, RESERVED, Constraint, choice_min_tokens, completions_logprobs, constraint,
@@ -32,8 +33,7 @@ _OPENAI_INFO_KEYS = ("model", "user", "metadata", "store", "service_tier", "prom
 # with them (the result columns, the input position that parts and shard outputs carry, and the
 # completion time that OpenAI output reports).
 RESERVED_COLUMNS = ("sample_index", "completion", "finish_reason", "prompt_tokens", "cached_tokens",
-                    "completion_tokens", "scores", "best_continuation", "prompt_index", "_batchgen_order",
-                    "_batchgen_created")
+                    "completion_tokens", "scores", "best_continuation", "prompt_index", ORDER, CREATED)
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 

@@ -4,9 +4,6 @@ summary beside them; each one an :class:`~jobs.atomic.AtomicWriter` (atomic, sym
 
 from __future__ import annotations
 
-import base64
-import datetime as _dt
-import decimal
 import json
 import os
 from typing import Any, Iterable, Mapping, Sequence
@@ -14,35 +11,12 @@ from typing import Any, Iterable, Mapping, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .atomic import AtomicWriter, remove_stale_temps
+from .atomic import AtomicWriter, WrittenIfAny, remove_stale_temps
+from .columns import (CREATED, ERROR_SCHEMA, OUTPUT_COLUMNS, OUTPUT_FIELDS, RESULT_COLUMNS, RESULT_FIELDS,
+                      check_required, dumps, json_default)
+from .openai_batch import OpenAIBatchWriter, OpenAIErrorWriter
 from .schema import CHAT_ENDPOINT, InvalidRow, Job, JobError
 
-# Result columns, in output order after the carried-through input columns.
-RESULT_FIELDS: tuple[pa.Field, ...] = (
-    pa.field("sample_index", pa.int32()),
-    pa.field("completion", pa.string()),
-    pa.field("finish_reason", pa.string()),
-    pa.field("prompt_tokens", pa.int64()),
-    pa.field("cached_tokens", pa.int64()),
-    pa.field("completion_tokens", pa.int64()),
-)
-RESULT_COLUMNS = ("id",) + tuple(f.name for f in RESULT_FIELDS)
-# Columns only an output whose jobs ask for them has (null in the rows of the other jobs), by the
-# output they hold: the element of an OpenAI list prompt (its rows share the request's id),
-# generated tokens' logprobs, prompt tokens' logprobs, continuation scores.
-_TOKEN = [pa.field("token", pa.string()), pa.field("id", pa.int64()), pa.field("logprob", pa.float64())]
-OUTPUT_FIELDS: dict[str, tuple[pa.Field, ...]] = {
-    "prompt_index": (pa.field("prompt_index", pa.int32()),),
-    "logprobs": (pa.field("logprobs", pa.list_(pa.struct(_TOKEN + [pa.field("top", pa.list_(pa.struct(_TOKEN)))]))),),
-    "prompt_logprobs": (pa.field("prompt_logprobs", pa.list_(pa.float64())),),
-    "scores": (pa.field("scores", pa.list_(pa.struct([
-        pa.field("continuation", pa.string()), pa.field("logprob", pa.float64()), pa.field("tokens", pa.int64()),
-        pa.field("is_greedy", pa.bool_())]))), pa.field("best_continuation", pa.string())),
-}
-OUTPUT_COLUMNS = tuple(f.name for fields in OUTPUT_FIELDS.values() for f in fields)
-CREATED = "_batchgen_created"  # a job's completion time (Unix seconds), kept for OpenAI output
-ERROR_SCHEMA = pa.schema([pa.field("id", pa.string()), pa.field("location", pa.string()),
-                          pa.field("reason", pa.string())])
 FORMATS = ("parquet", "jsonl", "openai")
 _ROW_GROUP_ROWS = 8192  # buffer tiny write() calls so Parquet row groups stay efficient
 
@@ -143,40 +117,17 @@ class ExtraSchema:
         return pa.schema(out)
 
 
-def _json_default(value: Any) -> Any:
-    if isinstance(value, (_dt.date, _dt.datetime, _dt.time)):
-        return value.isoformat()
-    if isinstance(value, decimal.Decimal):
-        return str(value)
-    if isinstance(value, bytes):
-        return base64.b64encode(value).decode("ascii")
-    if isinstance(value, _dt.timedelta):
-        return value.total_seconds()
-    raise TypeError(f"cannot write {type(value).__name__} as JSON")
-
-
-def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, default=_json_default)
-
-
-def _check_required(rows: Sequence[Mapping[str, Any]], names: Sequence[str]) -> None:
-    # A missing token count is an engine bug; fail here rather than write nulls.
-    missing = [c for c in RESULT_COLUMNS if c in names and any(r.get(c) is None for r in rows)]
-    if missing:
-        raise ValueError(f"result rows lack required value(s) for {', '.join(missing)}")
-
-
 def conform_rows(rows: Sequence[Mapping[str, Any]], schema: pa.Schema, required: bool = True) -> list[dict[str, Any]]:
     """Order keys by schema and turn non-strings in string columns into JSON text."""
     if required:
-        _check_required(rows, schema.names)
+        check_required(rows, schema.names)
     string_cols = {f.name for f in schema if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)}
     out = []
     for r in rows:
         row = {}
         for name in schema.names:
             v = r.get(name)
-            row[name] = _dumps(v) if name in string_cols and v is not None and not isinstance(v, str) else v
+            row[name] = dumps(v) if name in string_cols and v is not None and not isinstance(v, str) else v
         out.append(row)
     return out
 
@@ -232,7 +183,7 @@ class JsonlWriter(AtomicWriter):
     _allow_gzip = True
 
     def write(self, rows: Sequence[Mapping[str, Any]]) -> None:
-        _check_required(rows, self.schema.names)
+        check_required(rows, self.schema.names)
         # Not conform_rows: nested extras stay real JSON here instead of JSON-in-a-string.
         id_is_str = pa.types.is_string(self.schema.field("id").type)
         lines = []
@@ -240,7 +191,7 @@ class JsonlWriter(AtomicWriter):
             row = {name: r.get(name) for name in self.schema.names}
             if id_is_str:
                 row["id"] = str(row["id"])
-            lines.append(_dumps(row) + "\n")
+            lines.append(dumps(row) + "\n")
         self._file.write("".join(lines).encode("utf-8"))  # type: ignore[union-attr]
 
 
@@ -270,7 +221,7 @@ def summary_path(output_path: str | os.PathLike[str]) -> str:
     return os.fspath(output_path) + ".summary.json"
 
 
-class ErrorWriter(AtomicWriter):
+class ErrorWriter(WrittenIfAny):
     """Invalid rows to Parquet (id, location, reason), atomically.
 
     No rows -> no file: with ``overwrite`` an errors file of an earlier run at this path is
@@ -280,7 +231,6 @@ class ErrorWriter(AtomicWriter):
 
     def __init__(self, path: str | os.PathLike[str], overwrite: bool = False) -> None:
         super().__init__(path, overwrite)
-        self._overwrite = overwrite
         self._tables: list[pa.Table] = []  # held as Arrow: a run may refuse a million rows
 
     def write(self, rows: Iterable[InvalidRow | Mapping[str, Any]]) -> None:
@@ -293,13 +243,8 @@ class ErrorWriter(AtomicWriter):
         if table.num_rows:
             self._tables.append(table.select(ERROR_SCHEMA.names).cast(ERROR_SCHEMA))
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None and not self._tables:
-            self._discard()  # nothing to report: do not create an empty errors file
-            if self._overwrite and os.path.lexists(self.path):
-                os.unlink(self.path)
-            return
-        super().__exit__(exc_type, exc, tb)
+    def _empty(self) -> bool:
+        return not self._tables
 
     def _finish(self) -> None:
         pq.write_table(pa.concat_tables(self._tables), self._file)
@@ -322,11 +267,8 @@ def write_summary(path: str | os.PathLike[str], summary: Mapping[str, Any]) -> N
     """Write ``summary`` as indented JSON, atomically (always replaces the old one)."""
     with AtomicWriter(path, overwrite=True) as w:
         w._file.write((json.dumps(summary, indent=2, ensure_ascii=False,  # type: ignore[union-attr]
-                                  default=_json_default) + "\n").encode("utf-8"))
+                                  default=json_default) + "\n").encode("utf-8"))
 
-
-# the OpenAI Batch writers need this module's helpers: imported last
-from .openai_batch import OpenAIBatchWriter, OpenAIErrorWriter  # noqa: E402
 
 __all__ = ["result_schema", "id_type_for", "infer_extra_schema", "ParquetWriter", "JsonlWriter",
            "OpenAIBatchWriter", "OpenAIErrorWriter", "ErrorWriter", "CREATED", "open_error_writer",

@@ -8,6 +8,7 @@ import sys
 import click
 
 from pipeline import __version__
+from pipeline.engine.schedule import MAX_BATCH_TOKENS, MIN_SHARED_TOKENS
 
 EXAMPLES = """
 \b
@@ -150,9 +151,9 @@ def main() -> None:
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
               show_default=True, envvar="BATCHGEN_DTYPE")
 @_generation_options
-@click.option("--max-batch-tokens", type=click.IntRange(min=1), default=65536, show_default=True,
+@click.option("--max-batch-tokens", type=click.IntRange(min=1), default=MAX_BATCH_TOKENS, show_default=True,
               envvar="BATCHGEN_MAX_BATCH_TOKENS", help="KV-cache token budget of one batch (rows x longest row).")
-@click.option("--min-shared-tokens", type=click.IntRange(min=1), default=16, show_default=True,
+@click.option("--min-shared-tokens", type=click.IntRange(min=1), default=MIN_SHARED_TOKENS, show_default=True,
               envvar="BATCHGEN_MIN_SHARED_TOKENS", help="Shorter shared prefixes are not cached separately.")
 @_output_format_option
 @click.option("--overwrite", is_flag=True,
@@ -194,7 +195,8 @@ def process(inputs, output, model, trust_remote_code, device, dtype, max_batch_t
     from transformers.utils import logging as hf_logging
 
     from pipeline.run.progress import ProgressReport
-    from pipeline.run.runner import RunOptions, process as run_process
+    from pipeline.run.options import RunOptions
+    from pipeline.run.runner import process as run_process
     from pipeline.run.signals import PREEMPTED_EXIT_CODE, Preempted
 
     hf_logging.disable_progress_bar()  # our own bar reports progress; logs stay quiet
@@ -235,9 +237,9 @@ def process(inputs, output, model, trust_remote_code, device, dtype, max_batch_t
 @_input_options
 @_model_options
 @_generation_options
-@click.option("--min-shared-tokens", type=click.IntRange(min=1), default=16, show_default=True,
+@click.option("--min-shared-tokens", type=click.IntRange(min=1), default=MIN_SHARED_TOKENS, show_default=True,
               envvar="BATCHGEN_MIN_SHARED_TOKENS")
-@click.option("--max-batch-tokens", type=click.IntRange(min=1), default=65536, show_default=True,
+@click.option("--max-batch-tokens", type=click.IntRange(min=1), default=MAX_BATCH_TOKENS, show_default=True,
               envvar="BATCHGEN_MAX_BATCH_TOKENS")
 @click.option("--top", type=click.IntRange(min=0), default=10, show_default=True, help="How many groups to list.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
@@ -280,7 +282,7 @@ def validate(inputs, model, trust_remote_code, dataset, split, prompt_template, 
     weights) and report every problem with its file:line. Pass the --output-format and --engine
     that `process` will run with: they refuse jobs of their own (a scoring job under openai or ray)."""
     from pipeline.run.preflight import check_inputs
-    from pipeline.run.runner import RunOptions
+    from pipeline.run.options import RunOptions
 
     options = RunOptions(model=model, defaults=_guard(_defaults, gen), prompt_template=prompt_template, system=system,
                          dataset=dataset, split=split, trust_remote_code=trust_remote_code,

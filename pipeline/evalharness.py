@@ -28,6 +28,7 @@ from jobs.checks import Checker
 from jobs.errors import JobValidationError, Location
 from jobs.params import PARAMS, normalize, split_fields
 from jobs.schema import GenerationDefaults
+from pipeline.engine.schedule import MAX_BATCH_TOKENS, MIN_SHARED_TOKENS
 from pipeline.engine.types import Request, SamplingParams
 
 # generate_until's kwargs beside until, max_gen_toks, do_sample and temperature, as batchgen's job
@@ -44,12 +45,12 @@ HF_DEFAULTS = {"top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0}
 @register_model("batchgen")
 class BatchgenLM(TemplateLM):
     def __init__(self, pretrained: str | None = None, dtype: str = "auto", device: str = "auto",
-                 max_batch_tokens: int = 65536, min_shared_tokens: int = 16, max_length: int | None = None,
+                 max_batch_tokens: int = MAX_BATCH_TOKENS, min_shared_tokens: int = MIN_SHARED_TOKENS,
+                 max_length: int | None = None,
                  trust_remote_code: bool = False, add_bos_token: bool | None = None, batch_size: Any = None,
                  threads: int | None = None, **unused: Any) -> None:
         super().__init__()
         from pipeline.engine.engine import Engine
-        from pipeline.model.hf import as_forward
         from pipeline.model.kernels import set_threads
         from pipeline.model.load import load_model
         from pipeline.run.preflight import context_window
@@ -64,10 +65,8 @@ class BatchgenLM(TemplateLM):
         set_threads(threads)
         model, source = load_model(pretrained, device, str(dtype), bool(trust_remote_code))
         self.tok = Tokenizer.load(source, trust_remote_code=bool(trust_remote_code))
-        forward = as_forward(model)
-        eos = self.tok.eos_token_ids if forward.eos_token_ids is None else forward.eos_token_ids
-        self.engine = Engine(forward, eos_token_ids=eos, min_shared_tokens=int(min_shared_tokens),
-                             max_batch_tokens=int(max_batch_tokens))
+        self.engine = Engine.for_model(model, self.tok.eos_token_ids, min_shared_tokens=int(min_shared_tokens),
+                                       max_batch_tokens=int(max_batch_tokens))
         self.add_bos_token = None if add_bos_token is None else str(add_bos_token).lower() in ("1", "true", "yes")
         self._max_length = int(max_length) if max_length else (context_window(model.config) or 2048)
         config = _generation_config(source, model)

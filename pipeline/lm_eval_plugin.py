@@ -4,7 +4,7 @@ lm-eval 0.4.13 looks `--model` up in its own table of models only: it loads no e
 has no plugin hook, and its command line resolves the name before any code of the user's runs.
 Its registry does take a lazy target ("module:Class") for a name, so batchgen puts one there: the
 `.pth` file this writes into site-packages (`python -m pipeline.lm_eval_plugin`; `make setup` runs
-it) makes Python's `site` run `pipeline.lm_eval_hook.install()` at start-up, which adds an import
+it) makes Python's `site` run `batchgen_lm_eval_hook.install()` at start-up, which adds an import
 hook that registers `batchgen` when lm-eval reads its table. `batchgen-lm-eval` runs lm-eval's
 command line without the `.pth` file.
 """
@@ -14,15 +14,19 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from pipeline.lm_eval_hook import NAME
+from batchgen_lm_eval_hook import NAME
 
 PTH = "batchgen-lm-eval.pth"
 # `site` runs a .pth line that starts with "import"; an error there would print at every start of
 # Python (once batchgen is uninstalled, say), so the line swallows it
-LINE = 'import sys; exec("try:\\n import pipeline.lm_eval_hook as h\\n h.install()\\nexcept Exception:\\n pass")\n'
+LINE = 'import sys; exec("try:\\n import batchgen_lm_eval_hook as h\\n h.install()\\nexcept Exception:\\n pass")\n'
+# what earlier versions wrote into the same file (their hook was `pipeline.lm_eval_hook`, which
+# imported the package at every start): writing replaces it, and `--remove` removes either
+OLD_LINE = 'import sys; exec("try:\\n import pipeline.lm_eval_hook as h\\n h.install()\\nexcept Exception:\\n pass")\n'
 
 
 def write_pth(site_dir: Path) -> Path:
+    """Write the hook's .pth file into `site_dir`, replacing an earlier version's line."""
     path = Path(site_dir) / PTH
     path.write_text(LINE)
     return path
@@ -37,7 +41,9 @@ def main(argv: list[str] | None = None) -> None:
         (site_dir / PTH).unlink(missing_ok=True)
         print(f"removed {site_dir / PTH}")
     elif not args:
-        print(f"wrote {write_pth(site_dir)}: `lm_eval --model {NAME}` runs batchgen")
+        old = (site_dir / PTH).is_file() and (site_dir / PTH).read_text() == OLD_LINE
+        print(f"wrote {write_pth(site_dir)}{' (replacing the old hook)' if old else ''}: "
+              f"`lm_eval --model {NAME}` runs batchgen")
     else:
         sys.exit("usage: python -m pipeline.lm_eval_plugin [--remove]")
 

@@ -12,7 +12,7 @@ import torch
 from pipeline.engine.loop import Pass
 from pipeline.model.forward import EngineError, Forward  # noqa: F401  (EngineError: part of the engine's API)
 from pipeline.model.hf import as_forward
-from pipeline.engine.schedule import Plan, plan, tree_of
+from pipeline.engine.schedule import MAX_BATCH_TOKENS, MIN_SHARED_TOKENS, Plan, plan, tree_of
 from pipeline.model.step import Step
 from pipeline.engine.types import Completion, Request, RunStats
 
@@ -23,8 +23,8 @@ class Engine:
         model: Forward | torch.nn.Module,  # a transformers model runs behind `pipeline.model.hf.HFModel`
         *,
         eos_token_ids: Iterable[int] = (),
-        min_shared_tokens: int = 16,
-        max_batch_tokens: int = 65536,
+        min_shared_tokens: int = MIN_SHARED_TOKENS,
+        max_batch_tokens: int = MAX_BATCH_TOKENS,
         default_seed: int = 0,
         step_tokens: int = 2048,
         cascade: bool = True,
@@ -72,3 +72,13 @@ class Engine:
         self.stats.own_decoder_forwards += self.model.model_code == "batchgen"
         self.stats.transformers_forwards += self.model.model_code == "transformers"
         return logits
+
+    @classmethod
+    def for_model(cls, model: Forward | torch.nn.Module, fallback_eos_ids: Iterable[int], *,
+                  min_shared_tokens: int = MIN_SHARED_TOKENS, max_batch_tokens: int = MAX_BATCH_TOKENS) -> "Engine":
+        """An engine for `model` whose samples end at the model's EOS ids (its generation config's,
+        as `model.generate` reads them, else `fallback_eos_ids`, the tokenizer's): how the runner,
+        the Ray workers, the Python API and the lm-eval backend all build theirs."""
+        forward = as_forward(model)
+        eos = list(fallback_eos_ids) if forward.eos_token_ids is None else list(forward.eos_token_ids)
+        return cls(forward, eos_token_ids=eos, min_shared_tokens=min_shared_tokens, max_batch_tokens=max_batch_tokens)

@@ -23,6 +23,8 @@ from pipeline.engine.prefix_tree import Node, PrefixTree
 
 COPY_LIMIT = 16  # nested prefixes up to this many tokens below the anchor are copied into rows
 SLOT_ROUND = 16  # slot capacities are rounded up to this, so rows of similar length share a batch
+MIN_SHARED_TOKENS = 16  # shorter shared prefixes are not cached separately
+MAX_BATCH_TOKENS = 65536  # a batch's KV-cache budget: row slots x tokens per slot
 
 
 @dataclass(frozen=True)
@@ -125,8 +127,8 @@ def plan(
     tree: PrefixTree,
     jobs: Mapping[Hashable, JobShape],
     *,
-    min_shared_tokens: int = 16,
-    max_batch_tokens: int = 65536,
+    min_shared_tokens: int = MIN_SHARED_TOKENS,
+    max_batch_tokens: int = MAX_BATCH_TOKENS,
     cascade: bool = True,
     max_slots: int = 256,
 ) -> Plan:

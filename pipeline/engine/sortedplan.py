@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from pipeline.engine.schedule import COPY_LIMIT, SLOT_ROUND, BatchShape
+from pipeline.engine.schedule import COPY_LIMIT, MAX_BATCH_TOKENS, MIN_SHARED_TOKENS, SLOT_ROUND, BatchShape
 from pipeline.engine.types import RequestShape
 
 
@@ -35,7 +35,8 @@ class WindowPlan:
 
 
 def plan_sorted(lengths: Sequence[int], held: Sequence[int], weights: Sequence[int], first: Sequence[int],
-                shapes: RequestShape, *, min_shared_tokens: int = 16, max_batch_tokens: int = 65536,
+                shapes: RequestShape, *, min_shared_tokens: int = MIN_SHARED_TOKENS,
+                max_batch_tokens: int = MAX_BATCH_TOKENS,
                 cascade: bool = True, max_slots: int = 256) -> WindowPlan:
     """The plan of jobs in sorted order: their key lengths, the LCP of each one's sequence (key
     minus its last token) with the one before (`held`; the first is ignored), the rows at each

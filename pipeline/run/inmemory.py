@@ -20,7 +20,7 @@ from pipeline.text.tokenize import Tokenizer, TokenizerError
 from pipeline.engine.types import Request
 
 if TYPE_CHECKING:
-    from pipeline.run.runner import RunOptions
+    from pipeline.run.options import RunOptions
 
 
 @dataclass

@@ -29,7 +29,7 @@ from pipeline.run.prefix_index import pack_keys
 from pipeline.text.tokenize import Tokenizer
 
 if TYPE_CHECKING:
-    from pipeline.run.runner import RunOptions
+    from pipeline.run.options import RunOptions
 
 CHUNK_ROWS = 8192  # rows read, checked and tokenized together
 _EXTRAS_CHUNK = 4096  # rows per Arrow conversion when checking carried columns

@@ -19,7 +19,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-ORDER = "_batchgen_order"  # a row's position in the input (parts.py and the shard outputs carry it)
+from jobs.columns import ORDER
+
 BUCKET_POSITIONS = 1 << 17  # input positions per bucket ...
 MAX_BUCKETS = 256  # ... unless that makes more buckets than this (files open at once)
 READ_ROWS = 1 << 16

@@ -19,13 +19,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from jobs import JobError, write_summary
-from jobs.schema import RESERVED_COLUMNS
-from jobs.writers import ERROR_SCHEMA, write_table
+from jobs.columns import ERROR_SCHEMA, ORDER  # ORDER: a row's position in the input, so the output keeps input order
+from jobs.writers import write_table
 
-from pipeline.run.ordered import ORDER  # a row's position in the input, so the final output keeps input order
 MANIFEST = "manifest.json"
 ERROR_PART_SCHEMA = ERROR_SCHEMA.append(pa.field(ORDER, pa.int64()))
-assert ORDER in RESERVED_COLUMNS  # an input column of this name is refused row by row
 
 
 def fingerprint(items: Iterable[Any], settings: dict[str, Any]) -> str:

@@ -23,7 +23,7 @@ import numpy as np
 
 from jobs import GenerationDefaults
 from pipeline.run.prefix_index import PrefixIndex
-from pipeline.engine.schedule import plan, tree_of
+from pipeline.engine.schedule import MAX_BATCH_TOKENS, MIN_SHARED_TOKENS, plan, tree_of
 from pipeline.engine.sortedplan import WindowPlan, plan_sorted
 from pipeline.engine.types import RequestShape
 from pipeline.run.windows import WINDOW_JOBS, WINDOW_TOKENS, reused, units, windows
@@ -31,11 +31,12 @@ from pipeline.run.windows import WINDOW_JOBS, WINDOW_TOKENS, reused, units, wind
 
 def describe(inputs: Sequence[str], defaults: GenerationDefaults, *, model: str | None = None,
              dataset: str | None = None, split: str = "train", prompt_template: str | None = None,
-             system: str | None = None, min_shared_tokens: int = 16, max_batch_tokens: int = 65536,
+             system: str | None = None, min_shared_tokens: int = MIN_SHARED_TOKENS,
+             max_batch_tokens: int = MAX_BATCH_TOKENS,
              top: int = 10, trust_remote_code: bool = False, window_jobs: int = WINDOW_JOBS,
              window_tokens: int = WINDOW_TOKENS) -> dict[str, Any]:
     from pipeline.run.preflight import check_inputs
-    from pipeline.run.runner import RunOptions
+    from pipeline.run.options import RunOptions
 
     options = RunOptions(model=model, defaults=defaults, dataset=dataset, split=split, prompt_template=prompt_template,
                          system=system, trust_remote_code=trust_remote_code)
@@ -45,7 +46,8 @@ def describe(inputs: Sequence[str], defaults: GenerationDefaults, *, model: str 
                      window_jobs=window_jobs, window_tokens=window_tokens)
 
 
-def summarize(index: PrefixIndex, *, invalid: int = 0, min_shared_tokens: int = 16, max_batch_tokens: int = 65536,
+def summarize(index: PrefixIndex, *, invalid: int = 0, min_shared_tokens: int = MIN_SHARED_TOKENS,
+              max_batch_tokens: int = MAX_BATCH_TOKENS,
               top: int = 10, decode=None, window_jobs: int = WINDOW_JOBS, window_tokens: int = WINDOW_TOKENS,
               reference: bool = False) -> dict[str, Any]:
     """Pure: the plan's numbers for the indexed prompts: the engine runs exactly this plan (the

@@ -39,7 +39,7 @@ from pipeline.text.expand import JobTokens, index_entry, job_requests, plain_ent
 from pipeline.engine.types import Request
 
 if TYPE_CHECKING:
-    from pipeline.run.runner import RunOptions
+    from pipeline.run.options import RunOptions
 
 _PARQUET_NAMES = (".parquet", ".pq")
 _LINE_NAMES = (".jsonl", ".json", ".ndjson", ".jsonl.gz", ".json.gz", ".ndjson.gz")

@@ -24,12 +24,12 @@ import pyarrow.parquet as pq
 
 from jobs import ErrorWriter, InvalidRow, JobError, write_summary
 from pipeline.run.parts import ERROR_PART_SCHEMA, ORDER, job_set_key, may_resume, write_part
-from pipeline.text.expand import JobTokens, token_problem
+from pipeline.text.expand import JobTokens, completions_expected, finished_jobs, token_problem
 from pipeline.run.inputrows import read_checked
 from pipeline.run.overlap import check_directory_apart
 from pipeline.run.preflight import check_options, context_window, job_digest
 from pipeline.text.results import job_rows
-from pipeline.run.runner import RunOptions, _eos_ids, run_settings
+from pipeline.run.options import RunOptions, run_settings
 from pipeline.run.summary import JobCounts, add_work, run_summary, work_of
 
 RUN_FILE = "run.json"  # the job set's key and the settings the parts beside it were made with
@@ -106,14 +106,12 @@ class _Generate:
         orders = sorted(ids)
         mine = {o: self.jobs[o] for o in orders}
         # the driver checked every job: each one here makes a request
-        requests = [r for o in orders
-                    for r in make_requests(o, mine[o], JobTokens(ids[o]), self.tok, None, self.options.defaults.seed)]
-        engine = Engine(self.model, eos_token_ids=_eos_ids(self.model, self.tok),
-                        min_shared_tokens=self.options.min_shared_tokens,
-                        max_batch_tokens=self.options.max_batch_tokens)
-        samples: dict[int, list] = {}
-        for c in engine.run(requests):
-            samples.setdefault(c.key, []).append(c)
+        by_job = {o: make_requests(o, mine[o], JobTokens(ids[o]), self.tok, None, self.options.defaults.seed)
+                  for o in orders}
+        requests = [r for o in orders for r in by_job[o]]
+        engine = Engine.for_model(self.model, self.tok.eos_token_ids, min_shared_tokens=self.options.min_shared_tokens,
+                                  max_batch_tokens=self.options.max_batch_tokens)
+        samples = dict(finished_jobs(engine.run(requests), {o: completions_expected(by_job[o]) for o in orders}))
         rows, errors = [], []
         for o in orders:
             results, failed = job_rows(o, mine[o], samples.get(o, []), self.tok)

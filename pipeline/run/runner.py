@@ -16,14 +16,15 @@ import gc
 import os
 import signal
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
 
-from jobs import (GenerationDefaults, Job, JobError, errors_path, open_result_writer, summary_path,
+from jobs import (Job, JobError, errors_path, open_result_writer, summary_path,
                   write_summary)
+from jobs.columns import ORDER
 from jobs.openai_batch import request_key, whole_requests
 from jobs.writers import open_error_writer
 from jobs.atomic import remove_stale_temps
@@ -33,46 +34,14 @@ from pipeline.text.results import add_openai_fields, job_rows
 from pipeline.run.signals import Preempted, StopOnSignal
 from pipeline.run.summary import JobCounts, add_work, run_summary, used, work_of
 from pipeline.text.tokenize import Tokenizer
-from pipeline.text.expand import JobTokens, completions_expected, job_requests, order_of, tokenize_jobs, whole_key
+from pipeline.text.expand import (JobCompletions, JobTokens, completions_expected, job_requests, tokenize_jobs,
+                                  whole_key)
 from pipeline.engine.types import Completion, Request, RunStats
-from pipeline.run.windows import COLLECT_JOBS, WINDOW_JOBS, WINDOW_TOKENS
+from pipeline.run.options import RunOptions, run_settings
+from pipeline.run.windows import COLLECT_JOBS
 
 if TYPE_CHECKING:
     from pipeline.model.forward import Forward
-
-
-@dataclass
-class RunOptions:
-    model: str | None = None  # None: the embedded default model
-    device: str = "auto"
-    dtype: str = "auto"
-    defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
-    max_batch_tokens: int = 65536
-    min_shared_tokens: int = 16
-    output_format: str = "parquet"
-    overwrite: bool = False
-    prompt_template: str | None = None
-    system: str | None = None
-    dataset: str | None = None
-    split: str = "train"
-    trust_remote_code: bool = False
-    on_error: str = "skip"  # or "fail": stop before any generation if a job cannot run
-    engine: str = "local"  # or "ray" (pipeline/run/ray_runner.py), which refuses some jobs (inputrows.refusal)
-    shard: str | None = None  # "I/N"
-    commit_every: int = 256  # jobs per committed part ...
-    commit_seconds: float = 60.0  # ... or this long since the last commit, whichever first
-    threads: int | None = None  # torch threads; None: one per core this process may use
-    window_jobs: int = WINDOW_JOBS  # jobs per engine call (whole prefix groups; see windows.py) ...
-    window_tokens: int = WINDOW_TOKENS  # ... and their prompt tokens
-
-
-def run_settings(options: RunOptions, model_name: str, precision: dict[str, str]) -> dict[str, Any]:
-    """What decides the outputs' content: finished work is resumed only under the same settings.
-    `precision` is the resolved device type and dtype (`auto` means float32 on a CPU and bfloat16
-    on CUDA, so resumed work must not be judged by the option). Batch sizes do not count."""
-    return {"model": model_name, **precision, "defaults": asdict(options.defaults),
-            "prompt_template": options.prompt_template, "system": options.system, "shard": options.shard,
-            "output_format": options.output_format}
 
 
 def process(inputs: Sequence[str], output: str, options: RunOptions,
@@ -168,23 +137,24 @@ class _Run:
         began = time.monotonic()
 
         def new_engine() -> Engine:
-            return Engine(self.model, eos_token_ids=_eos_ids(self.model, checked.tokenizer),
-                          min_shared_tokens=options.min_shared_tokens, max_batch_tokens=options.max_batch_tokens)
+            return Engine.for_model(self.model, checked.tokenizer.eos_token_ids,
+                                    min_shared_tokens=options.min_shared_tokens,
+                                    max_batch_tokens=options.max_batch_tokens)
 
         engine = None
         for jobs, requests, want, reuse in self._windows(todo):
             # an engine per window: nothing of the last window stays referenced while this one is built
             engine = committer.engine = new_engine()
-            samples: dict[int, list[Completion]] = {}
+            samples = JobCompletions(want)
             # the window's requests live until it ends: collections need not walk them meanwhile
             gc.freeze()
             for c in engine.run(requests, should_stop=self.stop.requested):
-                order = order_of(c.key)
-                samples.setdefault(order, []).append(c)
                 pace.completion_tokens += len(c.token_ids)
-                if len(samples[order]) == want[order]:  # its samples, continuations or windows all in
+                whole = samples.add(c)
+                if whole is not None:  # its samples, continuations or windows all in
+                    order, completions = whole
                     # what it reuses in the tree of all jobs, not in this window's (see windows.reused)
-                    finished = [replace(s, cached_tokens=reuse[order]) for s in samples.pop(order)]
+                    finished = [replace(s, cached_tokens=reuse[order]) for s in completions]
                     committer.add(order, jobs[order], finished)
                     pace.jobs_done += 1
                     pace.prompt_tokens += sum(s.prompt_tokens for s in finished if s.sample_index == 0)
@@ -255,7 +225,7 @@ class _Run:
 
     def _write_output(self) -> JobCounts:
         """The committed parts in input order, streamed into the output and the errors file."""
-        from pipeline.run.ordered import ORDER, in_order
+        from pipeline.run.ordered import in_order
         from pipeline.run.parts import ERROR_PART_SCHEMA
 
         checked, store, fmt = self.checked, self.store, self.options.output_format
@@ -298,8 +268,6 @@ class _Run:
 
     def _openai_rows(self, table: pa.Table) -> list[dict[str, Any]]:
         """A bucket's rows with what only the OpenAI writers read: the request each belongs to."""
-        from pipeline.run.ordered import ORDER
-
         checked = self.checked
         orders = table.column(ORDER).to_numpy()
         numbers = np.minimum(np.searchsorted(checked.orders, orders), max(len(checked.orders) - 1, 0))
@@ -339,8 +307,6 @@ class _Committer:
 
     def commit_invalid(self, invalid, done: np.ndarray, chunk: int = 65536) -> None:
         """The rows that cannot run and are not committed yet, as error parts, before generating."""
-        from pipeline.run.parts import ORDER
-
         if invalid.num_rows:
             invalid = invalid.filter(pa.array(~done[invalid.column("order").to_numpy()]))
         for start in range(0, invalid.num_rows, chunk):
@@ -363,8 +329,6 @@ def write_results(output: str, fmt: str, schema, rows: list[dict[str, Any]], err
                   jobs: dict[int, Job], model_name: str, fingerprint: str, tokenizer: Tokenizer) -> None:
     """The output and its errors file from result rows and error rows held in memory (each with its
     input position, in input order): the Python API's writer (a run streams, `_Run._write_output`)."""
-    from pipeline.run.parts import ORDER
-
     if fmt == "openai":  # what only that writer reads: the request each row belongs to
         for r in rows + errors:
             add_openai_fields(r, r[ORDER], jobs.get(r[ORDER]), tokenizer)
@@ -387,9 +351,9 @@ def fingerprint(model: Forward, model_name: str) -> str:
 
 def bound_kernel_caches(entries: int = 128) -> None:
     """torch's oneDNN kernels cache a primitive per distinct shape (and ideep its buffers), up to
-    1,024 each, and the engine's forwards have a new token count nearly every step: over a run of
-    a million jobs those caches alone grew RSS by hundreds of MB, steadily. 128 entries each keep
-    memory flat at the same speed (measured: BENCHMARKS.md). Read at oneDNN's first call, so set
+    1,024 each, and the engine's forwards have a new token count nearly every step: over a long
+    run those caches alone grow the process's memory steadily. 128 entries each keep memory flat
+    at the same speed (BENCHMARKS.md). Read at oneDNN's first call, so set
     before the model runs; values in the environment win."""
     for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
         os.environ.setdefault(name, str(entries))
@@ -410,8 +374,3 @@ def _fault(point: str) -> None:
     """Fault injection for the crash tests: BATCHGEN_FAULT=<point> kills the process there."""
     if os.environ.get("BATCHGEN_FAULT") == point:
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _eos_ids(model: Forward, tokenizer: Tokenizer) -> list[int]:
-    """The model's generation config's end-of-sequence ids, else the tokenizer's."""
-    return tokenizer.eos_token_ids if model.eos_token_ids is None else model.eos_token_ids

@@ -25,7 +25,7 @@ from pipeline.run.prefix_index import PrefixIndex
 WINDOW_JOBS = 65536  # requests the engine holds at once, at most ...
 WINDOW_TOKENS = 16_000_000  # ... and prompt tokens (8 bytes a token in Python lists)
 # A window's prefix tree is cyclic (nodes point at their parents): after a window this large it is
-# collected at once, before the next is built; a full collection pass costs ~0.2 s with torch loaded
+# collected at once, before the next is built (a full collection pass is costly with torch loaded)
 COLLECT_JOBS = 4096
 
 

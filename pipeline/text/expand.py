@@ -21,12 +21,12 @@ alone but its last token), so that a job's requests stay in one group, with thei
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Hashable, Iterable, Iterator, Mapping, Sequence
 
 from jobs import InvalidRow, Job
 from pipeline.text.scoring import continuation_requests, prompt_requests
 from pipeline.text.tokenize import Tokenizer, TokenizerError
-from pipeline.engine.types import Request, RequestShape, SamplingParams, fed_length
+from pipeline.engine.types import Completion, Request, RequestShape, SamplingParams, fed_length
 
 
 @dataclass
@@ -183,3 +183,31 @@ def order_of(key: Hashable) -> int:
     """The job (its input position) a completion belongs to: requests of one job are keyed
     (order, i), a generating job's request by its order."""
     return key[0] if isinstance(key, tuple) else key  # type: ignore[index,return-value]
+
+
+class JobCompletions:
+    """The engine's completions gathered by job: `add` gives a job's completions (in the order
+    they came) once its last one is in (each sample, continuation or window:
+    `completions_expected`), so that no job is ever handed on with part of its samples."""
+
+    def __init__(self, expected: Mapping[int, int]) -> None:
+        self.expected = expected  # completions that finish each job, by input position
+        self.pending: dict[int, list[Completion]] = {}
+
+    def add(self, completion: Completion) -> tuple[int, list[Completion]] | None:
+        order = order_of(completion.key)
+        got = self.pending.setdefault(order, [])
+        got.append(completion)
+        if len(got) < self.expected[order]:
+            return None
+        return order, self.pending.pop(order)
+
+
+def finished_jobs(completions: Iterable[Completion],
+                  expected: Mapping[int, int]) -> Iterator[tuple[int, list[Completion]]]:
+    """(input position, completions) of each job as its last completion comes (`JobCompletions`)."""
+    jobs = JobCompletions(expected)
+    for c in completions:
+        done = jobs.add(c)
+        if done is not None:
+            yield done

@@ -12,7 +12,7 @@ from typing import Any
 from jobs import InvalidRow, Job
 from jobs.openai_batch import GENERATION_FAILED, openai_fields, request_key
 from jobs.schema import CHAT_ENDPOINT
-from jobs.writers import CREATED
+from jobs.columns import CREATED, ORDER
 from pipeline.text.scoring import continuation_scores, prompt_scores
 from pipeline.text.tokenize import Tokenizer
 from pipeline.engine.types import Completion, TokenLogprob
@@ -70,8 +70,6 @@ def job_rows(order: int, job: Job, completions: list[Completion],
              tokenizer: Tokenizer) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """A finished job's result rows, or its one error row: a job fails alone and whole, never
     with partial samples in the output. Rows carry the job's input position."""
-    from pipeline.run.parts import ORDER
-
     failed = next((c for c in completions if c.error), None)
     if failed is not None or not completions:
         reason = f"{GENERATION_FAILED}{failed.error if failed else 'no output'}"

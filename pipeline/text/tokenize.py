@@ -29,7 +29,7 @@ class TokenizerError(BatchgenError):
 @contextmanager
 def torch_hidden(hide: bool = True) -> Iterator[None]:
     """transformers imports torch with its config module (for RoPE helpers), so loading a
-    tokenizer or a config costs a torch import (seconds) though neither needs it. For the commands
+    tokenizer or a config costs a torch import though neither needs it. For the commands
     that never load a model (`validate`, `plan`), transformers is told torch is unavailable while
     it first imports those modules. Only in a process that has not imported torch or
     transformers' config module yet: anywhere else it changes nothing."""
@@ -49,8 +49,8 @@ def torch_hidden(hide: bool = True) -> Iterator[None]:
 
 def _config_for_tokenizer(name_or_path: str) -> dict[str, Any]:
     """`AutoTokenizer` loads the model's config class only to choose the tokenizer class, and with
-    torch present that import costs about 1 s (a Llama config pulls in `torch.distributed.tensor`
-    and sympy). Where the local `tokenizer_config.json` names its class and brings no custom code,
+    torch present that import is slow (a Llama config pulls in `torch.distributed.tensor` and
+    sympy). Where the local `tokenizer_config.json` names its class and brings no custom code,
     the choice reads only the config's `model_type`, `_name_or_path`, `tokenizer_class` and
     `model_name` (transformers 5.24's `AutoTokenizer.from_pretrained`), so those are passed as the
     config and the tokenizer is the same (a test compares the two). Elsewhere: nothing."""

@@ -129,6 +129,21 @@ def test_the_start_up_hook_registers_batchgen_lazily_beside_lm_evals_own_models(
     assert proc.stdout.split() == ["False", "pipeline.evalharness", "HFLM"]
 
 
+
+def test_the_start_up_hook_imports_nothing_of_pipeline(tmp_path):
+    """The .pth line runs at every start of Python, before a program sets its sys.path: it must
+    not import the `pipeline` package (which would then be found wherever sys.path pointed first)."""
+    from pipeline.lm_eval_plugin import write_pth
+
+    write_pth(tmp_path)
+    code = ("import site, sys; site.addsitedir(sys.argv[1]); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pipeline', 'jobs', 'batchgen')), "
+            "'batchgen_lm_eval_hook' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-S", "-c", code, str(tmp_path)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["[]", "True"]
+
 @pytest.mark.slow
 def test_lm_evals_own_command_runs_the_batchgen_model(model_dir, tasks, tmp_path):
     """`lm_eval --model batchgen` (lm-eval's own command, as installed): the same loglikelihoods as

@@ -12,7 +12,8 @@ from click.testing import CliRunner
 
 from jobs import GenerationDefaults
 from pipeline.cli import main
-from pipeline.run.ordered import ORDER, in_order
+from jobs.columns import ORDER
+from pipeline.run.ordered import in_order
 from pipeline.run.runner import RunOptions, process
 from pipeline.engine.types import Completion, RunStats
 
@@ -95,6 +96,10 @@ class FakeEngine:
 
     def __init__(self, model, **kwargs):
         self.stats, self.attention_path = RunStats(), "cascade"
+
+    @classmethod
+    def for_model(cls, model, fallback_eos_ids, **kwargs):
+        return cls(model, **kwargs)
 
     def run(self, requests, should_stop=lambda: False):
         FakeEngine.calls.append(len(requests))

@@ -1,5 +1,7 @@
 """The start-up hook behind `lm_eval --model batchgen` (pipeline/lm_eval_plugin.py writes the
-.pth file that runs `install()`; why: see there). It adds an import hook and nothing else: when
+.pth file that runs `install()`; why: see there). A top-level module, not part of `pipeline`: it
+runs at every start of Python, before a program sets up its sys.path, so importing it must not
+import (and fix the location of) the `pipeline` package. It adds an import hook and nothing else: when
 lm-eval imports its table of models (`lm_eval.models`), `batchgen` is added to it as the lazy
 target `pipeline.evalharness:BatchgenLM`, so neither lm-eval nor batchgen's backend is imported by
 a program that does not use lm-eval.
@@ -8,8 +10,8 @@ from __future__ import annotations
 
 import sys
 
-# run at every start of Python: no imports beyond sys (importlib.abc alone costs a Python start-up
-# twice over); the finder and loader below are duck-typed
+# run at every start of Python: no imports beyond sys (importlib.abc would slow every start-up);
+# the finder and loader below are duck-typed
 
 NAME = "batchgen"
 TARGET = "pipeline.evalharness:BatchgenLM"
@@ -19,18 +21,24 @@ _TABLE = "lm_eval.models"
 class _Finder:
     """Finds lm-eval's table of models as the other finders do, with a loader that adds batchgen."""
 
+    busy = False  # asking the other finders: another hook of this kind among them asks back
+
     def find_spec(self, name: str, path: object, target: object = None) -> object:
-        if name != _TABLE:
+        if name != _TABLE or self.busy:
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                if spec.loader is not None:
-                    spec.loader = _Registering(spec.loader)
-                return spec
-        return None
+        self.busy = True
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(name, path, target)
+                if spec is not None:
+                    if spec.loader is not None:
+                        spec.loader = _Registering(spec.loader)
+                    return spec
+            return None
+        finally:
+            self.busy = False
 
 
 class _Registering:

@@ -1,0 +1,52 @@
+"""A run's options (`RunOptions`): what `process`, `validate`, `plan`, the Ray runner and the
+Python API are told, and of those what decides the outputs' content (`run_settings`).
+
+Below the runner, so that the modules it calls (preflight, inputrows, inmemory) read the options
+without importing it. Each default is defined where it is used: the engine's batch budget and
+shared-prefix threshold in engine/schedule.py, the window sizes in windows.py.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from jobs import GenerationDefaults
+from pipeline.engine.schedule import MAX_BATCH_TOKENS, MIN_SHARED_TOKENS
+from pipeline.run.windows import WINDOW_JOBS, WINDOW_TOKENS
+
+COMMIT_EVERY = 256  # jobs per committed part ...
+COMMIT_SECONDS = 60.0  # ... or this long since the last commit, whichever first
+
+
+@dataclass
+class RunOptions:
+    model: str | None = None  # None: the embedded default model
+    device: str = "auto"
+    dtype: str = "auto"
+    defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
+    max_batch_tokens: int = MAX_BATCH_TOKENS
+    min_shared_tokens: int = MIN_SHARED_TOKENS
+    output_format: str = "parquet"
+    overwrite: bool = False
+    prompt_template: str | None = None
+    system: str | None = None
+    dataset: str | None = None
+    split: str = "train"
+    trust_remote_code: bool = False
+    on_error: str = "skip"  # or "fail": stop before any generation if a job cannot run
+    engine: str = "local"  # or "ray" (pipeline/run/ray_runner.py), which refuses some jobs (inputrows.refusal)
+    shard: str | None = None  # "I/N"
+    commit_every: int = COMMIT_EVERY
+    commit_seconds: float = COMMIT_SECONDS
+    threads: int | None = None  # torch threads; None: one per core this process may use
+    window_jobs: int = WINDOW_JOBS  # jobs per engine call (whole prefix groups; see windows.py) ...
+    window_tokens: int = WINDOW_TOKENS  # ... and their prompt tokens
+
+
+def run_settings(options: RunOptions, model_name: str, precision: dict[str, str]) -> dict[str, Any]:
+    """What decides the outputs' content: finished work is resumed only under the same settings.
+    `precision` is the resolved device type and dtype (`auto` means float32 on a CPU and bfloat16
+    on CUDA, so resumed work must not be judged by the option). Batch sizes do not count."""
+    return {"model": model_name, **precision, "defaults": asdict(options.defaults),
+            "prompt_template": options.prompt_template, "system": options.system, "shard": options.shard,
+            "output_format": options.output_format}
