@@ -1,17 +1,16 @@
 """Constrained decoding: JSON Schemas, regular expressions and choices, with llguidance.
 
-llguidance was chosen over xgrammar (numbers in BENCHMARKS.md): it compiles a schema about 7x
-faster (batch jobs often carry a schema each), its wheel has no dependencies (xgrammar pulls in
-triton and a second FFI runtime), its validation returns a message instead of raising (what
-`validate` reports), and its per-step mask for 32 rows costs well under a millisecond, against a
-decode step of tens to hundreds.
+llguidance was chosen over xgrammar (the measurements are in BENCHMARKS.md): it compiles a schema
+several times faster (batch jobs often carry a schema each), its wheel has no dependencies (xgrammar
+pulls in triton and a second FFI runtime), its validation returns a message instead of raising (what
+`validate` reports), and its per-step mask costs little against a decode step.
 
 One `Grammars` per tokenizer compiles each distinct constraint once; every sample gets its own
 `Matcher` (a copy of the compiled one). The engine (`engine.constrain.allowed_tokens`) fills the
 masks of all constrained rows of a step into one bitmask, one row after the other on the calling
 thread: llguidance's parallel fill keeps a thread pool that competes with torch's threads for the
-cores, and made the model's forward up to 5x slower on a 2-core machine (BENCHMARKS.md), while a
-serial fill of 32 rows costs a few milliseconds. Constraints apply to generated tokens only:
+cores and slowed the model's forward several times over on a small machine (BENCHMARKS.md), while
+a serial fill costs little. Constraints apply to generated tokens only:
 prompts and their shared prefixes are untouched.
 """
 from __future__ import annotations
