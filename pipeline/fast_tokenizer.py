@@ -29,7 +29,7 @@ import tempfile
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 FORMAT = 1  # of the records: a record of another format is not read
 _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".onnx", ".ckpt", ".npz", ".npy")
@@ -41,9 +41,8 @@ _PROBE_CHATS = ([{"role": "system", "content": "Be brief."}, {"role": "user", "c
                  {"role": "user", "content": "Again?"}])
 
 
-def load(source: str, trust_remote_code: bool, fallback: Callable[[], Any]) -> StandIn | None:
-    """The stand-in for `source`'s tokenizer where a record says it is transformers' own, else None.
-    `fallback` loads transformers' tokenizer, for a call the stand-in does not cover."""
+def load(source: str, trust_remote_code: bool) -> StandIn | None:
+    """The stand-in for `source`'s tokenizer where a record says it is transformers' own, else None."""
     files = _files(source)
     if files is None:
         return None
@@ -53,7 +52,7 @@ def load(source: str, trust_remote_code: bool, fallback: Callable[[], Any]) -> S
         return None
     if not isinstance(record, dict) or record.get("format") != FORMAT:
         return None
-    return StandIn(files["tokenizer.json"].decode("utf-8"), record, fallback)
+    return StandIn(files["tokenizer.json"].decode("utf-8"), record)
 
 
 def remember(source: str, trust_remote_code: bool, hf: Any) -> None:
@@ -73,7 +72,7 @@ def remember(source: str, trust_remote_code: bool, hf: Any) -> None:
     record = {"format": FORMAT, "eos_token_id": hf.eos_token_id, "special_tokens_map": hf.special_tokens_map,
               "chat_template": hf.chat_template, "split_special_tokens": bool(hf.split_special_tokens)}
     try:
-        ours = StandIn(files["tokenizer.json"].decode("utf-8"), record, lambda: hf)
+        ours = StandIn(files["tokenizer.json"].decode("utf-8"), record)
     except Exception:  # noqa: BLE001 - a tokenizer.json the library cannot read alone: not ours to judge
         return
     # what every call of `hf` sets up before encoding
@@ -110,7 +109,7 @@ def _rendered(tokenizer: Any, chat: list[dict[str, str]]) -> str | tuple[type, s
 class StandIn:
     """What batchgen calls of a `TokenizersBackend`, with the same signatures and results."""
 
-    def __init__(self, tokenizer_json: str, record: dict[str, Any], fallback: Callable[[], Any]) -> None:
+    def __init__(self, tokenizer_json: str, record: dict[str, Any]) -> None:
         from tokenizers import Tokenizer as RustTokenizer
 
         self.backend = RustTokenizer.from_str(tokenizer_json)
@@ -121,7 +120,6 @@ class StandIn:
         self.eos_token_id = record["eos_token_id"]
         self.special_tokens_map = dict(record["special_tokens_map"])
         self.chat_template = record["chat_template"]
-        self._fallback = fallback
 
     def __len__(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
@@ -137,15 +135,18 @@ class StandIn:
 
     def apply_chat_template(self, conversation: Sequence[dict[str, str]], add_generation_prompt: bool = False,
                             tokenize: bool = True, return_dict: bool = True) -> Any:
-        """transformers' `apply_chat_template` for one conversation of plain messages (string
-        values), no tools or documents; other conversations go to transformers' own."""
-        if not all(isinstance(m, dict) and all(isinstance(k, str) and isinstance(v, (str, type(None)))
-                                               for k, v in m.items()) for m in conversation) or not conversation:
-            return self._fallback().apply_chat_template(list(conversation), add_generation_prompt=add_generation_prompt,
-                                                        tokenize=tokenize, return_dict=return_dict)
+        """transformers' `apply_chat_template` for one conversation of messages with string values
+        (what a job's messages are: `jobs.checks`), no tools or documents."""
         if self.chat_template is None:
             raise ValueError("Cannot use chat template functions because tokenizer.chat_template is not set and no "
-                             "template argument was passed!")
+                             "template argument was passed! For information about writing templates and setting the "
+                             "tokenizer.chat_template attribute, please see the documentation at "
+                             "https://huggingface.co/docs/transformers/main/en/chat_templating")
+        if not conversation:
+            raise ValueError("Cannot apply chat template to an empty conversation. Provide at least one message.")
+        if not all(isinstance(m, dict) and all(isinstance(k, str) and isinstance(v, (str, type(None)))
+                                               for k, v in m.items()) for m in conversation):
+            raise TypeError("the tokenizer stand-in renders messages of string values only")
         # as transformers does: keys holding None dropped, reasoning under the names templates read
         chat = [_alias_reasoning({k: v for k, v in m.items() if v is not None}) for m in conversation]
         text = _compiled(self.chat_template).render(messages=chat, tools=None, documents=None,

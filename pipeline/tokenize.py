@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
 from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
@@ -70,24 +69,33 @@ def _config_for_tokenizer(name_or_path: str) -> dict[str, Any]:
     return {"config": SimpleNamespace(**fields)}
 
 
+def _from_transformers(name_or_path: str, trust_remote_code: bool, without_torch: bool) -> Any:
+    try:
+        with torch_hidden(without_torch):
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code,
+                                                 **_config_for_tokenizer(name_or_path))
+    except (OSError, ValueError) as e:
+        raise TokenizerError(f"cannot load a tokenizer from {name_or_path!r}: {e}") from e
+
+
 class Tokenizer:
-    def __init__(self, hf_tokenizer: Any, load_hf: Callable[[], Any] | None = None) -> None:
+    def __init__(self, hf_tokenizer: Any) -> None:
         """`hf_tokenizer`: transformers' tokenizer, or its stand-in (`pipeline.fast_tokenizer`),
-        which encodes, renders and decodes as it does; then `load_hf` loads transformers' own for
-        what only it serves (constraints, lm-eval), on first use."""
+        which encodes, renders and decodes as it does."""
         self._tok = hf_tokenizer  # what every method here calls
-        self._hf = None if load_hf is not None else hf_tokenizer
-        self._load_hf = load_hf
-        self._lock = threading.Lock()
+        self._hf = None if isinstance(hf_tokenizer, StandIn) else hf_tokenizer
+        self._source: tuple[str, bool, bool] | None = None  # where `load` found the stand-in's directory
         self._grammars = None
 
     @property
     def hf(self) -> Any:
-        """transformers' tokenizer."""
-        with self._lock:
-            if self._hf is None:
-                self._hf = self._load_hf()
-            return self._hf
+        """transformers' tokenizer: beside the stand-in, loaded on first use (constraints and
+        lm-eval need transformers' own)."""
+        if self._hf is None:
+            self._hf = _from_transformers(*self._source)
+        return self._hf
 
     @property
     def grammars(self) -> Any:
@@ -103,24 +111,14 @@ class Tokenizer:
         """`without_torch`: for a process that will never load a model (see `torch_hidden`). A
         directory whose tokenizer transformers was seen to load as exactly the stand-in gets the
         stand-in, and never imports transformers for it (`pipeline.fast_tokenizer`)."""
-        def load_hf() -> Any:
-            try:
-                with torch_hidden(without_torch):
-                    from transformers import AutoTokenizer
-
-                    return AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code,
-                                                         **_config_for_tokenizer(name_or_path))
-            except (OSError, ValueError) as e:
-                raise TokenizerError(f"cannot load a tokenizer from {name_or_path!r}: {e}") from e
-
-        tok = cls(None, load_hf)
-        stand_in = load_known(name_or_path, trust_remote_code, lambda: tok.hf)
-        if stand_in is not None:
-            tok._tok = stand_in
-            return tok
-        hf = load_hf()
-        remember(name_or_path, trust_remote_code, hf)
-        return cls(hf)
+        stand_in = load_known(name_or_path, trust_remote_code)
+        if stand_in is None:
+            hf = _from_transformers(name_or_path, trust_remote_code, without_torch)
+            remember(name_or_path, trust_remote_code, hf)
+            return cls(hf)
+        tok = cls(stand_in)
+        tok._source = (name_or_path, trust_remote_code, without_torch)
+        return tok
 
     @property
     def vocab_size(self) -> int:

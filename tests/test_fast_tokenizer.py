@@ -2,6 +2,7 @@
 ids, chat text and decoded text, on every tokenizer the tests build and on the default model's;
 and it is used only where transformers was seen to load exactly it."""
 import json
+import pickle
 import string
 from pathlib import Path
 
@@ -190,6 +191,8 @@ def test_transformers_tokenizer_is_still_there_for_what_needs_it(tmp_path):
     tok = Tokenizer.load(str(d))
     assert isinstance(tok._tok, StandIn) and type(tok.hf).__name__ == "TokenizersBackend"
     assert tok.hf("the cat")["input_ids"] == tok.encode_prompt("the cat")
+    again = pickle.loads(pickle.dumps(Tokenizer.load(str(d))))  # as a Tokenizer of transformers' own pickles
+    assert isinstance(again._tok, StandIn) and again.encode_prompt("the cat") == tok.encode_prompt("the cat")
 
 
 @pytest.mark.slow
