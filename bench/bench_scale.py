@@ -3,8 +3,10 @@
 
 Synthetic jobs of the issue's shape: 20 system prompts of about 250 tokens, each job one of them
 plus a ~20-token suffix of random words (unique per job), and one malformed line per 10,000 so
-the errors path runs too. The model is a tiny random Llama with the tests' character-level
-tokenizer (tests/helpers/tiny_models.py, tests/helpers/tiny_tokenizer.py), saved to a temporary directory.
+the errors path runs too. With `--carried`, each job also carries two columns to the output (a
+subject and a source record), as dataset rows do. The model is a tiny random Llama with the
+tests' character-level tokenizer (tests/helpers/tiny_models.py, tests/helpers/tiny_tokenizer.py), saved to a
+temporary directory.
 
 Every command runs as its own process (`python -m pipeline ...`); its peak RSS is the kernel's
 (`os.wait4`), file-backed pages included. "model" is the peak RSS of a process that only imports
@@ -44,7 +46,7 @@ def make_model(where: Path) -> None:
     make_tokenizer().save_pretrained(where)
 
 
-def make_jobs(path: Path, n: int, tokens_per_char: float = 1.0) -> None:
+def make_jobs(path: Path, n: int, tokens_per_char: float = 1.0, carried: bool = False) -> None:
     rng = random.Random(0)
     heads = []
     for g in range(GROUPS):
@@ -58,7 +60,11 @@ def make_jobs(path: Path, n: int, tokens_per_char: float = 1.0) -> None:
                 f.write("{not json\n")
                 continue
             suffix = " ".join(rng.choice(WORDS) for _ in range(SUFFIX_WORDS))
-            f.write(json.dumps({"id": i, "prompt": f"{heads[rng.randrange(GROUPS)]}\nTask {i}: {suffix}"}) + "\n")
+            group = rng.randrange(GROUPS)
+            row = {"id": i, "prompt": f"{heads[group]}\nTask {i}: {suffix}"}
+            if carried:
+                row.update(subject=f"subject {group}", source={"set": "bench", "row": i})
+            f.write(json.dumps(row) + "\n")
 
 
 def measure(args: list[str], env: dict[str, str]) -> tuple[float, float, int, str]:
@@ -90,6 +96,7 @@ def main() -> None:
     ap.add_argument("--commands", default="validate,plan,process")
     ap.add_argument("--workdir", default=None, help="where jobs, model and outputs go (default: a temp dir)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (OMP_NUM_THREADS) of every command")
+    ap.add_argument("--carried", action="store_true", help="jobs carry two columns through to the output")
     args = ap.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-scale-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -104,9 +111,9 @@ def main() -> None:
     print(f"model loaded: peak RSS {model_rss:.0f} MB", flush=True)
     rows = []
     for n in (int(x) for x in args.sizes.split(",")):
-        src = work / f"jobs-{n}.jsonl"
+        src = work / f"jobs-{'carried-' if args.carried else ''}{n}.jsonl"
         if not src.exists():
-            make_jobs(src, n)
+            make_jobs(src, n, carried=args.carried)
         for command in args.commands.split(","):
             cmd = py + [command, str(src), "--model", str(model), "--max-new-tokens", "1"]
             note = ""

@@ -1,18 +1,21 @@
-"""Rows in chunks, with a fast path for the commonest row of a big JSON Lines file.
+"""Rows in chunks, with a fast path for the commonest rows of a big JSON Lines file.
 
-A million-row input is mostly rows like ``{"id": 17, "prompt": "..."}``: a prompt and at most an
-id, nothing else. Through the reference path (``readers.read_jobs``: json.loads, a Location, then
-``Job.from_record`` with every field check) such rows cost most of a million-job ``plan``
-(BENCHMARKS.md). It can fail only a few checks, so here they run in line: the line is parsed
-by json's own C scanner (what json.loads runs, without its Python layers), then the id's type
-and range, lone surrogates, a blank prompt and an id used before are checked. The row stays in
-columns (``PlainRows``: line numbers, ids, prompts), with no Job or Location object, until a
-caller asks for one (``PlainRows.job``).
+A million-row input is mostly rows like ``{"id": 17, "prompt": "...", "subject": "law"}``: a
+prompt, at most an id, and maybe columns to carry through to the output. Through the reference
+path (``readers.read_jobs``: json.loads, a Location, then ``Job.from_record`` with every field
+check) such a row costs 10-25 us of Python. It can fail only a few checks, so here they run in
+line: the line is parsed by json's own C scanner (what json.loads runs, without its Python
+layers), then the id's type and range, lone surrogates (in any string or key), a blank prompt,
+an id used before, and that every other field is a plain column (no generation parameter,
+nothing batchgen reads or refuses) are checked. The row stays in columns (``PlainRows``: line
+numbers, ids, prompts, carried columns), with no Job or Location object, until a caller asks
+for one (``PlainRows.job``).
 
-Every other row, and every row this path is unsure of (a parse error, any other field, a float
-id, a prompt holding a surrogate ...), goes through the reference path's own per-record step
-(``readers.RecordJobs``), which numbers the records and keeps the ids seen for both paths: the
-jobs, errors and messages are those of read_jobs (tests/run/test_chunks.py compares the two). The
+Every other row, and every row this path is unsure of (a parse error, a field the reference
+reads, a float id, a surrogate, a value nested deeper than `_NESTING` ...), goes through the
+reference path's own per-record step (``readers.RecordJobs``), which numbers the records and
+keeps the ids seen for both paths: the jobs, errors and messages are those of read_jobs
+(tests/test_chunks.py compares the two). The
 fast path runs only where a plain row means one job whatever the options: no --prompt-template,
 no --system; Parquet and datasets inputs take the per-record path.
 """
@@ -27,12 +30,17 @@ import pyarrow as pa
 from .errors import JobError, Location
 from . import readers
 from .readers import RecordJobs, _json_array_records, _parse_line, resolve_sources
-from .schema import GenerationDefaults, InvalidRow, Job
+from .params import RESERVED
+from .schema import JOB_KEYS, RESERVED_COLUMNS, GenerationDefaults, InvalidRow, Job
 from .text import encodes
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _SCAN = json.decoder.JSONDecoder().scan_once  # json.loads' scanner, with its default decoder's options
 _BOM = b"\xef\xbb\xbf"
+# fields Job.from_record reads or refuses, and body (with custom_id, an OpenAI request): a row
+# holding one takes the reference path; any other field is a column carried through as it is
+_NOT_CARRIED = RESERVED | frozenset(JOB_KEYS) | frozenset(RESERVED_COLUMNS) | {"body"}
+_NESTING = 32  # carried values nested deeper go to the reference path (its checks recurse)
 
 
 @dataclass
@@ -44,6 +52,7 @@ class PlainRows:
     lines: list[int] = field(default_factory=list)  # 1-based line numbers
     ids: list[int | str] = field(default_factory=list)
     prompts: list[str] = field(default_factory=list)
+    extras: dict[int, dict[str, Any]] = field(default_factory=dict)  # row -> its carried columns, if any
 
     def __len__(self) -> int:
         return len(self.orders)
@@ -56,7 +65,8 @@ class PlainRows:
         (a plain row's job differs from it only in these four fields)."""
         job = object.__new__(Job)
         job.__dict__.update(template.__dict__)
-        job.id, job.prompt, job.location, job.extra = self.ids[k], self.prompts[k], self.location(k), {}
+        job.id, job.prompt, job.location = self.ids[k], self.prompts[k], self.location(k)
+        job.extra = self.extras.get(k) or {}
         return job
 
 
@@ -88,12 +98,14 @@ class Chunk:
 
 def read_chunks(paths: Sequence[str], defaults: GenerationDefaults, *, dataset: str | None = None,
                 split: str = "train", prompt_template: str | None = None, system: str | None = None,
-                size: int = 8192) -> Iterator[Chunk]:
+                size: int = 8192, carried: bool = True) -> Iterator[Chunk]:
     """read_jobs' items in chunks of `size` (the last may be smaller, or empty); inputs are
-    checked on the call, as read_jobs does."""
+    checked on the call, as read_jobs does. `carried`: plain rows may carry other columns (else
+    such rows are Jobs: a caller that checks carried values against typed inputs needs Jobs)."""
     sources = resolve_sources(paths, dataset=dataset, split=split, prompt_template=prompt_template)
     state = RecordJobs(defaults, prompt_template, system)
-    return _chunks(sources, state, _Chunker(size), fast=prompt_template is None and system is None)
+    return _chunks(sources, state, _Chunker(size), fast=prompt_template is None and system is None,
+                   carried=carried)
 
 
 class _Chunker:
@@ -117,17 +129,17 @@ class _Chunker:
         return chunk
 
 
-def _chunks(sources: list, state: RecordJobs, out: _Chunker, fast: bool) -> Iterator[Chunk]:
+def _chunks(sources: list, state: RecordJobs, out: _Chunker, fast: bool, carried: bool) -> Iterator[Chunk]:
     for source in sources:
         if fast and source.kind == "jsonl":
-            yield from _jsonl(source.path, state, out)
+            yield from _jsonl(source.path, state, out, carried)
         else:
             for location, record in readers._records(source):
                 yield from out.add(state.of(location, record))
     yield out.take()
 
 
-def _jsonl(path: str, state: RecordJobs, out: _Chunker) -> Iterator[Chunk]:
+def _jsonl(path: str, state: RecordJobs, out: _Chunker, carried: bool) -> Iterator[Chunk]:
     """_jsonl_records' lines (the same BOM, blank-line and read-error rules), plain rows in line."""
     line_no = 0
     try:
@@ -153,8 +165,15 @@ def _jsonl(path: str, state: RecordJobs, out: _Chunker) -> Iterator[Chunk]:
                     except Exception:  # noqa: BLE001 - any failure: the reference path parses it again
                         record = None
                     if type(record) is dict:
-                        job_id = _plain_id(record, state.number, seen)
+                        job_id = _plain_id(record, state.number, seen, carried)
+                        extra = None
+                        if job_id is not None and len(record) > 1 + ("id" in record):
+                            extra = _carried(record)
+                            if extra is None:
+                                job_id = None
                         if job_id is not None:
+                            if extra:
+                                rows.extras[len(rows.ids)] = extra
                             state.number += 1
                             seen.add(str(job_id))
                             rows.orders.append(out.order)
@@ -184,15 +203,20 @@ def _jsonl(path: str, state: RecordJobs, out: _Chunker) -> Iterator[Chunk]:
         raise JobError(f"{path}: read failed after line {line_no}: {e}") from None
 
 
-def _plain_id(row: dict, default_id: int, seen: set[str]) -> int | str | None:
+def _plain_id(row: dict, default_id: int, seen: set[str], carried: bool = False) -> int | str | None:
     """The job id of a row that is a valid plain job as it stands (Job.from_record's checks that
-    such a row can fail, and no earlier job with its id); None: the reference path decides."""
+    such a row can fail, and no earlier job with its id); None: the reference path decides. With
+    `carried`, a row may have other fields (which `_carried` must pass)."""
     prompt = row.get("prompt")
     if type(prompt) is not str or not prompt or prompt.isspace() or not (prompt.isascii() or encodes(prompt)):
         return None
-    if len(row) == 1:
+    if "id" not in row:
+        if len(row) > 1 and not carried:
+            return None
         job_id: Any = default_id
-    elif len(row) == 2 and "id" in row:
+    else:
+        if len(row) > 2 and not carried:
+            return None
         job_id = row["id"]
         kind = type(job_id)
         if job_id is None:
@@ -202,9 +226,41 @@ def _plain_id(row: dict, default_id: int, seen: set[str]) -> int | str | None:
                 return None
         elif kind is not str or not job_id or not (job_id.isascii() or encodes(job_id)):
             return None
-    else:
-        return None
     return None if str(job_id) in seen else job_id
+
+
+def _carried(row: dict) -> dict[str, Any] | None:
+    """The fields of a row other than its id and prompt, where each is a column Job.from_record
+    carries as it is (its `extra`): no name it reads or refuses, no lone surrogate in a name or a
+    string, nothing nested deeper than _NESTING; None: the reference path decides."""
+    extra = {}
+    for key, value in row.items():
+        if key == "id" or key == "prompt":
+            continue
+        if key in _NOT_CARRIED or not (key.isascii() or encodes(key)):
+            return None
+        kind = type(value)
+        if kind is str:
+            if not (value.isascii() or encodes(value)):
+                return None
+        elif (kind is list or kind is dict) and not _valid_text(value, _NESTING - 1):
+            return None
+        extra[key] = value
+    return extra
+
+
+def _valid_text(value: Any, depth: int) -> bool:
+    """Every string and key in a parsed JSON value is valid Unicode (`text.bad_text_at` finds
+    nothing), and its lists and objects nest at most `depth` deep."""
+    kind = type(value)
+    if kind is str:
+        return value.isascii() or encodes(value)
+    if kind is dict:
+        return depth > 0 and all((key.isascii() or encodes(key)) and _valid_text(item, depth - 1)
+                                 for key, item in value.items())
+    if kind is list:
+        return depth > 0 and all(_valid_text(item, depth - 1) for item in value)
+    return True
 
 
 __all__ = ["Chunk", "PlainRows", "plain_template", "read_chunks"]

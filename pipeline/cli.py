@@ -3,6 +3,7 @@ into click errors with a non-zero exit."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import click
@@ -192,14 +193,12 @@ def process(inputs, output, model, trust_remote_code, device, dtype, max_batch_t
     Finished jobs are committed in OUTPUT.parts/ as they complete: after a crash, rerun the same
     command to resume. On SIGTERM/SIGINT the run commits what is finished and exits with code 75.
     """
-    from transformers.utils import logging as hf_logging
-
     from pipeline.run.progress import ProgressReport
     from pipeline.run.options import RunOptions
     from pipeline.run.runner import process as run_process
     from pipeline.run.signals import PREEMPTED_EXIT_CODE, Preempted
 
-    hf_logging.disable_progress_bar()  # our own bar reports progress; logs stay quiet
+    _quiet_hub_progress()
 
     options = RunOptions(model=model, device=device, dtype=dtype, defaults=_guard(_defaults, gen),
                          max_batch_tokens=max_batch_tokens, min_shared_tokens=min_shared_tokens,
@@ -315,8 +314,8 @@ def script() -> None:
     object one by one took about 1 s of a 22 s job here; the operating system reclaims the memory
     at once. Exit handlers (Ray's shutdown, logging's flush) still run."""
     import atexit
-    import os
 
+    _arrow_without_pandas(sys.argv[1:])
     try:
         main()  # click's standalone mode: always ends in SystemExit
         code = 0
@@ -332,6 +331,62 @@ def script() -> None:
         except (OSError, ValueError):  # a reader that went away (`batchgen plan ... | head`), a closed stream
             pass
     os._exit(code or 0)
+
+
+def _arrow_without_pandas(argv: list[str]) -> None:
+    """pyarrow imports pandas on its first conversion of a Python list, to ask whether the list is a
+    pandas object: a cost paid before the first forward of every run, which hands pyarrow no
+    pandas objects. In the `batchgen` process itself (`script`, never a caller's), pyarrow's
+    one look for pandas is made to fail, so lists stay lists; and as soon as anything imports
+    pandas (a `datasets` input, Ray Data), pyarrow is made to look again, so from then on it is
+    the pyarrow of a process with pandas, as before."""
+    if not argv or argv[0] not in ("process", "plan", "validate", "merge") or "pandas" in sys.modules:
+        return
+    import importlib.machinery
+
+    import pyarrow as pa
+
+    class NoPandas:  # a finder that says pandas is not installed
+        @staticmethod
+        def find_spec(name, path=None, target=None):
+            if name == "pandas":
+                raise ImportError("pandas is not looked for here")
+
+    class PandasWatch:  # a finder that, once pandas is imported, has pyarrow look again
+        @staticmethod
+        def find_spec(name, path=None, target=None):
+            if name != "pandas":
+                return None
+            sys.meta_path.remove(PandasWatch)
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+            if spec is not None and spec.loader is not None:
+                run = spec.loader.exec_module
+
+                def exec_module(module):
+                    run(module)
+                    pa.lib._pandas_api.pd  # noqa: B018 - the shim's `pd` imports pandas again, now found
+
+                spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, NoPandas)
+    try:
+        pa.array([])
+    finally:
+        sys.meta_path.remove(NoPandas)
+    sys.meta_path.insert(0, PandasWatch)
+
+
+def _quiet_hub_progress() -> None:
+    """Our own bar reports progress; logs stay quiet: transformers' and huggingface_hub's progress
+    bars off. Said through huggingface_hub's environment variable (which transformers' bars follow
+    when it is imported), so a run that never needs transformers never imports it."""
+    if "huggingface_hub" in sys.modules or "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    else:
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def _guard(fn, *args, **kwargs):

@@ -20,11 +20,9 @@ Temperature, top-k and top-p come after (transformers' warpers). A row none of t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
-from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from pipeline.engine.constrain import allowed_tokens
 from pipeline.engine.types import Request, SamplingParams
@@ -46,14 +44,20 @@ def make_generator(seed: int, sample_index: int, device: torch.device) -> torch.
     return gen
 
 
-@lru_cache(maxsize=256)
-def _warpers(temperature: float, top_k: int, top_p: float) -> LogitsProcessorList:
-    procs = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+def warp(scores: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """What transformers' TemperatureLogitsWarper, TopKLogitsWarper and TopPLogitsWarper make of
+    scores (1, V), in the order its `generate` applies them, op for op (a test compares them): a
+    sampled run need not import transformers for three lines each."""
+    scores = scores / temperature
     if top_k > 0:
-        procs.append(TopKLogitsWarper(top_k))
+        k = min(top_k, scores.size(-1))
+        scores = scores.masked_fill(scores < torch.topk(scores, k)[0][..., -1, None], NEG_INF)
     if top_p < 1.0:
-        procs.append(TopPLogitsWarper(top_p))
-    return procs
+        sorted_logits, sorted_indices = torch.sort(scores, descending=False)
+        remove = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)
+        remove[..., -1:] = 0  # min_tokens_to_keep=1
+        scores = scores.masked_fill(remove.scatter(1, sorted_indices, remove), NEG_INF)
+    return scores
 
 
 @dataclass
@@ -215,7 +219,7 @@ def sample(logits: torch.Tensor, rows: list[RowState]) -> torch.Tensor:
         p = row.params
         if p.greedy or r in dead:
             continue
-        warped = _warpers(p.temperature, p.top_k, p.top_p)(None, logits[r : r + 1].float())  # (1, V)
+        warped = warp(logits[r : r + 1].float(), p.temperature, p.top_k, p.top_p)  # (1, V)
         probs = torch.softmax(warped, dim=-1)
         tokens[r] = torch.multinomial(probs, 1, generator=row.generator)[0, 0]
     for r in dead:

@@ -5,9 +5,7 @@ conversion) and `native` (its compiled kernels live in the same cache) all impor
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
+from pipeline.paths import cache_dir  # noqa: F401  (the model layer's files live under it)
 from pipeline.errors import BatchgenError
 
 
@@ -15,7 +13,3 @@ class ModelLoadError(BatchgenError):
     """A model could not be located or loaded; the message says which and how to fix it."""
 
 
-def cache_dir() -> Path:
-    """Root of batchgen's cache: ``$BATCHGEN_CACHE_DIR`` or ``~/.cache/batchgen``."""
-    env = os.environ.get("BATCHGEN_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "batchgen"

@@ -1,11 +1,12 @@
 """The rows of a run's inputs as preflight checks them (pipeline/run/preflight.py), in chunks.
 
 `Rows` reads them (jobs/chunks.py): each chunk holds jobs and rows that cannot run, from the
-per-record path, and plain rows (a prompt and at most an id: the commonest row of a big file)
-left in columns. Carried columns are checked against the column types of typed inputs here.
+per-record path, and plain rows (a prompt, at most an id, and columns carried through: the
+commonest row of a big file) left in columns. Carried columns are checked against the column
+types of typed inputs here (a run with such inputs makes Jobs of rows that carry columns).
 
 `validate` and `plan` never make Jobs of plain rows. A plain row is a valid job whose every
-field but its id and prompt is the run's default, so of the checks made after tokenizing
+field but its id, prompt and carried columns is the run's default, so of the checks made after tokenizing
 (`expand.token_problem`, `preflight.generation_error`) only the prompt's length differs from row
 to row: `PlainCheck` compares the lengths to what those checks refuse in one numpy expression,
 and the rows it picks (a superset; none in a normal file) are made into Jobs and asked the
@@ -15,6 +16,7 @@ defaults: it is asked once, of a plain job of those defaults.
 """
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import numpy as np
@@ -33,7 +35,7 @@ if TYPE_CHECKING:
 
 CHUNK_ROWS = 8192  # rows read, checked and tokenized together
 _EXTRAS_CHUNK = 4096  # rows per Arrow conversion when checking carried columns
-_NO_EXTRA: dict[str, Any] = {}  # a plain row's carried columns (never written to)
+_NO_EXTRA: dict[str, Any] = {}  # a row that carries no column (never written to)
 
 
 class Rows:
@@ -44,11 +46,14 @@ class Rows:
     from the values holds every one of them by construction."""
 
     def __init__(self, inputs: list[str], options: RunOptions, columnar: bool = False) -> None:
-        self.items = read_chunks(inputs, options.defaults, dataset=options.dataset, split=options.split,
+        read = functools.partial(read_chunks, inputs, options.defaults, dataset=options.dataset, split=options.split,
                                  prompt_template=options.prompt_template, system=options.system, size=CHUNK_ROWS)
+        self.items = read()  # checks the inputs and the template first, as read_jobs does
+        self.hint = input_schema(inputs, dataset=options.dataset, split=options.split)
+        if self.hint is not None:  # carried values are checked against typed inputs' columns as Jobs
+            self.items = read(carried=False)
         self.template = plain_template(options.defaults)
         self.columnar = columnar
-        self.hint = input_schema(inputs, dataset=options.dataset, split=options.split)
         self.extras = ExtraSchema(self.hint)
         self.all_int_ids = True
         self.outputs: set[str] = set()  # the optional result columns some job fills
@@ -65,8 +70,8 @@ class Rows:
             yield self._checked(jobs, bad, chunk.plain if self.columnar else [])
 
     def _checked(self, jobs: dict[int, Job], bad: list[tuple[int, InvalidRow]], plain: list[PlainRows]):
-        # every row's columns count, as before the check (a plain row has none: a null in each)
-        self.extras.update([j.extra for j in jobs.values()] + [_NO_EXTRA] * sum(map(len, plain)))
+        # every row's columns count, as before the check, in input order (the first to name a column places it)
+        self.extras.update(_extras_in_order(jobs, plain))
         if self.hint is not None:
             typed = pa.schema([f for f in self.hint if any(f.name in j.extra for j in jobs.values())])
             for order, problem in check_extras(jobs, typed).items():
@@ -87,6 +92,17 @@ class Rows:
     def schema(self) -> pa.Schema:
         return result_schema(self.extras.schema(), pa.int64() if self.all_int_ids else pa.string(), self.created,
                              self.outputs)
+
+
+def _extras_in_order(jobs: dict[int, Job], plain: list[PlainRows]) -> list[Mapping[str, Any]]:
+    """The carried columns of a chunk's rows (jobs and plain rows) in input order."""
+    if not any(rows.extras for rows in plain):  # plain rows carry nothing: a null in each column
+        return [j.extra for j in jobs.values()] + [_NO_EXTRA] * sum(map(len, plain))
+    items = [(order, job.extra) for order, job in jobs.items()]
+    for rows in plain:
+        items += [(order, rows.extras.get(k, _NO_EXTRA)) for k, order in enumerate(rows.orders)]
+    items.sort(key=lambda item: item[0])
+    return [extra for _, extra in items]
 
 
 def read_checked(inputs: list[str], options: RunOptions) -> tuple[dict[int, Job], dict[int, InvalidRow], pa.Schema]:

@@ -90,7 +90,6 @@ def summarize(counts: JobCounts, work: Mapping[str, int], wall: float) -> dict[s
 def run_summary(counts: JobCounts, work: Mapping[str, int], *, started: float, model: str,
                 options: Any) -> dict[str, Any]:
     import torch
-    import transformers
 
     from pipeline import __version__
 
@@ -99,10 +98,25 @@ def run_summary(counts: JobCounts, work: Mapping[str, int], *, started: float, m
     return {
         **summarize(counts, work, time.monotonic() - started),
         "model": model,
-        "versions": {"batchgen": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+        "versions": {"batchgen": __version__, "torch": torch.__version__, "transformers": _version("transformers"),
                      "python": sys.version.split()[0]},
         "options": opts,
     }
+
+
+def _version(package: str) -> str | None:
+    """An installed package's version without importing it (a run on batchgen's own decoder and
+    tokenizer never imports transformers; importing it only to name its version took longer
+    than writing the output)."""
+    module = sys.modules.get(package)
+    if module is not None:
+        return getattr(module, "__version__", None)
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
 
 
 def used(**counts: int) -> str | None:

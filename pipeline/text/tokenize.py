@@ -1,4 +1,5 @@
-"""Text <-> token ids. The only module that imports a tokenizer: the engine sees ids only.
+"""Text <-> token ids, in the only modules that load a tokenizer (this one and `pipeline.text.fast_tokenizer`):
+the engine sees ids only.
 
 Prompts are tokenized whole, exactly as plain generation would (default special tokens for
 text, the chat template with a generation prompt for messages); grouping happens later on these
@@ -17,6 +18,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from pipeline.errors import BatchgenError
 from pipeline.engine.types import StopCheck
+from pipeline.text.fast_tokenizer import StandIn, load as load_known, remember
 
 
 _ENCODE_BATCH = 1024  # texts per call of the Rust batch encoder
@@ -70,11 +72,34 @@ def _config_for_tokenizer(name_or_path: str) -> dict[str, Any]:
     return {"config": SimpleNamespace(**fields)}
 
 
+def _from_transformers(name_or_path: str, trust_remote_code: bool, without_torch: bool) -> Any:
+    try:
+        with torch_hidden(without_torch):
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code,
+                                                 **_config_for_tokenizer(name_or_path))
+    except (OSError, ValueError) as e:
+        raise TokenizerError(f"cannot load a tokenizer from {name_or_path!r}: {e}") from e
+
+
 class Tokenizer:
     def __init__(self, hf_tokenizer: Any) -> None:
-        self.hf = hf_tokenizer
+        """`hf_tokenizer`: transformers' tokenizer, or its stand-in (`pipeline.text.fast_tokenizer`),
+        which encodes, renders and decodes as it does."""
+        self._tok = hf_tokenizer  # what every method here calls
+        self._hf = None if isinstance(hf_tokenizer, StandIn) else hf_tokenizer
+        self._source: tuple[str, bool, bool] | None = None  # where `load` found the stand-in's directory
         self._grammars = None
         self._piece_bytes: dict[int, bytes] = {}  # token_bytes' answers (at most the vocabulary)
+
+    @property
+    def hf(self) -> Any:
+        """transformers' tokenizer: beside the stand-in, loaded on first use (constraints and
+        lm-eval need transformers' own)."""
+        if self._hf is None:
+            self._hf = _from_transformers(*self._source)
+        return self._hf
 
     @property
     def grammars(self) -> Any:
@@ -87,32 +112,34 @@ class Tokenizer:
 
     @classmethod
     def load(cls, name_or_path: str, *, trust_remote_code: bool = False, without_torch: bool = False) -> "Tokenizer":
-        """`without_torch`: for a process that will never load a model (see `torch_hidden`)."""
-        try:
-            with torch_hidden(without_torch):
-                from transformers import AutoTokenizer
-
-                return cls(AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code,
-                                                         **_config_for_tokenizer(name_or_path)))
-        except (OSError, ValueError) as e:
-            raise TokenizerError(f"cannot load a tokenizer from {name_or_path!r}: {e}") from e
+        """`without_torch`: for a process that will never load a model (see `torch_hidden`). A
+        directory whose tokenizer transformers was seen to load as exactly the stand-in gets the
+        stand-in, and never imports transformers for it (`pipeline.text.fast_tokenizer`)."""
+        stand_in = load_known(name_or_path, trust_remote_code)
+        if stand_in is None:
+            hf = _from_transformers(name_or_path, trust_remote_code, without_torch)
+            remember(name_or_path, trust_remote_code, hf)
+            return cls(hf)
+        tok = cls(stand_in)
+        tok._source = (name_or_path, trust_remote_code, without_torch)
+        return tok
 
     @property
     def vocab_size(self) -> int:
         """Ids are below this (added tokens included)."""
-        return len(self.hf)
+        return len(self._tok)
 
     @property
     def eos_token_ids(self) -> list[int]:
-        eos = self.hf.eos_token_id
+        eos = self._tok.eos_token_id
         return [] if eos is None else [eos]
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(getattr(self.hf, "chat_template", None))
+        return bool(getattr(self._tok, "chat_template", None))
 
     def encode_prompt(self, prompt: str) -> list[int]:
-        return list(self.hf(prompt)["input_ids"])
+        return list(self._tok(prompt)["input_ids"])
 
     def encode_pair(self, context: str, continuation: str, add_special_tokens: bool = True) -> tuple[list[int], list[int]]:
         """A scoring pair tokenized as lm-eval-harness does: the context's trailing spaces move into
@@ -121,8 +148,8 @@ class Tokenizer:
         spaces = len(context) - len(context.rstrip())
         if spaces:
             context, continuation = context[:-spaces], context[-spaces:] + continuation
-        whole = list(self.hf(context + continuation, add_special_tokens=add_special_tokens)["input_ids"])
-        head = list(self.hf(context, add_special_tokens=add_special_tokens)["input_ids"])
+        whole = list(self._tok(context + continuation, add_special_tokens=add_special_tokens)["input_ids"])
+        head = list(self._tok(context, add_special_tokens=add_special_tokens)["input_ids"])
         return whole[: len(head)], whole[len(head) :]
 
     def encode_reply(self, rendered: str, reply: str) -> tuple[list[int], list[int]]:
@@ -142,7 +169,7 @@ class Tokenizer:
     def encode_messages(self, messages: Sequence[dict[str, str]]) -> list[int]:
         if not self.has_chat_template:
             raise TokenizerError("this model's tokenizer has no chat template: give jobs a 'prompt' instead of 'messages'")
-        out = self.hf.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, return_dict=True)
+        out = self._tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, return_dict=True)
         return list(out["input_ids"])
 
     def encode_many(self, prompts: Sequence[str | None], chats: Sequence[Sequence[dict[str, str]] | None]
@@ -176,7 +203,7 @@ class Tokenizer:
         if not self.has_chat_template:
             raise TokenizerError("this model's tokenizer has no chat template: give jobs a 'prompt' instead of 'messages'")
         try:
-            return self.hf.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+            return self._tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
         except Exception as e:  # noqa: BLE001 - a template may raise anything for a row it refuses
             raise TokenizerError(f"the chat template refused these messages: {str(e)[:200]}") from e
 
@@ -200,7 +227,7 @@ class Tokenizer:
         for start in range(0, len(texts), _ENCODE_BATCH):  # an Encoding holds much more than its ids: few at once
             batch = list(texts[start : start + _ENCODE_BATCH])
             if backend is None:
-                ids = [list(self.hf(t, add_special_tokens=special)["input_ids"]) for t in batch]
+                ids = [list(self._tok(t, add_special_tokens=special)["input_ids"]) for t in batch]
                 lengths += map(len, ids)
             else:
                 encodings = backend.encode_batch_fast(batch, add_special_tokens=special)
@@ -213,15 +240,17 @@ class Tokenizer:
 
     def _fast_backend(self) -> Any:
         """The Rust tokenizer, set up as `self.hf(...)` sets it for one text; None for a slow one."""
-        backend = getattr(self.hf, "_tokenizer", None)
+        if isinstance(self._tok, StandIn):
+            return self._tok.backend  # set up so when it was built
+        backend = getattr(self._tok, "_tokenizer", None)
         if backend is None or not hasattr(backend, "encode_batch_fast") or \
-                not hasattr(self.hf, "set_truncation_and_padding"):
+                not hasattr(self._tok, "set_truncation_and_padding"):
             return None
         from transformers.tokenization_utils_base import PaddingStrategy, TruncationStrategy
 
-        self.hf.set_truncation_and_padding(PaddingStrategy.DO_NOT_PAD, TruncationStrategy.DO_NOT_TRUNCATE,
-                                           None, 0, None, None)
-        split = bool(getattr(self.hf, "split_special_tokens", False))
+        self._tok.set_truncation_and_padding(PaddingStrategy.DO_NOT_PAD, TruncationStrategy.DO_NOT_TRUNCATE,
+                                             None, 0, None, None)
+        split = bool(getattr(self._tok, "split_special_tokens", False))
         if backend.encode_special_tokens != split:
             backend.encode_special_tokens = split
         return backend
@@ -229,7 +258,7 @@ class Tokenizer:
     def token_texts(self, ids: Sequence[int]) -> list[str]:
         """Each token's own text, special tokens included (what a logprobs listing names). A token
         holding part of a multi-byte character decodes to U+FFFD."""
-        return self.hf.batch_decode([[i] for i in ids], skip_special_tokens=False)
+        return self._tok.batch_decode([[i] for i in ids], skip_special_tokens=False)
 
     def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
         """Each token's own bytes (what OpenAI's logprobs call `bytes`), also of a token holding
@@ -309,7 +338,7 @@ class Tokenizer:
         return self.token_texts([token])[0].encode()
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.hf.decode(list(ids), skip_special_tokens=True)
+        return self._tok.decode(list(ids), skip_special_tokens=True)
 
     def stop_check(self, stops: Sequence[str]) -> StopCheck | None:
         """A cheap per-step check: decode only the tail that could hold a stop string."""
@@ -320,7 +349,7 @@ class Tokenizer:
         window = max(len(s) for s in stops) + 4
 
         def check(ids: list[int]) -> bool:
-            tail = self.hf.decode(ids[-window:], skip_special_tokens=True)
+            tail = self._tok.decode(ids[-window:], skip_special_tokens=True)
             return any(s in tail for s in stops)
 
         return check
