@@ -5,8 +5,10 @@
  * Why kernels of our own: PyTorch's CPU kernels run this at 76-95 GFLOP/s in prefill (padded
  * batches of suffixes, a second call per anchor, gathers and a log-sum-exp merge around them) and
  * read a decoding row's keys at 8-9 GB/s (each row a tiny GEMM). Here:
- * - decode (one query per row): each (row, key head) reads its keys once for all the query heads
- *   that share them, then its values once, with queries and outputs in vector registers;
+ * - decode (one query per row): the rows reading one anchor as matrix products against it, the
+ *   queries of 32 rows x query heads (64 on AMX tiles, bfloat16) by its keys, then their weights
+ *   by its values, the anchor read once per such tile; then each (row, key head) against its own
+ *   keys, read once for all the query heads that share them, and merged with its anchor's part;
  * - prefill (a run of tokens continuing one sequence): 16 query rows (tokens x the query heads of
  *   one key head) at a time, a GEMM-style register tile against 16 keys at a time, online softmax
  *   (flash attention), causal by own index, no padding.
@@ -15,7 +17,9 @@
  * (-DBATCHGEN_G query heads per key head, -DBATCHGEN_D head size): plain C with GCC/Clang vector
  * extensions of 16 floats, no Python or torch headers. Only for CPUs with AVX-512: on AVX2 these
  * 16-float vectors spill (the decode kernel ran 9x slower), so there it compiles to entry points
- * that refuse and the engine keeps PyTorch's kernels. Threads come from torch's OpenMP runtime
+ * that refuse and the engine keeps PyTorch's kernels. AVX-512 BF16 dot products and AMX tiles
+ * where -march=native has them, AMX only once Linux lends this process its tile registers
+ * (`amx_usable`). Threads come from torch's OpenMP runtime
  * when built with -fopenmp (its threads still spin after torch's last op: new threads would fight
  * them for the cores), else from pthreads.
  *
@@ -24,7 +28,8 @@
  *   own k/v     [rows, Hkv, cap, D] contiguous: a batch's row slots, or a prefix being prefilled
  *   anchor k/v  [1, Hkv, len, D]    contiguous, or none (pointer 0)
  *   out         [T, Hq, D] float32, contiguous
- * Scores, softmax and sums in float32, as PyTorch's kernels compute them. */
+ * Scores, softmax and sums in float32, as PyTorch's kernels compute them (AMX: the weights meet the
+ * values as two bfloat16 parts, 16 bits of their 24). */
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -44,7 +49,7 @@ _Static_assert(D % W == 0 && D <= 8 * W && G >= 1 && G <= 8, "head size 16-128 i
 typedef float vf __attribute__((vector_size(64)));
 typedef uint16_t vh __attribute__((vector_size(32)));
 typedef uint32_t vu __attribute__((vector_size(64)));
-#define SPLAT(x) ((vf){0} + (x))
+#define SPLAT(x) ((vf)_mm512_set1_ps(x)) /* not (vf){0} + x: that adds 0.0f before broadcasting */
 
 /* 16 elements from p[i] as float32: plain, or bfloat16 widened (its bits are float32's top half). */
 static inline __attribute__((always_inline)) vf ld(const void *p, int64_t i, int bf16) {
@@ -62,17 +67,16 @@ static inline __attribute__((always_inline)) vf ld(const void *p, int64_t i, int
 
 static inline __attribute__((always_inline)) void st(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
-/* e^x for x <= 0, 0 below -87 (Cephes' expf: range reduction by ln 2, degree-6 polynomial). */
+/* e^x for x <= 0, 0 below -87 (Cephes' expf: range reduction by ln 2, degree-6 polynomial; the
+ * power of two applied by vscalefps, fewer instructions than building it in the exponent bits). */
 static inline __attribute__((always_inline)) vf exp_neg(vf x) {
     __mmask16 tiny = _mm512_cmp_ps_mask((__m512)x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
-    x = (vf)_mm512_max_ps((__m512)x, _mm512_set1_ps(-87.0f));
-    vf n = (vf)_mm512_floor_ps((__m512)(x * 1.44269504088896341f + 0.5f));
+    vf n = (vf)_mm512_roundscale_ps((__m512)(x * 1.44269504088896341f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
     vf y = ((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r + 4.1665795894e-2f) * r
             + 1.6666665459e-1f) * r + 5.0000001201e-1f;
     y = y * (r * r) + r + 1.0f;
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32((__m512)n), _mm512_set1_epi32(127)), 23);
-    return (vf)_mm512_maskz_mul_ps(~tiny, (__m512)y, _mm512_castsi512_ps(e));
+    return (vf)_mm512_maskz_scalef_ps(~tiny, (__m512)y, (__m512)n);
 }
 
 /* One parallel pass: `item` over work items 0..items-1, shared out as threads come for them; each
@@ -187,10 +191,12 @@ static void tile_keys(Tile *t, const char *keys, const char *values, int64_t len
 }
 
 /* ---------------------------------------------------------------------------------------------
- * Decode, two phases. A: the rows reading one anchor, as tiles against its keys (the anchor is
- * read once per tile of 5-16 rows, at GEMM speed); each lane's partial state (weighted values,
- * maximum, sum) goes to `state`. B: each (row, key head) against its own keys, one row at a time
- * (each row's keys are its own), then merged with its anchor's state. */
+ * Decode, two phases. A: the rows reading one anchor against its keys, the anchor read once per
+ * tile of rows: as matrix products (`block_item`, below) or as the 16-lane tiles prefill uses
+ * (`anchor_item`, the reference it is tested against); each lane's partial state (weighted
+ * values, maximum, sum) goes to `state`, one per slice of the anchor's keys. B: each (row, key
+ * head) against its own keys, one row at a time (each row's keys are its own), then merged with
+ * its anchor's states. */
 typedef struct {
     int hq, hkv, bf16;
     const void *q;
@@ -202,30 +208,403 @@ typedef struct {
     float *out;
     int64_t stride;       /* own scores per query head in B's scratch: the longest row's, padded to W */
     int64_t *order;       /* anchored rows, grouped by anchor */
-    int64_t *items;       /* A: (first of the group in `order`, rows in it, key head, first lane) */
-    float *state;         /* per (row, query head): D weighted values, maximum, sum */
+    int64_t *items;       /* A: (first of the group in `order`, rows in it, key head, first lane, slice, group) */
+    float *state;         /* per (slice, row, query head): D weighted values, maximum, sum */
+    int n, slices;        /* rows; slices of each anchor's keys (A's items then merged in B) */
+    uint16_t *packed;     /* AMX: each group's anchor packed for the tiles, at packed_at[group] */
+    int64_t *packed_at, *pack_items; /* pack_items: (group, key head, first key, a row of the group) */
 } Decode;
+
+enum { ITEM = 6 }; /* int64s per item of phase A */
+
+/* Item w's lanes: lane l is query head head[l] of row tok[l] (lanes past the group's end repeat its
+ * last); returns the lanes that are real. */
+static int item_lanes(const Decode *job, int w, int lanes, int64_t *tok, int64_t *head) {
+    const int64_t *it = job->items + ITEM * w;
+    int64_t first = it[0], count = it[1], h = it[2], r0 = it[3];
+    for (int l = 0; l < lanes; l++) {
+        int64_t r = r0 + l < count * G ? r0 + l : count * G - 1;
+        tok[l] = job->order[first + r / G], head[l] = h * G + r % G;
+    }
+    return count * G - r0 < lanes ? (int)(count * G - r0) : lanes;
+}
+
+/* Keys [j0, j1) of slice `slice` of `len`, starting at multiples of 32 (AMX reads pairs of keys
+ * in tiles of 32). */
+static void slice_keys(const Decode *job, int64_t slice, int64_t len, int64_t *j0, int64_t *j1) {
+    *j0 = len * slice / job->slices / 32 * 32;
+    *j1 = slice + 1 == job->slices ? len : len * (slice + 1) / job->slices / 32 * 32;
+}
+
+static float *state_of(const Decode *job, int64_t slice, int64_t tok, int64_t head) {
+    return job->state + ((slice * job->n + tok) * job->hq + head) * (D + 2);
+}
 
 static void anchor_item(const void *arg, int w, void *scratch) {
     const Decode *job = arg;
     Tile *t = scratch;
-    const int64_t *it = job->items + 4 * w;
-    int64_t first = it[0], count = it[1], h = it[2], r0 = it[3], tok[W], head[W];
+    int64_t h = job->items[ITEM * w + 2], slice = job->items[ITEM * w + 4], tok[W], head[W], j0, j1;
     float pos[W] = {0};
-    for (int l = 0; l < W; l++) {
-        int64_t r = r0 + l < count * G ? r0 + l : count * G - 1;
-        tok[l] = job->order[first + r / G], head[l] = h * G + r % G;
-    }
+    int real = item_lanes(job, w, W, tok, head);
     tile_start(t, job->q, job->q_tok, job->q_head, tok, head, pos, job->scale, job->bf16);
     int64_t t0 = tok[0], len = job->anc_len[t0], es = job->bf16 ? 2 : 4;
-    tile_keys(t, (const char *)job->anc_k[t0] + h * len * D * es, (const char *)job->anc_v[t0] + h * len * D * es,
-              len, 0, job->bf16);
-    for (int l = 0; l < W && r0 + l < count * G; l++) {
-        float *dst = job->state + (tok[l] * job->hq + head[l]) * (D + 2);
+    slice_keys(job, slice, len, &j0, &j1);
+    tile_keys(t, (const char *)job->anc_k[t0] + (h * len + j0) * D * es,
+              (const char *)job->anc_v[t0] + (h * len + j0) * D * es, j1 - j0, 0, job->bf16);
+    for (int l = 0; l < real; l++) {
+        float *dst = state_of(job, slice, tok[l], head[l]);
         for (int i = 0; i < D; i++) dst[i] = t->ot[i * W + l];
         dst[D] = t->m[l], dst[D + 1] = t->sum[l];
     }
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * Decode phase A as matrix products: up to 32 lanes (rows x the query heads of one key head, two
+ * vectors) against the anchor's keys, KC keys at a time:
+ *   scores [KC][lanes] = keys . queries^T, register tiles of NK keys x 32 lanes (each key element
+ *     broadcast to both lane vectors; bfloat16: AVX-512 BF16 dot products of pairs, exact products
+ *     summed in float32);
+ *   the softmax over the chunk, each lane's running maximum and sum (and its outputs) rescaled
+ *     once per chunk, not once per key;
+ *   outputs [lanes][D] += weights^T . values, register tiles of RB lanes x D (each weight
+ *     broadcast to D/16 vectors of values), values widened to float32 once per chunk. */
+/* RB lanes of D/16 accumulators each, D/16 registers of values and a weight: at most 32 registers */
+enum { NK = 14, KC = 8 * NK, LANES = 2 * W, RB = (31 - D / W) / (D / W) < 16 ? (31 - D / W) / (D / W) : 16 };
+enum { KA = 128, PACK = 256 }; /* AMX (below): keys per chunk; keys per packing item */
+
+typedef struct {
+    float qt[D * LANES];  /* [D][lanes] queries, scaled; bfloat16: [D/2][lanes] pairs of elements */
+    float s[KC * LANES];  /* [key][lanes] scores, then weights */
+    float o[LANES * D];   /* [lanes][D] weighted values, not yet divided by the sum */
+    float v[KC * D];      /* bfloat16: the chunk's values as float32 */
+    float k[NK * D];      /* the last keys of a slice, padded with zeros to NK */
+    vf m[2], sum[2];
+} Block;
+
+#if defined(__AVX512BF16__)
+enum { DOT_BF16 = 1 };
+#else
+enum { DOT_BF16 = 0 }; /* bfloat16 keys and queries widened to float32 instead */
+#endif
+
+/* Scores of NK keys (rows of D at k, in the KV dtype) for `nv` lane vectors, into s[j][lanes];
+ * top[u]: each lane's maximum, over the first `real` keys too. */
+static inline __attribute__((always_inline)) void block_scores(const Block *b, const void *k, float *s, int nv,
+                                                               int dot, float scale, int real, vf *top) {
+    vf acc[2][NK];
+#pragma GCC unroll 16
+    for (int j = 0; j < NK; j++) acc[0][j] = acc[1][j] = SPLAT(0.0f);
+    if (!dot) {
+        const float *kf = k;
+        for (int i = 0; i < D; i++) {
+            vf q0 = ld(b->qt, i * LANES, 0), q1 = nv > 1 ? ld(b->qt, i * LANES + W, 0) : SPLAT(0.0f);
+#pragma GCC unroll 16
+            for (int j = 0; j < NK; j++) {
+                vf kj = SPLAT(kf[j * D + i]);
+                acc[0][j] += q0 * kj;
+                if (nv > 1) acc[1][j] += q1 * kj;
+            }
+        }
+    }
+#if defined(__AVX512BF16__)
+    else {
+        const int32_t *kp = k; /* pairs of bfloat16 */
+        const int32_t *qp = (const int32_t *)b->qt;
+        for (int p = 0; p < D / 2; p++) {
+            __m512bh q0 = (__m512bh)_mm512_loadu_si512(qp + p * LANES);
+            __m512bh q1 = (__m512bh)_mm512_loadu_si512(qp + p * LANES + (nv > 1 ? W : 0));
+#pragma GCC unroll 16
+            for (int j = 0; j < NK; j++) {
+                __m512bh kj = (__m512bh)_mm512_set1_epi32(kp[j * D / 2 + p]);
+                acc[0][j] = (vf)_mm512_dpbf16_ps((__m512)acc[0][j], q0, kj);
+                if (nv > 1) acc[1][j] = (vf)_mm512_dpbf16_ps((__m512)acc[1][j], q1, kj);
+            }
+        }
+    }
+#endif
+#pragma GCC unroll 16
+    for (int j = 0; j < NK; j++) {
+        if (dot) /* the queries were not scaled: bfloat16 products stay exact */
+            acc[0][j] *= scale, acc[1][j] *= scale;
+        if (j < real) {
+            top[0] = (vf)_mm512_max_ps((__m512)top[0], (__m512)acc[0][j]);
+            if (nv > 1) top[1] = (vf)_mm512_max_ps((__m512)top[1], (__m512)acc[1][j]);
+        }
+        st(s + j * LANES, acc[0][j]);
+        if (nv > 1) st(s + j * LANES + W, acc[1][j]);
+    }
+}
+
+/* o[r0..r0+rb) += weights s[0..n)[r] x values vf32 [n][D] (float32 rows). */
+static inline __attribute__((always_inline)) void block_values(float *o, const float *s, const float *v, int n,
+                                                               int r0, int rb) {
+    vf acc[RB][D / W];
+    for (int r = 0; r < rb; r++)
+        for (int c = 0; c < D / W; c++) acc[r][c] = ld(o, (r0 + r) * D + W * c, 0);
+    for (int j = 0; j < n; j++) {
+        vf x[D / W];
+        for (int c = 0; c < D / W; c++) x[c] = ld(v, j * D + W * c, 0);
+        for (int r = 0; r < rb; r++) {
+            vf p = SPLAT(s[j * LANES + r0 + r]);
+            for (int c = 0; c < D / W; c++) acc[r][c] += p * x[c];
+        }
+    }
+    for (int r = 0; r < rb; r++)
+        for (int c = 0; c < D / W; c++) st(o + (r0 + r) * D + W * c, acc[r][c]);
+}
+
+/* Every real lane's outputs: tiles of RB lanes, then the rest (each count its own unrolled code). */
+static void block_all_values(float *o, const float *s, const float *v, int n, int real) {
+    int r0 = 0;
+    for (; r0 + RB <= real; r0 += RB) block_values(o, s, v, n, r0, RB);
+    switch (real - r0) {
+#define TAIL(x) case x: if (x < RB) block_values(o, s, v, n, r0, x < RB ? x : 1); break;
+        TAIL(1) TAIL(2) TAIL(3) TAIL(4) TAIL(5) TAIL(6) TAIL(7) TAIL(8)
+        TAIL(9) TAIL(10) TAIL(11) TAIL(12) TAIL(13) TAIL(14) TAIL(15)
+#undef TAIL
+        default: break;
+    }
+}
+
+static void block_item(const void *arg, int w, void *scratch) {
+    const Decode *job = arg;
+    Block *b = scratch;
+    int64_t h = job->items[ITEM * w + 2], slice = job->items[ITEM * w + 4], tok[LANES], head[LANES], j0, j1;
+    int real = item_lanes(job, w, LANES, tok, head), nv = real > W ? 2 : 1, bf16 = job->bf16;
+    int dot = bf16 && DOT_BF16;
+    for (int l = 0; l < LANES; l++) /* queries transposed: qt[i][lane], or pairs of elements qt[i/2][lane] */
+        for (int c = 0; c < D / W; c++) {
+            int64_t at = tok[l] * job->q_tok + head[l] * job->q_head + W * c;
+            if (dot) {
+                const int32_t *src = (const int32_t *)((const uint16_t *)job->q + at);
+                for (int i = 0; i < W / 2; i++) ((int32_t *)b->qt)[(W / 2 * c + i) * LANES + l] = src[i];
+            } else {
+                vf x = ld(job->q, at, bf16) * job->scale;
+                for (int i = 0; i < W; i++) b->qt[(W * c + i) * LANES + l] = x[i];
+            }
+        }
+    int64_t t0 = tok[0], len = job->anc_len[t0], es = bf16 ? 2 : 4;
+    slice_keys(job, slice, len, &j0, &j1);
+    const char *keys = (const char *)job->anc_k[t0] + h * len * D * es;
+    const char *values = (const char *)job->anc_v[t0] + h * len * D * es;
+    memset(b->o, 0, sizeof b->o);
+    b->m[0] = b->m[1] = SPLAT(-1e30f), b->sum[0] = b->sum[1] = SPLAT(0.0f);
+    float widened[NK * D] __attribute__((aligned(64)));
+    for (int64_t c0 = j0; c0 < j1; c0 += KC) {
+        int n = j1 - c0 < KC ? (int)(j1 - c0) : KC;
+        vf top[2] = {b->m[0], b->m[1]};
+        for (int jb = 0; jb < n; jb += NK) {
+            const void *k = keys + (c0 + jb) * D * es;
+            if (n - jb < NK) { /* the slice's last keys: padded, so that every block has NK */
+                memset(b->k, 0, sizeof b->k);
+                memcpy(b->k, k, (size_t)(n - jb) * D * es);
+                k = b->k;
+            }
+            if (bf16 && !dot) { /* no BF16 dot products on this CPU: keys widened */
+                for (int i = 0; i < NK * D; i += W) st(widened + i, ld(k, i, 1));
+                k = widened;
+            }
+            if (nv > 1)
+                block_scores(b, k, b->s + jb * LANES, 2, dot, job->scale, n - jb, top);
+            else
+                block_scores(b, k, b->s + jb * LANES, 1, dot, job->scale, n - jb, top);
+        }
+        for (int u = 0; u < nv; u++) { /* the chunk's softmax, lane by lane; earlier chunks rescaled */
+            float *s = b->s + W * u;
+            vf rescale = exp_neg(b->m[u] - top[u]), sum = b->sum[u] * rescale;
+            for (int j = 0; j < n; j++) {
+                vf e = exp_neg(ld(s, j * LANES, 0) - top[u]);
+                st(s + j * LANES, e);
+                sum += e;
+            }
+            b->m[u] = top[u], b->sum[u] = sum;
+            for (int l = 0; l < W && W * u + l < real; l++)
+                if (rescale[l] != 1.0f)
+                    for (int c = 0; c < D / W; c++)
+                        st(b->o + (W * u + l) * D + W * c, ld(b->o, (W * u + l) * D + W * c, 0) * rescale[l]);
+        }
+        const float *v = (const float *)(values + c0 * D * es);
+        if (bf16) {
+            for (int i = 0; i < n * D; i += W) st(b->v + i, ld(values, c0 * D + i, 1));
+            v = b->v;
+        }
+        block_all_values(b->o, b->s, v, n, real);
+    }
+    for (int l = 0; l < real; l++) {
+        float *dst = state_of(job, slice, tok[l], head[l]);
+        memcpy(dst, b->o + l * D, sizeof(float) * D);
+        dst[D] = b->m[l / W][l % W], dst[D + 1] = b->sum[l / W][l % W];
+    }
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+/* ---------------------------------------------------------------------------------------------
+ * Decode phase A on AMX tiles (bfloat16, head size a multiple of 32; Intel since Sapphire Rapids):
+ * the same matrix products on 16 x 16 tiles of float32 sums, transposed so that the softmax runs
+ * down vectors of 16 rows as in `block_item`, KA keys at a time:
+ *   scores^T [keys][rows] = keys [keys][D] (read in place) . queries^T (pairs of elements);
+ *   the softmax (float32), the weights rounded to bfloat16 (as PyTorch's bfloat16 matmuls and
+ *     flash attention round them) in pairs of keys;
+ *   outputs^T [D][rows] += values^T [D][keys] . weights^T, the values transposed once per call
+ *     (`pack_item`) for all the rows reading them. */
+enum { HAVE_AMX = 1 };
+
+typedef struct {
+    uint8_t palette, start;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Linux lends a process the tile registers only once it asks (5.16+); 0 where it does not. */
+static int amx_usable(void) {
+    static int state = -1;
+    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return state;
+}
+
+/* Each key head's values transposed, [D][len rounded up to 32] with zeros past len. */
+static int64_t padded(int64_t len) { return (len + 31) / 32 * 32; }
+
+static void pack_item(const void *arg, int w, void *scratch) {
+    const Decode *job = arg;
+    (void)scratch;
+    const int64_t *it = job->pack_items + 4 * w;
+    int64_t g = it[0], h = it[1], k0 = it[2], t = it[3], len = job->anc_len[t], lp = padded(len);
+    int64_t k1 = k0 + PACK < lp ? k0 + PACK : lp;
+    const uint16_t *values = (const uint16_t *)job->anc_v[t] + h * len * D;
+    uint16_t *vt = job->packed + job->packed_at[g] + h * lp * D;
+    for (int d = 0; d < D; d++)
+        for (int64_t j = k0; j < k1; j++) vt[d * lp + j] = j < len ? values[j * D + d] : 0;
+}
+
+enum { AL = 4 * W }; /* rows an item: four tiles of 16, so that four tiles of sums are in flight */
+
+typedef struct {
+    uint16_t qt[AL * D];     /* [rows / 16][D/2][16][2] queries^T in pairs of elements (tiles B) */
+    float s[KA * AL];        /* [keys][rows] scores */
+    uint16_t pt[2 * KA * AL]; /* [part][rows / 16][keys / 2][16][2] weights^T in pairs of keys (tiles B),
+                               * in two parts: rounded to bfloat16, and what that rounding left */
+    float ot[D * AL];        /* [D][rows] weighted values, not yet divided by the sum */
+    uint16_t k[W * D];       /* the slice's last keys, padded with zeros to 16 */
+    vf m[4], sum[4];
+} Amx;
+
+/* Tile `c` += tile 4 (A) x the B tile at `src` (64-byte rows), loaded into tile `b`. */
+#define TDP(c, b, src)                 \
+    do {                               \
+        _tile_loadd(b, src, 64);       \
+        _tile_dpbf16ps(c, 4, b);       \
+    } while (0)
+
+static void amx_item(const void *arg, int w, void *scratch) {
+    const Decode *job = arg;
+    Amx *b = scratch;
+    const int64_t *it = job->items + ITEM * w;
+    int64_t h = it[2], slice = it[4], g = it[5], tok[AL], head[AL], j0, j1;
+    int real = item_lanes(job, w, AL, tok, head), nv = (real + W - 1) / W;
+    const int32_t *q32 = job->q;
+    for (int l = 0; l < W * nv; l++) /* qt[rg][pair][row in rg] = (q[2 pair], q[2 pair + 1]) */
+        for (int p = 0; p < D / 2; p++)
+            ((int32_t *)b->qt)[((l / W) * (D / 2) + p) * W + l % W] = q32[(tok[l] * job->q_tok + head[l] * job->q_head) / 2 + p];
+    int64_t len = job->anc_len[tok[0]], lp = padded(len);
+    slice_keys(job, slice, len, &j0, &j1);
+    const uint16_t *keys = (const uint16_t *)job->anc_k[tok[0]] + h * len * D;
+    const uint16_t *vt = job->packed + job->packed_at[g] + h * lp * D;
+    memset(b->ot, 0, sizeof b->ot);
+    for (int u = 0; u < 4; u++) b->m[u] = SPLAT(-1e30f), b->sum[u] = SPLAT(0.0f);
+    TileConfig cfg = {.palette = 1};
+    for (int i = 0; i < 8; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+    _tile_loadconfig(&cfg);
+    /* each key's pair partner's lane: interleaves two vectors of 16 rows' weights */
+    const __m512i zip = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+#define QT(rg, ds) (b->qt + ((rg) * (D / 2) + (ds) * 16) * 2 * W)
+#define PT(rg, ks) (b->pt + ((rg) * (KA / 2) + (ks) * 16) * 2 * W)
+    for (int64_t c0 = j0; c0 < j1; c0 += KA) {
+        int n = j1 - c0 < KA ? (int)(j1 - c0) : KA, blocks = (n + W - 1) / W, pairs = (n + 31) / 32;
+        for (int kb = 0; kb < blocks; kb++) { /* tiles 0-3: scores^T of 16 keys for rows 0-15, ..., 48-63 */
+            const uint16_t *k = keys + (c0 + kb * W) * D;
+            if (c0 + kb * W + W > j1) { /* past the slice's end: zeros, and no read past the anchor */
+                memset(b->k, 0, sizeof b->k);
+                memcpy(b->k, k, (size_t)(j1 - c0 - kb * W) * D * 2);
+                k = b->k;
+            }
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int ds = 0; ds < D / 32; ds++) {
+                _tile_loadd(4, k + ds * 32, 2 * D);
+                TDP(0, 5, QT(0, ds));
+                if (nv > 1) TDP(1, 6, QT(1, ds));
+                if (nv > 2) TDP(2, 7, QT(2, ds));
+                if (nv > 3) TDP(3, 5, QT(3, ds));
+            }
+            float *dst = b->s + kb * W * AL;
+            _tile_stored(0, dst, 4 * AL);
+            if (nv > 1) _tile_stored(1, dst + W, 4 * AL);
+            if (nv > 2) _tile_stored(2, dst + 2 * W, 4 * AL);
+            if (nv > 3) _tile_stored(3, dst + 3 * W, 4 * AL);
+        }
+        for (int u = 0; u < nv; u++) { /* the chunk's softmax, 16 rows a vector; earlier chunks rescaled */
+            const float *s = b->s + W * u;
+            vf top = b->m[u] * (1.0f / job->scale); /* the maximum unscaled (scale > 0) */
+            for (int j = 0; j < n; j++) top = (vf)_mm512_max_ps((__m512)top, (__m512)ld(s, j * AL, 0));
+            top *= job->scale;
+            vf rescale = exp_neg(b->m[u] - top), sum = b->sum[u] * rescale;
+            for (int j = 0; j < 32 * pairs; j += 2) {
+                vf e0 = j < n ? exp_neg(ld(s, j * AL, 0) * job->scale - top) : SPLAT(0.0f);
+                vf e1 = j + 1 < n ? exp_neg(ld(s, (j + 1) * AL, 0) * job->scale - top) : SPLAT(0.0f);
+                sum += e0 + e1;
+                __m512i hi = (__m512i)_mm512_cvtne2ps_pbh((__m512)e1, (__m512)e0); /* [e0 | e1] rounded */
+                vf h0 = (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hi)), 16);
+                vf h1 = (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hi, 1)), 16);
+                __m512i lo = (__m512i)_mm512_cvtne2ps_pbh((__m512)(e1 - h1), (__m512)(e0 - h0)); /* what it left */
+                _mm512_storeu_si512(PT(u, 0) + j * W, _mm512_permutexvar_epi16(zip, hi));
+                _mm512_storeu_si512(PT(u, 0) + KA * AL + j * W, _mm512_permutexvar_epi16(zip, lo));
+            }
+            b->m[u] = top, b->sum[u] = sum;
+            if (_mm512_cmp_ps_mask((__m512)rescale, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ))
+                for (int i = 0; i < D; i++) st(b->ot + i * AL + W * u, ld(b->ot, i * AL + W * u, 0) * rescale);
+        }
+        for (int db = 0; db < D / W; db++) { /* tiles 0-3: outputs^T of 16 dims for rows 0-15, ..., 48-63 */
+            float *o = b->ot + db * W * AL;
+            _tile_loadd(0, o, 4 * AL);
+            if (nv > 1) _tile_loadd(1, o + W, 4 * AL);
+            if (nv > 2) _tile_loadd(2, o + 2 * W, 4 * AL);
+            if (nv > 3) _tile_loadd(3, o + 3 * W, 4 * AL);
+            for (int ks = 0; ks < pairs; ks++) {
+                _tile_loadd(4, vt + (int64_t)db * W * lp + c0 + ks * 32, 2 * lp);
+                for (int part = 0; part < 2; part++) {
+                    TDP(0, 5, PT(0, ks) + part * KA * AL);
+                    if (nv > 1) TDP(1, 6, PT(1, ks) + part * KA * AL);
+                    if (nv > 2) TDP(2, 7, PT(2, ks) + part * KA * AL);
+                    if (nv > 3) TDP(3, 5, PT(3, ks) + part * KA * AL);
+                }
+            }
+            _tile_stored(0, o, 4 * AL);
+            if (nv > 1) _tile_stored(1, o + W, 4 * AL);
+            if (nv > 2) _tile_stored(2, o + 2 * W, 4 * AL);
+            if (nv > 3) _tile_stored(3, o + 3 * W, 4 * AL);
+        }
+    }
+#undef QT
+#undef PT
+    _tile_release();
+    for (int l = 0; l < real; l++) {
+        float *dst = state_of(job, slice, tok[l], head[l]);
+        for (int i = 0; i < D; i++) dst[i] = b->ot[i * AL + l];
+        dst[D] = b->m[l / W][l % W], dst[D + 1] = b->sum[l / W][l % W];
+    }
+}
+#undef TDP
+#else
+enum { HAVE_AMX = 0 };
+static int amx_usable(void) { return 0; }
+#endif
 
 static void own_item(const void *arg, int w, void *scratch) {
     const Decode *job = arg;
@@ -273,14 +652,22 @@ static void own_item(const void *arg, int w, void *scratch) {
         int64_t row = (int64_t)t * job->hq + h * G + g;
         float *dst = job->out + row * D, own = 1.0f, total = sum[g];
         vf anchor = SPLAT(0.0f);
-        if (job->anc_k[t]) { /* merge with the anchor's partial softmax, both scaled to the larger maximum */
-            const float *a = job->state + row * (D + 2);
-            float top = a[D] > m[g] ? a[D] : m[g];
-            float wa = exp_neg(SPLAT(a[D] - top))[0];
+        if (job->anc_k[t]) { /* merge with the anchor's partial softmaxes, all scaled to the largest maximum */
+            float top = m[g];
+            for (int i = 0; i < job->slices; i++) {
+                const float *a = state_of(job, i, t, h * G + g);
+                top = a[D] > top ? a[D] : top;
+            }
             own = exp_neg(SPLAT(m[g] - top))[0];
-            total = a[D + 1] * wa + sum[g] * own;
-            anchor = SPLAT(wa);
-            for (int c = 0; c < D / W; c++) o[g][c] = o[g][c] * own + ld(a, W * c, 0) * anchor;
+            total = sum[g] * own;
+            for (int c = 0; c < D / W; c++) o[g][c] = o[g][c] * own;
+            for (int i = 0; i < job->slices; i++) {
+                const float *a = state_of(job, i, t, h * G + g);
+                float wa = exp_neg(SPLAT(a[D] - top))[0];
+                total += a[D + 1] * wa;
+                anchor = SPLAT(wa);
+                for (int c = 0; c < D / W; c++) o[g][c] += ld(a, W * c, 0) * anchor;
+            }
         }
         for (int c = 0; c < D / W; c++) st(dst + W * c, o[g][c] * (1.0f / total));
     }
@@ -329,6 +716,18 @@ static int by_anchor(const void *a, const void *b) { /* (anchor pointer, row) pa
     return x[0] != y[0] ? (x[0] < y[0] ? -1 : 1) : (x[1] > y[1]) - (x[1] < y[1]);
 }
 
+/* Slices of the anchors' keys for phase A: more items than `items` when they would leave threads
+ * idle at the end (as flash decoding splits a long context), each slice at least `least` keys of
+ * the shortest anchor. */
+static int slices_for(int64_t items, int threads, int64_t shortest, int64_t least) {
+    int s = 1;
+    for (; s < 8 && shortest / (2 * s) >= least; s *= 2) {
+        int64_t n = items * s, rounds = (n + threads - 1) / threads;
+        if (10 * rounds * threads <= 11 * n) break; /* threads idle at most a tenth of the pass */
+    }
+    return s;
+}
+
 static int ok(int hq, int hkv, int d, int bf16) { return hkv > 0 && hq == hkv * G && d == D && (bf16 == 0 || bf16 == 1); }
 #else
 static int ok(int hq, int hkv, int d, int bf16) { return (void)hq, (void)hkv, (void)d, (void)bf16, 0; }
@@ -343,42 +742,95 @@ int batchgen_supports(int hq, int hkv, int d, int dv, int bf16) { return d == dv
 int batchgen_decode_attention(int n, int hq, int hkv, int d, int bf16, const void *q, int64_t q_tok, int64_t q_head,
                               const void *own_k, const void *own_v, int64_t cap, const int64_t *slot,
                               const int64_t *own_len, const int64_t *anc_k, const int64_t *anc_v,
-                              const int64_t *anc_len, float scale, float *out, int threads) {
-    if (!ok(hq, hkv, d, bf16)) return 1;
+                              const int64_t *anc_len, float scale, float *out, int threads, int anchors) {
+    if (!ok(hq, hkv, d, bf16) || anchors < 0 || anchors > 2) return 1;
 #if defined(__AVX512F__)
-    Decode job = {hq, hkv, bf16, q, q_tok, q_head, own_k, own_v, cap, slot, own_len,
-                  anc_k, anc_v, anc_len, scale, out, W, NULL, NULL, NULL};
-    int64_t *pairs = malloc(sizeof(int64_t) * 2 * (size_t)(n ? n : 1)), anchored = 0;
-    int items = 0;
+    Decode job = {hq, hkv, bf16, q, q_tok, q_head, own_k, own_v, cap, slot, own_len, anc_k, anc_v, anc_len,
+                  scale, out, W, NULL, NULL, NULL, n, 1, NULL, NULL, NULL};
+    int64_t *pairs = malloc(sizeof(int64_t) * 2 * (size_t)(n ? n : 1)), anchored = 0, base = 0, shortest = 0;
+    int amx = anchors == 1 && bf16 && HAVE_AMX && D % 32 == 0 && amx_usable(), tiles = anchors == 0;
+    int lanes = tiles ? W : amx ? 4 * W : LANES, items = 0, groups = 0, packs = 0;
     job.order = malloc(sizeof(int64_t) * (size_t)(n ? n : 1));
-    job.items = malloc(sizeof(int64_t) * 4 * (size_t)(n * hkv * G / W + n * hkv + 1));
-    job.state = malloc(sizeof(float) * (size_t)(n ? n : 1) * hq * (D + 2));
-    int failed = !pairs || !job.order || !job.items || !job.state;
+    int failed = !pairs || !job.order;
     for (int t = 0; !failed && t < n; t++) {
         int64_t keys = (own_len[t] + W - 1) / W * W;
         job.stride = keys > job.stride ? keys : job.stride;
-        if (anc_k[t]) pairs[2 * anchored] = anc_k[t], pairs[2 * anchored + 1] = t, anchored++;
+        if (anc_k[t]) {
+            pairs[2 * anchored] = anc_k[t], pairs[2 * anchored + 1] = t, anchored++;
+            shortest = !shortest || anc_len[t] < shortest ? anc_len[t] : shortest;
+        }
     }
     if (!failed && anchored) {
         qsort(pairs, (size_t)anchored, 2 * sizeof(int64_t), by_anchor);
         for (int64_t i = 0; i < anchored; i++) job.order[i] = pairs[2 * i + 1];
-        for (int64_t first = 0, end; first < anchored; first = end) {
+        for (int64_t first = 0, end; first < anchored; first = end, groups++) {
             for (end = first; end < anchored && pairs[2 * end] == pairs[2 * first]; end++) {}
-            for (int h = 0; h < hkv; h++)
-                for (int64_t r = 0; r < (end - first) * G; r += W, items++) {
-                    int64_t *it = job.items + 4 * items;
-                    it[0] = first, it[1] = end - first, it[2] = h, it[3] = r;
-                }
+            base += hkv * (((end - first) * G + lanes - 1) / lanes);
         }
-        failed = run(anchor_item, &job, items, sizeof(Tile), threads);
+        job.slices = slices_for(base, threads < 1 ? 1 : threads, shortest, tiles ? W : 128);
+        job.items = malloc(sizeof(int64_t) * ITEM * (size_t)(base * job.slices));
+        job.packed_at = malloc(sizeof(int64_t) * (size_t)(groups + 1));
+        failed = !job.items || !job.packed_at;
+        int64_t at = 0, g = 0;
+        for (int64_t first = 0, end; !failed && first < anchored; first = end, g++) {
+            for (end = first; end < anchored && pairs[2 * end] == pairs[2 * first]; end++) {}
+            job.packed_at[g] = at;
+            at += hkv * (amx ? (anc_len[pairs[2 * first + 1]] + 31) / 32 * 32 * D : 0);
+            for (int sl = 0; sl < job.slices; sl++)
+                for (int h = 0; h < hkv; h++)
+                    for (int64_t r = 0; r < (end - first) * G; r += lanes, items++) {
+                        int64_t *it = job.items + ITEM * items;
+                        it[0] = first, it[1] = end - first, it[2] = h, it[3] = r, it[4] = sl, it[5] = g;
+                    }
+        }
+        if (!failed && amx) { /* the anchors packed for the tiles, (group, key head, PACK keys) an item */
+            job.packed = aligned_alloc(64, ((size_t)at * 2 + 63) / 64 * 64 + 64);
+            job.pack_items = malloc(sizeof(int64_t) * 4 * (size_t)(at / (PACK * D) + groups * hkv + 1));
+            failed = !job.packed || !job.pack_items;
+            int64_t k = 0;
+            g = 0;
+            for (int64_t first = 0, end; !failed && first < anchored; first = end, g++) {
+                for (end = first; end < anchored && pairs[2 * end] == pairs[2 * first]; end++) {}
+                int64_t t = pairs[2 * first + 1];
+                for (int h = 0; h < hkv; h++)
+                    for (int64_t k0 = 0; k0 < anc_len[t]; k0 += PACK, k++) {
+                        int64_t *it = job.pack_items + 4 * k;
+                        it[0] = g, it[1] = h, it[2] = k0, it[3] = t;
+                    }
+            }
+            packs = (int)k;
+        }
     }
+    job.state = malloc(sizeof(float) * (size_t)(n ? n : 1) * job.slices * hq * (D + 2));
+    failed = failed || !job.state;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    if (!failed && amx && items) {
+        failed = run(pack_item, &job, packs, 64, threads);
+        failed = failed || run(amx_item, &job, items, sizeof(Amx), threads);
+    } else
+#endif
+    if (!failed && items)
+        failed = tiles ? run(anchor_item, &job, items, sizeof(Tile), threads)
+                       : run(block_item, &job, items, sizeof(Block), threads);
     if (!failed)
         failed = run(own_item, &job, n * hkv, sizeof(float) * G * (size_t)job.stride, threads);
-    free(pairs), free(job.order), free(job.items), free(job.state);
+    free(pairs), free(job.order), free(job.items), free(job.state), free(job.packed), free(job.packed_at);
+    free(job.pack_items);
     return failed;
 #else
     return (void)n, (void)q, (void)q_tok, (void)q_head, (void)own_k, (void)own_v, (void)cap, (void)slot,
-           (void)own_len, (void)anc_k, (void)anc_v, (void)anc_len, (void)scale, (void)out, (void)threads, 1;
+           (void)own_len, (void)anc_k, (void)anc_v, (void)anc_len, (void)scale, (void)out, (void)threads,
+           (void)anchors, 1;
+#endif
+}
+
+/* 1 where the bfloat16 anchors go through AMX tiles (`anchors` 1): built for a CPU with them, and
+ * Linux lends them to this process. */
+int batchgen_amx(void) {
+#if defined(__AVX512F__)
+    return HAVE_AMX && D % 32 == 0 && amx_usable();
+#else
+    return 0;
 #endif
 }
 
