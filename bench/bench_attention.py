@@ -5,14 +5,16 @@ read the prefix's keys and values, 4 x rows x query heads x prefix x head size F
 product ((rows x G) x D against D x L per key head). This times that call through the compiled
 kernels (`pipeline.native.decode_attention`, each row with a single own key, so the anchor is
 nearly all of it):
-  blocked   the anchor as matrix products (32 query rows by 14 keys, then by the values)
-  tiles     the 16-row register tiles the blocked kernel replaced
+  blocked   the engine's kernel: the anchor as matrix products, on AMX tiles for bfloat16
+            where the CPU has them (`native.amx`), else in AVX-512 registers
+  avx512    the matrix products in AVX-512 registers (for bfloat16 the kernel without AMX; for
+            float32 the same kernel as blocked)
+  tiles     the 16-row register tiles the matrix products replaced
   pytorch   the same attention through PyTorch's ops (`attention.partial`: bmm, softmax, bmm)
 and against the GEMM rate of the same FLOPs:
   bmm       torch.bmm of the same two products (queries by keys, weights by values), no softmax
-  linear    oneDNN's packed linear (`kernels.linear`, as the model's weight matmuls run) at the
-            model's shape (rows x hidden by the fused QKV weight), the rate `bench_profile`'s
-            floors use
+  linear    oneDNN's packed linear (`kernels.linear`, as the model's weight matmuls run) at 2,048
+            rows of the model's fused QKV layer: the GEMM rate of `bench_profile`'s attention floor
 Systems take turns (`--turns`) in one process, since this machine is shared and its speed drifts;
 each row gives medians and ratios to `blocked`, never times across runs.
 
@@ -31,7 +33,8 @@ import torch
 
 from pipeline import attention, kernels, native
 
-SYSTEMS = ("blocked", "tiles", "pytorch", "bmm", "linear")
+SYSTEMS = ("blocked", "avx512", "tiles", "pytorch", "bmm", "linear")
+GEMM_ROWS = 2048
 
 
 def cpu_model() -> str:
@@ -58,10 +61,10 @@ def calls(rows: int, length: int, dtype: torch.dtype, hq: int, hkv: int, d: int,
     # the same two products as bmm: (Hkv, rows x G, D) x (Hkv, D, L), then (Hkv, rows x G, L) x (Hkv, L, D)
     qg = q.view(rows, hkv, hq // hkv, d).transpose(0, 1).reshape(hkv, -1, d).contiguous()
     kt, p = anc_k[0].transpose(1, 2).contiguous(), torch.rand(hkv, qg.shape[1], length, generator=g).to(dtype)
-    # the model's weight matmul at the same FLOPs: rows x hidden by hidden x (hq + 2 hkv) d, repeated
+    # the model's weight matmul at 2,048 rows: x (2048, hidden) by the fused QKV weight, about the same FLOPs
     weight = torch.randn((hq + 2 * hkv) * d, hidden, generator=g).to(dtype) * 0.02
-    linear, x = kernels.linear(weight), torch.randn(rows, hidden, generator=g).to(dtype)
-    repeat = max(1, round(flops / (2 * rows * hidden * weight.shape[0])))
+    linear, x = kernels.linear(weight), torch.randn(GEMM_ROWS, hidden, generator=g).to(dtype)
+    repeat = max(1, round(flops / (2 * GEMM_ROWS * hidden * weight.shape[0])))
     qp = q[None].transpose(1, 2)[..., None, :].reshape(1, hq, rows, d)  # (1, Hq, rows, D): rows as queries
     systems = {
         "blocked": lambda: native.decode_attention(q, own_k, own_v, *args, d ** -0.5, out, anchors="matmul"),
@@ -72,7 +75,7 @@ def calls(rows: int, length: int, dtype: torch.dtype, hq: int, hkv: int, d: int,
         "bmm": lambda: (torch.bmm(qg, kt), torch.bmm(p, anc_v[0])),
         "linear": lambda: [linear(x) for _ in range(repeat)],
     }
-    scale = {"linear": flops / (2 * rows * hidden * weight.shape[0] * repeat)}  # its FLOPs to the anchor's
+    scale = {"linear": 2 * GEMM_ROWS * hidden * weight.shape[0] * repeat / flops}  # its FLOPs over the anchor's
     return systems, flops, scale
 
 
@@ -91,9 +94,8 @@ def main() -> int:
     hq, hkv, d, hidden = map(int, args.heads.split(","))
     print(f"{cpu_model()}, {args.threads} threads, {args.turns} turns; GFLOP/s of one layer's anchor attention "
           f"({hq} query heads, {hkv} key heads, head size {d}), medians over turns\n")
-    print("| rows | prefix | dtype | blocked | tiles | pytorch | bmm | linear | blocked / tiles | blocked / bmm "
-          "| blocked / linear |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| rows | prefix | dtype | AMX | " + " | ".join(SYSTEMS) + " | blocked / tiles | blocked / bmm | blocked / linear |")
+    print("|---:|---:|---|---|" + "---:|" * (len(SYSTEMS) + 3))
     report = []
     for shape in args.shapes.split(","):
         rows, length = map(int, shape.split("x"))
@@ -114,7 +116,8 @@ def main() -> int:
                             systems[s]()
                         times[s].append((time.perf_counter() - t) / args.calls / scale.get(s, 1.0))
             rate = {s: flops / statistics.median(v) / 1e9 for s, v in times.items()}
-            print(f"| {rows} | {length} | {name} | " + " | ".join(f"{rate[s]:.0f}" for s in SYSTEMS)
+            amx = "yes" if native.amx(dtype, hq, hkv, d) else "no"
+            print(f"| {rows} | {length} | {name} | {amx} | " + " | ".join(f"{rate[s]:.0f}" for s in SYSTEMS)
                   + f" | {rate['blocked'] / rate['tiles']:.2f} | {rate['blocked'] / rate['bmm']:.2f} "
                     f"| {rate['blocked'] / rate['linear']:.2f} |", flush=True)
             report.append({"rows": rows, "prefix": length, "dtype": name, "gflop_s": rate, "times_s": times})

@@ -67,11 +67,12 @@ static inline __attribute__((always_inline)) vf ld(const void *p, int64_t i, int
 
 static inline __attribute__((always_inline)) void st(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
-/* e^x for x <= 0, 0 below -87 (Cephes' expf: range reduction by ln 2, degree-6 polynomial; the
- * power of two applied by vscalefps, fewer instructions than building it in the exponent bits). */
+/* e^x for x <= 0, 0 below -87 (Cephes' expf: range reduction by ln 2, degree-6 polynomial; n
+ * rounded by adding and taking away 1.5 x 2^23, the power of two applied by vscalefps: fewer
+ * instructions, and fewer that only one port runs, than vrndscaleps and building the exponent). */
 static inline __attribute__((always_inline)) vf exp_neg(vf x) {
     __mmask16 tiny = _mm512_cmp_ps_mask((__m512)x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
-    vf n = (vf)_mm512_roundscale_ps((__m512)(x * 1.44269504088896341f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* x / ln 2 to the nearest integer */
     vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
     vf y = ((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r + 4.1665795894e-2f) * r
             + 1.6666665459e-1f) * r + 5.0000001201e-1f;
@@ -518,9 +519,6 @@ static void amx_item(const void *arg, int w, void *scratch) {
     TileConfig cfg = {.palette = 1};
     for (int i = 0; i < 8; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;
     _tile_loadconfig(&cfg);
-    /* each key's pair partner's lane: interleaves two vectors of 16 rows' weights */
-    const __m512i zip = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
 #define QT(rg, ds) (b->qt + ((rg) * (D / 2) + (ds) * 16) * 2 * W)
 #define PT(rg, ks) (b->pt + ((rg) * (KA / 2) + (ks) * 16) * 2 * W)
     for (int64_t c0 = j0; c0 < j1; c0 += KA) {
@@ -559,12 +557,16 @@ static void amx_item(const void *arg, int w, void *scratch) {
                 vf e0 = j < n ? exp_neg(ld(s, j * AL, 0) * job->scale - top) : SPLAT(0.0f);
                 vf e1 = j + 1 < n ? exp_neg(ld(s, (j + 1) * AL, 0) * job->scale - top) : SPLAT(0.0f);
                 sum += e0 + e1;
-                __m512i hi = (__m512i)_mm512_cvtne2ps_pbh((__m512)e1, (__m512)e0); /* [e0 | e1] rounded */
-                vf h0 = (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hi)), 16);
-                vf h1 = (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hi, 1)), 16);
-                __m512i lo = (__m512i)_mm512_cvtne2ps_pbh((__m512)(e1 - h1), (__m512)(e0 - h0)); /* what it left */
-                _mm512_storeu_si512(PT(u, 0) + j * W, _mm512_permutexvar_epi16(zip, hi));
-                _mm512_storeu_si512(PT(u, 0) + KA * AL + j * W, _mm512_permutexvar_epi16(zip, lo));
+                /* each row's pair (e0, e1) in two bfloat16 parts: the top 16 bits of each, then
+                 * the rest (exact in float32) rounded to bfloat16; bit operations, no shuffles */
+                __m512i top16 = _mm512_set1_epi32((int)0xffff0000), b0 = (__m512i)e0, b1 = (__m512i)e1;
+                __m512i r0 = (__m512i)(e0 - (vf)_mm512_and_si512(b0, top16));
+                __m512i r1 = (__m512i)(e1 - (vf)_mm512_and_si512(b1, top16));
+                r0 = _mm512_add_epi32(r0, _mm512_set1_epi32(0x8000)), r1 = _mm512_add_epi32(r1, _mm512_set1_epi32(0x8000));
+                /* 0xca: the second operand's bits where the first (top16) has ones, else the third's */
+                _mm512_storeu_si512(PT(u, 0) + j * W, _mm512_ternarylogic_epi32(top16, b1, _mm512_srli_epi32(b0, 16), 0xca));
+                _mm512_storeu_si512(PT(u, 0) + KA * AL + j * W,
+                                    _mm512_ternarylogic_epi32(top16, r1, _mm512_srli_epi32(r0, 16), 0xca));
             }
             b->m[u] = top, b->sum[u] = sum;
             if (_mm512_cmp_ps_mask((__m512)rescale, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ))
