@@ -89,6 +89,9 @@ def main() -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--max-new-tokens", type=int, default=None, help="the workload's own if not given")
+    p.add_argument("--anchors", default="matmul", choices=["matmul", "matmul-avx512", "tiles"],
+                   help="the compiled decode kernel's anchors (pipeline.native.ANCHORS): tiles is the kernel "
+                        "the matrix products replaced")
     p.add_argument("--json", default=None)
     p.add_argument("--model-code", default="batchgen", choices=["batchgen", "transformers"],
                    help="batchgen's own decoder (pipeline/decoder.py) or transformers' model code")
@@ -141,7 +144,8 @@ def main() -> int:
     def native_attend(q, own_k, own_v, slot, own_len, anc_k, anc_v, anc_len, scale, out, **kw):
         keys = int(own_len.sum()) + int(anc_len[anc_k != 0].sum())
         timer["attention_gflop"] += 4 * q.shape[1] * keys * q.shape[2] / 1e9
-        return real_native(q, own_k, own_v, slot, own_len, anc_k, anc_v, anc_len, scale, out, **kw)
+        return real_native(q, own_k, own_v, slot, own_len, anc_k, anc_v, anc_len, scale, out,
+                           **{"anchors": args.anchors, **kw})
 
     real_prefill = attention.native.prefill_attention
 
@@ -199,7 +203,8 @@ def main() -> int:
     needed = {bucket(m) for ph in phases.values() for m, _ in ph["by_rows"]} | {64, 2048}
     rates = {m: linear_rate(engine.dtype, m, model) for m in sorted(needed)}
 
-    print(f"## {args.workload}, {args.dtype}, {args.model_code}'s model code, {args.threads} threads: {len(reqs)} jobs, prefill "
+    print(f"## {args.workload}, {args.dtype}, {args.model_code}'s model code, anchors {args.anchors}, "
+          f"{args.threads} threads: {len(reqs)} jobs, prefill "
           f"{engine.stats.prefill_tokens} tokens, {engine.stats.completion_tokens} new tokens, {total:.1f} s in the engine")
     print(f"linear rate here: {rates[2048]:.0f} GFLOP/s at 2048 rows (the GEMM rate of the attention floor), "
           f"{rates[64]:.0f} at 64 rows (oneDNN)\n")

@@ -475,10 +475,26 @@ static void pack_item(const void *arg, int w, void *scratch) {
     const int64_t *it = job->pack_items + 4 * w;
     int64_t g = it[0], h = it[1], k0 = it[2], t = it[3], len = job->anc_len[t], lp = padded(len);
     int64_t k1 = k0 + PACK < lp ? k0 + PACK : lp;
-    const uint16_t *values = (const uint16_t *)job->anc_v[t] + h * len * D;
+    const int32_t *values = (const int32_t *)((const uint16_t *)job->anc_v[t] + h * len * D); /* pairs of dims */
     uint16_t *vt = job->packed + job->packed_at[g] + h * lp * D;
-    for (int d = 0; d < D; d++)
-        for (int64_t j = k0; j < k1; j++) vt[d * lp + j] = j < len ? values[j * D + d] : 0;
+    /* 32 keys x 2 dims at a time: the pairs (dim d, d + 1) of 16 keys gathered twice, then split
+     * into dim d's 32 keys (the even halves) and dim d + 1's (the odd) */
+    __m512i even = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32,
+                                    30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    __m512i odd = _mm512_add_epi16(even, _mm512_set1_epi16(1));
+    __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                      _mm512_set1_epi32(D / 2));
+    for (int64_t j0 = k0; j0 < k1; j0 += 32) {
+        __mmask16 m0 = len - j0 >= 16 ? 0xffff : len - j0 <= 0 ? 0 : (__mmask16)((1u << (len - j0)) - 1);
+        __mmask16 m1 = len - j0 >= 32 ? 0xffff : len - j0 <= 16 ? 0 : (__mmask16)((1u << (len - j0 - 16)) - 1);
+        for (int p = 0; p < D / 2; p++) {
+            __m512i at = _mm512_add_epi32(rows, _mm512_set1_epi32(p));
+            __m512i g0 = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m0, at, values + j0 * (D / 2), 4);
+            __m512i g1 = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m1, at, values + (j0 + 16) * (D / 2), 4);
+            _mm512_storeu_si512(vt + 2 * p * lp + j0, _mm512_permutex2var_epi16(g0, even, g1));
+            _mm512_storeu_si512(vt + (2 * p + 1) * lp + j0, _mm512_permutex2var_epi16(g0, odd, g1));
+        }
+    }
 }
 
 enum { AL = 4 * W }; /* rows an item: four tiles of 16, so that four tiles of sums are in flight */
