@@ -1,5 +1,5 @@
-"""batchgen's compiled attention kernels for CPUs (`cpu_attention.c`): decode tokens and runs of
-prefill tokens, each against its anchor and its own keys in one pass.
+"""batchgen's compiled attention kernels for CPUs (`cpu_attention.c`, which includes `cpu_anchors.c`):
+decode tokens and runs of prefill tokens, each against its anchor and its own keys in one pass.
 
 Built on first use with the machine's C compiler (`$CC`, else `cc`), one small library per head
 layout (query heads per key head, head size: a model has one), into batchgen's cache, keyed by
@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
+INCLUDED = [Path(__file__).with_name("cpu_anchors.c")]  # #included by SOURCE: part of the cache key too
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-pthread"]
 # -fopenmp: the kernel's threads are torch's (the loader shares the libgomp.so.1 torch has loaded),
 # which still spin after torch's last op; new pthreads would fight them for the cores (2.4x slower
@@ -57,7 +58,8 @@ def _build(fold: int, head: int) -> ctypes.CDLL:
 
     compiler = os.environ.get("CC", "cc")
     layout = [f"-DBATCHGEN_G={fold}", f"-DBATCHGEN_D={head}"]
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS, *layout, _cpu_key()]).encode())
+    source = b"".join(p.read_bytes() for p in [SOURCE, *INCLUDED])
+    key = hashlib.sha256(source + " ".join([compiler, *FLAGS, *layout, _cpu_key()]).encode())
     target = cache_dir() / "native" / f"cpu_attention-g{fold}-d{head}-{key.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
