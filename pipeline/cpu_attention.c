@@ -458,7 +458,9 @@ int batchgen_decode_attention(int n, int hq, int hkv, int d, int bf16, const voi
     }
     job.state = malloc(sizeof(float) * (size_t)(n ? n : 1) * job.slices * hq * (D + 2));
     failed = failed || !job.state;
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if !(defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__))
+    (void)packs; /* amx is 0: nothing was packed */
+#else
     if (!failed && amx && items) {
         failed = run(pack_item, &job, packs, 64, threads);
         failed = failed || run(amx_item, &job, items, sizeof(Amx), threads);
