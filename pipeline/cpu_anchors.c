@@ -3,17 +3,20 @@
  * cpu_attention.c after its Decode job and helpers (not built alone); pipeline/native.py hashes
  * both files into the library's name. */
 /* ---------------------------------------------------------------------------------------------
- * Decode phase A as matrix products: up to 32 lanes (rows x the query heads of one key head, two
+ * Decode phase A as matrix products: up to 48 lanes (rows x the query heads of one key head, three
  * vectors) against the anchor's keys, KC keys at a time:
- *   scores [KC][lanes] = keys . queries^T, register tiles of NK keys x 32 lanes (each key element
- *     broadcast to both lane vectors; bfloat16: AVX-512 BF16 dot products of pairs, exact products
- *     summed in float32);
+ *   scores [KC][lanes] = keys . queries^T, register tiles of 8 keys x 48 lanes (14 x 32, 16 x 16;
+ *     each key element broadcast to every lane vector; bfloat16: AVX-512 BF16 dot products of
+ *     pairs, exact products summed in float32);
  *   the softmax over the chunk, each lane's running maximum and sum (and its outputs) rescaled
  *     once per chunk, not once per key;
  *   outputs [lanes][D] += weights^T . values, register tiles of RB lanes x D (each weight
  *     broadcast to D/16 vectors of values), values widened to float32 once per chunk. */
 /* RB lanes of D/16 accumulators each, D/16 registers of values and a weight: at most 32 registers */
-enum { NK = 14, KC = 8 * NK, LANES = 2 * W, RB = (31 - D / W) / (D / W) < 16 ? (31 - D / W) / (D / W) : 16 };
+enum { NK = 16, KC = 112, LANES = 3 * W, RB = (31 - D / W) / (D / W) < 16 ? (31 - D / W) / (D / W) : 16 };
+/* keys a register tile of scores for nv lane vectors (nv x keys accumulators, at most 28); KC is a
+ * multiple of each */
+#define KEYS(nv) ((nv) == 3 ? 8 : (nv) == 2 ? 14 : 16)
 enum { KA = 128, PACK = 256 }; /* AMX (below): keys per chunk; keys per packing item */
 
 typedef struct {
@@ -21,8 +24,8 @@ typedef struct {
     float s[KC * LANES];  /* [key][lanes] scores, then weights */
     float o[LANES * D];   /* [lanes][D] weighted values, not yet divided by the sum */
     float v[KC * D];      /* bfloat16: the chunk's values as float32 */
-    float k[NK * D];      /* the last keys of a slice, padded with zeros to NK */
-    vf m[2], sum[2];
+    float k[NK * D];      /* the last keys of a slice, padded with zeros to a whole tile */
+    vf m[3], sum[3];
 } Block;
 
 #if defined(__AVX512BF16__)
@@ -31,22 +34,24 @@ enum { DOT_BF16 = 1 };
 enum { DOT_BF16 = 0 }; /* bfloat16 keys and queries widened to float32 instead */
 #endif
 
-/* Scores of NK keys (rows of D at k, in the KV dtype) for `nv` lane vectors, into s[j][lanes];
- * top[u]: each lane's maximum, over the first `real` keys too. */
+/* Scores of KEYS(nv) keys (rows of D at k, in the KV dtype) for `nv` lane vectors, into
+ * s[j][lanes]; top[u]: each lane's maximum, over the first `real` keys too. */
 static inline __attribute__((always_inline)) void block_scores(const Block *b, const void *k, float *s, int nv,
                                                                int dot, float scale, int real, vf *top) {
-    vf acc[2][NK];
+    const int nk = KEYS(nv);
+    vf acc[3][NK];
 #pragma GCC unroll 16
-    for (int j = 0; j < NK; j++) acc[0][j] = acc[1][j] = SPLAT(0.0f);
+    for (int j = 0; j < nk; j++)
+        for (int u = 0; u < nv; u++) acc[u][j] = SPLAT(0.0f);
     if (!dot) {
         const float *kf = k;
         for (int i = 0; i < D; i++) {
-            vf q0 = ld(b->qt, i * LANES, 0), q1 = nv > 1 ? ld(b->qt, i * LANES + W, 0) : SPLAT(0.0f);
+            vf q[3];
+            for (int u = 0; u < nv; u++) q[u] = ld(b->qt, i * LANES + W * u, 0);
 #pragma GCC unroll 16
-            for (int j = 0; j < NK; j++) {
+            for (int j = 0; j < nk; j++) {
                 vf kj = SPLAT(kf[j * D + i]);
-                acc[0][j] += q0 * kj;
-                if (nv > 1) acc[1][j] += q1 * kj;
+                for (int u = 0; u < nv; u++) acc[u][j] += q[u] * kj;
             }
         }
     }
@@ -55,28 +60,24 @@ static inline __attribute__((always_inline)) void block_scores(const Block *b, c
         const int32_t *kp = k; /* pairs of bfloat16 */
         const int32_t *qp = (const int32_t *)b->qt;
         for (int p = 0; p < D / 2; p++) {
-            __m512bh q0 = (__m512bh)_mm512_loadu_si512(qp + p * LANES);
-            __m512bh q1 = (__m512bh)_mm512_loadu_si512(qp + p * LANES + (nv > 1 ? W : 0));
+            __m512bh q[3];
+            for (int u = 0; u < nv; u++) q[u] = (__m512bh)_mm512_loadu_si512(qp + p * LANES + W * u);
 #pragma GCC unroll 16
-            for (int j = 0; j < NK; j++) {
+            for (int j = 0; j < nk; j++) {
                 __m512bh kj = (__m512bh)_mm512_set1_epi32(kp[j * D / 2 + p]);
-                acc[0][j] = (vf)_mm512_dpbf16_ps((__m512)acc[0][j], q0, kj);
-                if (nv > 1) acc[1][j] = (vf)_mm512_dpbf16_ps((__m512)acc[1][j], q1, kj);
+                for (int u = 0; u < nv; u++) acc[u][j] = (vf)_mm512_dpbf16_ps((__m512)acc[u][j], q[u], kj);
             }
         }
     }
 #endif
 #pragma GCC unroll 16
-    for (int j = 0; j < NK; j++) {
-        if (dot) /* the queries were not scaled: bfloat16 products stay exact */
-            acc[0][j] *= scale, acc[1][j] *= scale;
-        if (j < real) {
-            top[0] = (vf)_mm512_max_ps((__m512)top[0], (__m512)acc[0][j]);
-            if (nv > 1) top[1] = (vf)_mm512_max_ps((__m512)top[1], (__m512)acc[1][j]);
+    for (int j = 0; j < nk; j++)
+        for (int u = 0; u < nv; u++) {
+            if (dot) /* the queries were not scaled: bfloat16 products stay exact */
+                acc[u][j] *= scale;
+            if (j < real) top[u] = (vf)_mm512_max_ps((__m512)top[u], (__m512)acc[u][j]);
+            st(s + j * LANES + W * u, acc[u][j]);
         }
-        st(s + j * LANES, acc[0][j]);
-        if (nv > 1) st(s + j * LANES + W, acc[1][j]);
-    }
 }
 
 /* o[r0..r0+rb) += weights s[0..n)[r] x values vf32 [n][D] (float32 rows). */
@@ -114,7 +115,7 @@ static void block_item(const void *arg, int w, void *scratch) {
     const Decode *job = arg;
     Block *b = scratch;
     int64_t h = job->items[ITEM * w + 2], slice = job->items[ITEM * w + 4], tok[LANES], head[LANES], j0, j1;
-    int real = item_lanes(job, w, LANES, tok, head), nv = real > W ? 2 : 1, bf16 = job->bf16;
+    int real = item_lanes(job, w, LANES, tok, head), nv = (real + W - 1) / W, bf16 = job->bf16;
     int dot = bf16 && DOT_BF16;
     for (int l = 0; l < LANES; l++) /* queries transposed: qt[i][lane], or pairs of elements qt[i/2][lane] */
         for (int c = 0; c < D / W; c++) {
@@ -132,23 +133,26 @@ static void block_item(const void *arg, int w, void *scratch) {
     const char *keys = (const char *)job->anc_k[t0] + h * len * D * es;
     const char *values = (const char *)job->anc_v[t0] + h * len * D * es;
     memset(b->o, 0, sizeof b->o);
-    b->m[0] = b->m[1] = SPLAT(-1e30f), b->sum[0] = b->sum[1] = SPLAT(0.0f);
+    for (int u = 0; u < 3; u++) b->m[u] = SPLAT(-1e30f), b->sum[u] = SPLAT(0.0f);
     float widened[NK * D] __attribute__((aligned(64)));
+    const int nk = KEYS(nv);
     for (int64_t c0 = j0; c0 < j1; c0 += KC) {
         int n = j1 - c0 < KC ? (int)(j1 - c0) : KC;
-        vf top[2] = {b->m[0], b->m[1]};
-        for (int jb = 0; jb < n; jb += NK) {
+        vf top[3] = {b->m[0], b->m[1], b->m[2]};
+        for (int jb = 0; jb < n; jb += nk) {
             const void *k = keys + (c0 + jb) * D * es;
-            if (n - jb < NK) { /* the slice's last keys: padded, so that every block has NK */
+            if (n - jb < nk) { /* the slice's last keys: padded, so that every tile has its keys */
                 memset(b->k, 0, sizeof b->k);
                 memcpy(b->k, k, (size_t)(n - jb) * D * es);
                 k = b->k;
             }
             if (bf16 && !dot) { /* no BF16 dot products on this CPU: keys widened */
-                for (int i = 0; i < NK * D; i += W) st(widened + i, ld(k, i, 1));
+                for (int i = 0; i < nk * D; i += W) st(widened + i, ld(k, i, 1));
                 k = widened;
             }
-            if (nv > 1)
+            if (nv == 3)
+                block_scores(b, k, b->s + jb * LANES, 3, dot, job->scale, n - jb, top);
+            else if (nv == 2)
                 block_scores(b, k, b->s + jb * LANES, 2, dot, job->scale, n - jb, top);
             else
                 block_scores(b, k, b->s + jb * LANES, 1, dot, job->scale, n - jb, top);

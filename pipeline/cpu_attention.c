@@ -6,7 +6,7 @@
  * batches of suffixes, a second call per anchor, gathers and a log-sum-exp merge around them) and
  * read a decoding row's keys at 8-9 GB/s (each row a tiny GEMM). Here:
  * - decode (one query per row): the rows reading one anchor as matrix products against it, the
- *   queries of 32 rows x query heads (64 on AMX tiles, bfloat16) by its keys, then their weights
+ *   queries of 48 rows x query heads (64 on AMX tiles, bfloat16) by its keys, then their weights
  *   by its values, the anchor read once per such tile; then each (row, key head) against its own
  *   keys, read once for all the query heads that share them, and merged with its anchor's part;
  * - prefill (a run of tokens continuing one sequence): 16 query rows (tokens x the query heads of
