@@ -215,7 +215,7 @@ def test_engine_on_the_anchor_kernels(dtype, monkeypatch):
     """Heads of 32, whose bfloat16 anchors go through AMX tiles where this CPU has them: greedy
     output equals plain generate (in bfloat16, or parts from it exactly where the reference's
     own logits are tied), and equals the engine on the tile kernel the matrix products replaced."""
-    from test_engine import _bf16_tie
+    from tests.engine.test_engine import _bf16_tie
 
     tok = tokenizer()
     model = make_model("llama_head32", dtype=dtype)
