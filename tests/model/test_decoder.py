@@ -22,7 +22,7 @@ from tests.engine.test_engine import _bf16_tie
 from tests.helpers.tiny_models import ARCHS, EXTRA, make_decoder, make_model
 
 EOS = [2]
-TAKES = ["llama", "qwen2", "mistral", "qwen3", "llama_bias"]  # mistral: a sliding window of 12
+TAKES = ["llama", "qwen2", "mistral", "qwen3", "llama_bias", "llama_head32"]  # mistral: a sliding window of 12
 
 
 @pytest.fixture(scope="module")
