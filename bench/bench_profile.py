@@ -8,7 +8,9 @@ hidden for the LM head) at the linear rate measured in the same process at the s
 what the phase would cost if it were nothing but weight matmuls at full speed (each forward at
 the rate measured for its own number of rows). Attention GFLOP
 counts what its kernel calls compute (4 x query rows x keys x head size; half of it for causal
-calls): at the linear rate, it is what attention would cost with a kernel as fast as a GEMM.
+calls); the attention floor is those FLOPs at the GEMM rate (the linear rate at 2,048 rows): what
+attention would cost with a kernel as fast as a GEMM. A phase's wall time is set against both
+floors together.
 
 Then it counts the kernels (ATen ops that compute; views excluded) of one decode step, dynamic
 and static (`Engine(static_decode=True)`, the shapes a CUDA graph can capture).
@@ -83,10 +85,13 @@ def bucket(rows: int) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workload", default="fewshot", choices=["fewshot", "system_prompt"])
+    p.add_argument("--workload", default="fewshot", choices=["fewshot", "system_prompt", "samples", "long_document"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=None, help="the workload's own if not given")
+    p.add_argument("--anchors", default="matmul", choices=["matmul", "matmul-avx512", "tiles"],
+                   help="the compiled decode kernel's anchors (pipeline.model.native.ANCHORS): tiles is the kernel "
+                        "the matrix products replaced")
     p.add_argument("--json", default=None)
     p.add_argument("--model-code", default="batchgen", choices=["batchgen", "transformers"],
                    help="batchgen's own decoder (pipeline/model/decoder.py) or transformers' model code")
@@ -104,8 +109,9 @@ def main() -> int:
 
     model, source = load_model(None, "cpu", args.dtype, own_decoder=args.model_code == "batchgen")
     tok = AutoTokenizer.from_pretrained(source)
-    rows = corpus.WORKLOADS[args.workload](max_new_tokens=args.max_new_tokens)
-    reqs = [Request(i, tok(r["prompt"]).input_ids, SamplingParams(max_new_tokens=args.max_new_tokens))
+    rows = corpus.WORKLOADS[args.workload](**({} if args.max_new_tokens is None else
+                                               {"max_new_tokens": args.max_new_tokens}))
+    reqs = [Request(i, tok(r["prompt"]).input_ids, SamplingParams(max_new_tokens=r["max_new_tokens"], n=r.get("n", 1)))
             for i, r in enumerate(rows)]
     config = model.config
     linears = model_linears(model)
@@ -135,10 +141,11 @@ def main() -> int:
 
     real_native = attention.native.decode_attention
 
-    def native_attend(q, own_k, own_v, slot, own_len, anc_k, anc_v, anc_len, scale, out):
+    def native_attend(q, own_k, own_v, slot, own_len, anc_k, anc_v, anc_len, scale, out, **kw):
         keys = int(own_len.sum()) + int(anc_len[anc_k != 0].sum())
         timer["attention_gflop"] += 4 * q.shape[1] * keys * q.shape[2] / 1e9
-        return real_native(q, own_k, own_v, slot, own_len, anc_k, anc_v, anc_len, scale, out)
+        return real_native(q, own_k, own_v, slot, own_len, anc_k, anc_v, anc_len, scale, out,
+                           **{"anchors": args.anchors, **kw})
 
     real_prefill = attention.native.prefill_attention
 
@@ -197,23 +204,27 @@ def main() -> int:
     needed = {bucket(m) for ph in phases.values() for m, _ in ph["by_rows"]} | {64, 2048}
     rates = {m: linear_rate(engine.dtype, m, model) for m in sorted(needed)}
 
-    print(f"## {args.workload}, {args.dtype}, {args.model_code}'s model code, {args.threads} threads: {len(reqs)} jobs, prefill "
+    print(f"## {args.workload}, {args.dtype}, {args.model_code}'s model code, anchors {args.anchors}, "
+          f"{args.threads} threads: {len(reqs)} jobs, prefill "
           f"{engine.stats.prefill_tokens} tokens, {engine.stats.completion_tokens} new tokens, {total:.1f} s in the engine")
-    print(f"linear rate here: {rates[2048]:.0f} GFLOP/s at 2048 rows, {rates[64]:.0f} at 64 rows (oneDNN)\n")
+    print(f"linear rate here: {rates[2048]:.0f} GFLOP/s at 2048 rows (the GEMM rate of the attention floor), "
+          f"{rates[64]:.0f} at 64 rows (oneDNN)\n")
     print("| phase | forwards | tokens | wall s | linear s | attention s | other s | matmul floor s | wall / floor "
-          "| attention GFLOP | attention GFLOP/s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| attention GFLOP | attention GFLOP/s | attention floor s | wall / both floors |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     report = {"total_s": total, "rates": rates, "phases": {}}
     for name in ("prefill", "mixed", "decode"):
         ph = phases.get(name)
         if not ph:
             continue
         floor = sum(f / rates[bucket(m)] for m, f in ph.pop("by_rows")) / 1e9
+        attention_floor = ph["attention_gflop"] / rates[2048]  # attention's FLOPs at the GEMM rate
         other = ph["wall"] - ph["linear_measured"] - ph["attention"]
         print(f"| {name} | {ph['forwards']:.0f} | {ph['tokens']:.0f} | {ph['wall']:.2f} | {ph['linear_measured']:.2f} | "
               f"{ph['attention']:.2f} | {other:.2f} | {floor:.2f} | {ph['wall'] / floor:.2f} | "
-              f"{ph['attention_gflop']:.0f} | {ph['attention_gflop'] / max(ph['attention'], 1e-9):.0f} |")
-        report["phases"][name] = {**ph, "floor_s": floor}
+              f"{ph['attention_gflop']:.0f} | {ph['attention_gflop'] / max(ph['attention'], 1e-9):.0f} | "
+              f"{attention_floor:.2f} | {ph['wall'] / (floor + attention_floor):.2f} |")
+        report["phases"][name] = {**ph, "floor_s": floor, "attention_floor_s": attention_floor}
     report["kernels_per_decode_step"] = {mode: kernels_per_decode_step(model, reqs, mode == "static")
                                          for mode in ("dynamic", "static")}
     print(f"\nkernels per decode step (32 rows): {report['kernels_per_decode_step']}")

@@ -7,6 +7,9 @@ from them in the shapes real jobs have:
   log-uniform (most are short, some are long), with four options.
 - system_prompt: a ~500-token system prompt per group, each followed by user requests of 20-120
   tokens.
+- samples: decode-heavy, 16 samples ("n") of each of 8 questions under a ~1,600-token 8-shot
+  header, 128 new tokens.
+- long_document: 32 questions about each of 2 documents of ~3,000 tokens, 64 new tokens.
 
 Job rows: {"id", "group", "prompt", "max_new_tokens"}; jobs of a group are contiguous (the CTranslate2
 runner passes a group's common prefix as its static prompt).
@@ -112,4 +115,26 @@ def system_prompt(groups: int = 8, jobs: int = 8, max_new_tokens: int = 16, seed
     return rows
 
 
-WORKLOADS = {"fewshot": fewshot, "system_prompt": system_prompt}
+def samples(prompts: int = 8, n: int = 16, max_new_tokens: int = 128, seed: int = 0) -> list[dict]:
+    """Decode-heavy: `n` samples of each of `prompts` questions under one 8-shot worked-answer
+    header of about 1,600 tokens (every row decodes over the shared header)."""
+    text = _Text(seed + 2)
+    header = "".join(f"Question: {text.about(60)}\nAnswer: Let us think step by step. {text.about(125)}\n\n"
+                     for _ in range(8))
+    return [{"id": f"q{i}", "group": "header", "prompt": header + f"Question: {text.about(text.log_uniform(20, 80))}"
+             "\nAnswer: Let us think step by step.", "n": n, "max_new_tokens": max_new_tokens} for i in range(prompts)]
+
+
+def long_document(documents: int = 2, questions: int = 32, max_new_tokens: int = 64, seed: int = 0) -> list[dict]:
+    """Long shared context: `questions` short questions about each document of about 3,000 tokens."""
+    text = _Text(seed + 3)
+    rows = []
+    for d in range(documents):
+        document = f"Document {d}:\n{text.about(3350)}\n\n"
+        rows += [{"id": f"d{d}-{q}", "group": f"d{d}", "max_new_tokens": max_new_tokens,
+                  "prompt": document + f"Question: {text.about(text.log_uniform(10, 40))}\nAnswer:"}
+                 for q in range(questions)]
+    return rows
+
+
+WORKLOADS = {"fewshot": fewshot, "system_prompt": system_prompt, "samples": samples, "long_document": long_document}

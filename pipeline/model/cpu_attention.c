@@ -5,8 +5,10 @@
  * Why kernels of our own: PyTorch's CPU kernels run this at 76-95 GFLOP/s in prefill (padded
  * batches of suffixes, a second call per anchor, gathers and a log-sum-exp merge around them) and
  * read a decoding row's keys at 8-9 GB/s (each row a tiny GEMM). Here:
- * - decode (one query per row): each (row, key head) reads its keys once for all the query heads
- *   that share them, then its values once, with queries and outputs in vector registers;
+ * - decode (one query per row): the rows reading one anchor as matrix products against it, the
+ *   queries of 48 rows x query heads (64 on AMX tiles, bfloat16) by its keys, then their weights
+ *   by its values, the anchor read once per such tile; then each (row, key head) against its own
+ *   keys, read once for all the query heads that share them, and merged with its anchor's part;
  * - prefill (a run of tokens continuing one sequence): 16 query rows (tokens x the query heads of
  *   one key head) at a time, a GEMM-style register tile against 16 keys at a time, online softmax
  *   (flash attention), causal by own index, no padding.
@@ -15,7 +17,9 @@
  * (-DBATCHGEN_G query heads per key head, -DBATCHGEN_D head size): plain C with GCC/Clang vector
  * extensions of 16 floats, no Python or torch headers. Only for CPUs with AVX-512: on AVX2 these
  * 16-float vectors spill (the decode kernel ran 9x slower), so there it compiles to entry points
- * that refuse and the engine keeps PyTorch's kernels. Threads come from torch's OpenMP runtime
+ * that refuse and the engine keeps PyTorch's kernels. AVX-512 BF16 dot products and AMX tiles
+ * where -march=native has them, AMX only once Linux lends this process its tile registers
+ * (`amx_usable`). Threads come from torch's OpenMP runtime
  * when built with -fopenmp (its threads still spin after torch's last op: new threads would fight
  * them for the cores), else from pthreads.
  *
@@ -24,7 +28,8 @@
  *   own k/v     [rows, Hkv, cap, D] contiguous: a batch's row slots, or a prefix being prefilled
  *   anchor k/v  [1, Hkv, len, D]    contiguous, or none (pointer 0)
  *   out         [T, Hq, D] float32, contiguous
- * Scores, softmax and sums in float32, as PyTorch's kernels compute them. */
+ * Scores, softmax and sums in float32, as PyTorch's kernels compute them (AMX: the weights meet the
+ * values as two bfloat16 parts, 16 bits of their 24). */
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -44,7 +49,7 @@ _Static_assert(D % W == 0 && D <= 8 * W && G >= 1 && G <= 8, "head size 16-128 i
 typedef float vf __attribute__((vector_size(64)));
 typedef uint16_t vh __attribute__((vector_size(32)));
 typedef uint32_t vu __attribute__((vector_size(64)));
-#define SPLAT(x) ((vf){0} + (x))
+#define SPLAT(x) ((vf)_mm512_set1_ps(x)) /* not (vf){0} + x: that adds 0.0f before broadcasting */
 
 /* 16 elements from p[i] as float32: plain, or bfloat16 widened (its bits are float32's top half). */
 static inline __attribute__((always_inline)) vf ld(const void *p, int64_t i, int bf16) {
@@ -62,17 +67,17 @@ static inline __attribute__((always_inline)) vf ld(const void *p, int64_t i, int
 
 static inline __attribute__((always_inline)) void st(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
-/* e^x for x <= 0, 0 below -87 (Cephes' expf: range reduction by ln 2, degree-6 polynomial). */
+/* e^x for x <= 0, 0 below -87 (Cephes' expf: range reduction by ln 2, degree-6 polynomial; n
+ * rounded by adding and taking away 1.5 x 2^23, the power of two applied by vscalefps: fewer
+ * instructions, and fewer that only one port runs, than vrndscaleps and building the exponent). */
 static inline __attribute__((always_inline)) vf exp_neg(vf x) {
     __mmask16 tiny = _mm512_cmp_ps_mask((__m512)x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
-    x = (vf)_mm512_max_ps((__m512)x, _mm512_set1_ps(-87.0f));
-    vf n = (vf)_mm512_floor_ps((__m512)(x * 1.44269504088896341f + 0.5f));
+    vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* x / ln 2 to the nearest integer */
     vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
     vf y = ((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r + 4.1665795894e-2f) * r
             + 1.6666665459e-1f) * r + 5.0000001201e-1f;
     y = y * (r * r) + r + 1.0f;
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32((__m512)n), _mm512_set1_epi32(127)), 23);
-    return (vf)_mm512_maskz_mul_ps(~tiny, (__m512)y, _mm512_castsi512_ps(e));
+    return (vf)_mm512_maskz_scalef_ps(~tiny, (__m512)y, (__m512)n);
 }
 
 /* One parallel pass: `item` over work items 0..items-1, shared out as threads come for them; each
@@ -187,10 +192,12 @@ static void tile_keys(Tile *t, const char *keys, const char *values, int64_t len
 }
 
 /* ---------------------------------------------------------------------------------------------
- * Decode, two phases. A: the rows reading one anchor, as tiles against its keys (the anchor is
- * read once per tile of 5-16 rows, at GEMM speed); each lane's partial state (weighted values,
- * maximum, sum) goes to `state`. B: each (row, key head) against its own keys, one row at a time
- * (each row's keys are its own), then merged with its anchor's state. */
+ * Decode, two phases. A: the rows reading one anchor against its keys, the anchor read once per
+ * tile of rows: as matrix products (`block_item`, below) or as the 16-lane tiles prefill uses
+ * (`anchor_item`, the reference it is tested against); each lane's partial state (weighted
+ * values, maximum, sum) goes to `state`, one per slice of the anchor's keys. B: each (row, key
+ * head) against its own keys, one row at a time (each row's keys are its own), then merged with
+ * its anchor's states. */
 typedef struct {
     int hq, hkv, bf16;
     const void *q;
@@ -202,30 +209,57 @@ typedef struct {
     float *out;
     int64_t stride;       /* own scores per query head in B's scratch: the longest row's, padded to W */
     int64_t *order;       /* anchored rows, grouped by anchor */
-    int64_t *items;       /* A: (first of the group in `order`, rows in it, key head, first lane) */
-    float *state;         /* per (row, query head): D weighted values, maximum, sum */
+    int64_t *items;       /* A: (first of the group in `order`, rows in it, key head, first lane, slice, group) */
+    float *state;         /* per (slice, row, query head): D weighted values, maximum, sum */
+    int n, slices;        /* rows; slices of each anchor's keys (A's items then merged in B) */
+    uint16_t *packed;     /* AMX: each group's anchor packed for the tiles, at packed_at[group] */
+    int64_t *packed_at, *pack_items; /* pack_items: (group, key head, first key, a row of the group) */
 } Decode;
+
+enum { ITEM = 6 }; /* int64s per item of phase A */
+
+/* Item w's lanes: lane l is query head head[l] of row tok[l] (lanes past the group's end repeat its
+ * last); returns the lanes that are real. */
+static int item_lanes(const Decode *job, int w, int lanes, int64_t *tok, int64_t *head) {
+    const int64_t *it = job->items + ITEM * w;
+    int64_t first = it[0], count = it[1], h = it[2], r0 = it[3];
+    for (int l = 0; l < lanes; l++) {
+        int64_t r = r0 + l < count * G ? r0 + l : count * G - 1;
+        tok[l] = job->order[first + r / G], head[l] = h * G + r % G;
+    }
+    return count * G - r0 < lanes ? (int)(count * G - r0) : lanes;
+}
+
+/* Keys [j0, j1) of slice `slice` of `len`, starting at multiples of 32 (AMX reads pairs of keys
+ * in tiles of 32). */
+static void slice_keys(const Decode *job, int64_t slice, int64_t len, int64_t *j0, int64_t *j1) {
+    *j0 = len * slice / job->slices / 32 * 32;
+    *j1 = slice + 1 == job->slices ? len : len * (slice + 1) / job->slices / 32 * 32;
+}
+
+static float *state_of(const Decode *job, int64_t slice, int64_t tok, int64_t head) {
+    return job->state + ((slice * job->n + tok) * job->hq + head) * (D + 2);
+}
 
 static void anchor_item(const void *arg, int w, void *scratch) {
     const Decode *job = arg;
     Tile *t = scratch;
-    const int64_t *it = job->items + 4 * w;
-    int64_t first = it[0], count = it[1], h = it[2], r0 = it[3], tok[W], head[W];
+    int64_t h = job->items[ITEM * w + 2], slice = job->items[ITEM * w + 4], tok[W], head[W], j0, j1;
     float pos[W] = {0};
-    for (int l = 0; l < W; l++) {
-        int64_t r = r0 + l < count * G ? r0 + l : count * G - 1;
-        tok[l] = job->order[first + r / G], head[l] = h * G + r % G;
-    }
+    int real = item_lanes(job, w, W, tok, head);
     tile_start(t, job->q, job->q_tok, job->q_head, tok, head, pos, job->scale, job->bf16);
     int64_t t0 = tok[0], len = job->anc_len[t0], es = job->bf16 ? 2 : 4;
-    tile_keys(t, (const char *)job->anc_k[t0] + h * len * D * es, (const char *)job->anc_v[t0] + h * len * D * es,
-              len, 0, job->bf16);
-    for (int l = 0; l < W && r0 + l < count * G; l++) {
-        float *dst = job->state + (tok[l] * job->hq + head[l]) * (D + 2);
+    slice_keys(job, slice, len, &j0, &j1);
+    tile_keys(t, (const char *)job->anc_k[t0] + (h * len + j0) * D * es,
+              (const char *)job->anc_v[t0] + (h * len + j0) * D * es, j1 - j0, 0, job->bf16);
+    for (int l = 0; l < real; l++) {
+        float *dst = state_of(job, slice, tok[l], head[l]);
         for (int i = 0; i < D; i++) dst[i] = t->ot[i * W + l];
         dst[D] = t->m[l], dst[D + 1] = t->sum[l];
     }
 }
+
+#include "cpu_anchors.c" /* block_item, amx_item: phase A as matrix products */
 
 static void own_item(const void *arg, int w, void *scratch) {
     const Decode *job = arg;
@@ -273,14 +307,22 @@ static void own_item(const void *arg, int w, void *scratch) {
         int64_t row = (int64_t)t * job->hq + h * G + g;
         float *dst = job->out + row * D, own = 1.0f, total = sum[g];
         vf anchor = SPLAT(0.0f);
-        if (job->anc_k[t]) { /* merge with the anchor's partial softmax, both scaled to the larger maximum */
-            const float *a = job->state + row * (D + 2);
-            float top = a[D] > m[g] ? a[D] : m[g];
-            float wa = exp_neg(SPLAT(a[D] - top))[0];
+        if (job->anc_k[t]) { /* merge with the anchor's partial softmaxes, all scaled to the largest maximum */
+            float top = m[g];
+            for (int i = 0; i < job->slices; i++) {
+                const float *a = state_of(job, i, t, h * G + g);
+                top = a[D] > top ? a[D] : top;
+            }
             own = exp_neg(SPLAT(m[g] - top))[0];
-            total = a[D + 1] * wa + sum[g] * own;
-            anchor = SPLAT(wa);
-            for (int c = 0; c < D / W; c++) o[g][c] = o[g][c] * own + ld(a, W * c, 0) * anchor;
+            total = sum[g] * own;
+            for (int c = 0; c < D / W; c++) o[g][c] = o[g][c] * own;
+            for (int i = 0; i < job->slices; i++) {
+                const float *a = state_of(job, i, t, h * G + g);
+                float wa = exp_neg(SPLAT(a[D] - top))[0];
+                total += a[D + 1] * wa;
+                anchor = SPLAT(wa);
+                for (int c = 0; c < D / W; c++) o[g][c] += ld(a, W * c, 0) * anchor;
+            }
         }
         for (int c = 0; c < D / W; c++) st(dst + W * c, o[g][c] * (1.0f / total));
     }
@@ -329,6 +371,18 @@ static int by_anchor(const void *a, const void *b) { /* (anchor pointer, row) pa
     return x[0] != y[0] ? (x[0] < y[0] ? -1 : 1) : (x[1] > y[1]) - (x[1] < y[1]);
 }
 
+/* Slices of the anchors' keys for phase A: more items than `items` when they would leave threads
+ * idle at the end (as flash decoding splits a long context), each slice at least `least` keys of
+ * the shortest anchor. */
+static int slices_for(int64_t items, int threads, int64_t shortest, int64_t least) {
+    int s = 1;
+    for (; s < 8 && shortest / (2 * s) >= least; s *= 2) {
+        int64_t n = items * s, rounds = (n + threads - 1) / threads;
+        if (10 * rounds * threads <= 11 * n) break; /* threads idle at most a tenth of the pass */
+    }
+    return s;
+}
+
 static int ok(int hq, int hkv, int d, int bf16) { return hkv > 0 && hq == hkv * G && d == D && (bf16 == 0 || bf16 == 1); }
 #else
 static int ok(int hq, int hkv, int d, int bf16) { return (void)hq, (void)hkv, (void)d, (void)bf16, 0; }
@@ -343,42 +397,97 @@ int batchgen_supports(int hq, int hkv, int d, int dv, int bf16) { return d == dv
 int batchgen_decode_attention(int n, int hq, int hkv, int d, int bf16, const void *q, int64_t q_tok, int64_t q_head,
                               const void *own_k, const void *own_v, int64_t cap, const int64_t *slot,
                               const int64_t *own_len, const int64_t *anc_k, const int64_t *anc_v,
-                              const int64_t *anc_len, float scale, float *out, int threads) {
-    if (!ok(hq, hkv, d, bf16)) return 1;
+                              const int64_t *anc_len, float scale, float *out, int threads, int anchors) {
+    if (!ok(hq, hkv, d, bf16) || anchors < 0 || anchors > 2) return 1;
 #if defined(__AVX512F__)
-    Decode job = {hq, hkv, bf16, q, q_tok, q_head, own_k, own_v, cap, slot, own_len,
-                  anc_k, anc_v, anc_len, scale, out, W, NULL, NULL, NULL};
-    int64_t *pairs = malloc(sizeof(int64_t) * 2 * (size_t)(n ? n : 1)), anchored = 0;
-    int items = 0;
+    Decode job = {hq, hkv, bf16, q, q_tok, q_head, own_k, own_v, cap, slot, own_len, anc_k, anc_v, anc_len,
+                  scale, out, W, NULL, NULL, NULL, n, 1, NULL, NULL, NULL};
+    int64_t *pairs = malloc(sizeof(int64_t) * 2 * (size_t)(n ? n : 1)), anchored = 0, base = 0, shortest = 0;
+    int amx = anchors == 1 && bf16 && HAVE_AMX && D % 32 == 0 && amx_usable(), tiles = anchors == 0;
+    int lanes = tiles ? W : amx ? 4 * W : LANES, items = 0, groups = 0, packs = 0;
     job.order = malloc(sizeof(int64_t) * (size_t)(n ? n : 1));
-    job.items = malloc(sizeof(int64_t) * 4 * (size_t)(n * hkv * G / W + n * hkv + 1));
-    job.state = malloc(sizeof(float) * (size_t)(n ? n : 1) * hq * (D + 2));
-    int failed = !pairs || !job.order || !job.items || !job.state;
+    int failed = !pairs || !job.order;
     for (int t = 0; !failed && t < n; t++) {
         int64_t keys = (own_len[t] + W - 1) / W * W;
         job.stride = keys > job.stride ? keys : job.stride;
-        if (anc_k[t]) pairs[2 * anchored] = anc_k[t], pairs[2 * anchored + 1] = t, anchored++;
+        if (anc_k[t]) {
+            pairs[2 * anchored] = anc_k[t], pairs[2 * anchored + 1] = t, anchored++;
+            shortest = !shortest || anc_len[t] < shortest ? anc_len[t] : shortest;
+        }
     }
     if (!failed && anchored) {
         qsort(pairs, (size_t)anchored, 2 * sizeof(int64_t), by_anchor);
         for (int64_t i = 0; i < anchored; i++) job.order[i] = pairs[2 * i + 1];
-        for (int64_t first = 0, end; first < anchored; first = end) {
+        for (int64_t first = 0, end; first < anchored; first = end, groups++) {
             for (end = first; end < anchored && pairs[2 * end] == pairs[2 * first]; end++) {}
-            for (int h = 0; h < hkv; h++)
-                for (int64_t r = 0; r < (end - first) * G; r += W, items++) {
-                    int64_t *it = job.items + 4 * items;
-                    it[0] = first, it[1] = end - first, it[2] = h, it[3] = r;
-                }
+            base += hkv * (((end - first) * G + lanes - 1) / lanes);
         }
-        failed = run(anchor_item, &job, items, sizeof(Tile), threads);
+        job.slices = slices_for(base, threads < 1 ? 1 : threads, shortest, tiles ? W : 128);
+        job.items = malloc(sizeof(int64_t) * ITEM * (size_t)(base * job.slices));
+        job.packed_at = malloc(sizeof(int64_t) * (size_t)(groups + 1));
+        failed = !job.items || !job.packed_at;
+        int64_t at = 0, g = 0;
+        for (int64_t first = 0, end; !failed && first < anchored; first = end, g++) {
+            for (end = first; end < anchored && pairs[2 * end] == pairs[2 * first]; end++) {}
+            job.packed_at[g] = at;
+            at += hkv * (amx ? (anc_len[pairs[2 * first + 1]] + 31) / 32 * 32 * D : 0);
+            for (int sl = 0; sl < job.slices; sl++)
+                for (int h = 0; h < hkv; h++)
+                    for (int64_t r = 0; r < (end - first) * G; r += lanes, items++) {
+                        int64_t *it = job.items + ITEM * items;
+                        it[0] = first, it[1] = end - first, it[2] = h, it[3] = r, it[4] = sl, it[5] = g;
+                    }
+        }
+        if (!failed && amx) { /* the anchors packed for the tiles, (group, key head, PACK keys) an item */
+            job.packed = aligned_alloc(64, ((size_t)at * 2 + 63) / 64 * 64 + 64);
+            job.pack_items = malloc(sizeof(int64_t) * 4 * (size_t)(at / (PACK * D) + groups * hkv + 1));
+            failed = !job.packed || !job.pack_items;
+            int64_t k = 0;
+            g = 0;
+            for (int64_t first = 0, end; !failed && first < anchored; first = end, g++) {
+                for (end = first; end < anchored && pairs[2 * end] == pairs[2 * first]; end++) {}
+                int64_t t = pairs[2 * first + 1];
+                for (int h = 0; h < hkv; h++)
+                    for (int64_t k0 = 0; k0 < anc_len[t]; k0 += PACK, k++) {
+                        int64_t *it = job.pack_items + 4 * k;
+                        it[0] = g, it[1] = h, it[2] = k0, it[3] = t;
+                    }
+            }
+            packs = (int)k;
+        }
     }
+    job.state = malloc(sizeof(float) * (size_t)(n ? n : 1) * job.slices * hq * (D + 2));
+    failed = failed || !job.state;
+#if !(defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__))
+    (void)packs; /* amx is 0: nothing was packed */
+#else
+    if (!failed && amx && items) {
+        failed = run(pack_item, &job, packs, 64, threads);
+        failed = failed || run(amx_item, &job, items, sizeof(Amx), threads);
+    } else
+#endif
+    if (!failed && items)
+        failed = tiles ? run(anchor_item, &job, items, sizeof(Tile), threads)
+                       : run(block_item, &job, items, sizeof(Block), threads);
     if (!failed)
         failed = run(own_item, &job, n * hkv, sizeof(float) * G * (size_t)job.stride, threads);
-    free(pairs), free(job.order), free(job.items), free(job.state);
+    free(pairs), free(job.order), free(job.items), free(job.state), free(job.packed), free(job.packed_at);
+    free(job.pack_items);
     return failed;
 #else
     return (void)n, (void)q, (void)q_tok, (void)q_head, (void)own_k, (void)own_v, (void)cap, (void)slot,
-           (void)own_len, (void)anc_k, (void)anc_v, (void)anc_len, (void)scale, (void)out, (void)threads, 1;
+           (void)own_len, (void)anc_k, (void)anc_v, (void)anc_len, (void)scale, (void)out, (void)threads,
+           (void)anchors, 1;
+#endif
+}
+
+/* 1 where the bfloat16 anchors go through AMX tiles (`anchors` 1): built for a CPU with them, and
+ * Linux lends them to this process. */
+int batchgen_amx(void) {
+#if defined(__AVX512F__)
+    return HAVE_AMX && D % 32 == 0 && amx_usable();
+#else
+    return 0;
 #endif
 }
 

@@ -1,5 +1,5 @@
-"""batchgen's compiled attention kernels for CPUs (`cpu_attention.c`): decode tokens and runs of
-prefill tokens, each against its anchor and its own keys in one pass.
+"""batchgen's compiled attention kernels for CPUs (`cpu_attention.c`, which includes `cpu_anchors.c`):
+decode tokens and runs of prefill tokens, each against its anchor and its own keys in one pass.
 
 Built on first use with the machine's C compiler (`$CC`, else `cc`), one small library per head
 layout (query heads per key head, head size: a model has one), into batchgen's cache, keyed by
@@ -8,7 +8,9 @@ by machines of different CPUs gets one library per CPU); loaded with ctypes. Pla
 Python or torch headers compiles in well under a second, where a torch extension takes a minute.
 
 The kernels need AVX-512 (on AVX2 their 16-float vectors spill: the decode kernel ran slower
-than PyTorch's kernels, BENCHMARKS.md). Without AVX-512, without a compiler, for another layout or dtype, or with
+than PyTorch's kernels, BENCHMARKS.md). Decode reads each anchor as matrix products: in AVX-512 registers (with
+AVX-512 BF16 dot products for bfloat16 where the CPU has them), or for bfloat16 on AMX tiles
+where the CPU has them (Intel since Sapphire Rapids) and Linux lends them (`amx`). Without AVX-512, without a compiler, for another layout or dtype, or with
 ``BATCHGEN_NATIVE=0``, `supports` is False and the engine reads decode attention through PyTorch's
 kernels (`pipeline.model.attention`): the same results, more slowly. `why_not` says which.
 `pipeline.model.attention.native_ok` checks both kernels against the reference once per layout.
@@ -28,12 +30,14 @@ import torch
 from pipeline.model.files import cache_dir
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
+INCLUDED = [Path(__file__).with_name("cpu_anchors.c")]  # #included by SOURCE: part of the cache key too
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-pthread"]
 # -fopenmp: the kernel's threads are torch's (the loader shares the libgomp.so.1 torch has loaded),
 # which still spin after torch's last op; new pthreads would fight them for the cores (slower:
 # BENCHMARKS.md). A compiler without OpenMP builds the pthreads version.
 THREADING = (["-fopenmp"], ["-fopenmp-simd"])
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+ANCHORS = {"tiles": 0, "matmul": 1, "matmul-avx512": 2}  # decode_attention's kernels for the anchors
 MAX_FOLD, MAX_HEAD = 8, 128
 
 _libs: dict[tuple[int, int], ctypes.CDLL | None] = {}
@@ -54,7 +58,8 @@ def _cpu_key() -> str:
 def _build(fold: int, head: int) -> ctypes.CDLL:
     compiler = os.environ.get("CC", "cc")
     layout = [f"-DBATCHGEN_G={fold}", f"-DBATCHGEN_D={head}"]
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS, *layout, _cpu_key()]).encode())
+    source = b"".join(p.read_bytes() for p in [SOURCE, *INCLUDED])
+    key = hashlib.sha256(source + " ".join([compiler, *FLAGS, *layout, _cpu_key()]).encode())
     target = cache_dir() / "native" / f"cpu_attention-g{fold}-d{head}-{key.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -75,10 +80,11 @@ def _build(fold: int, head: int) -> ctypes.CDLL:
                 os.unlink(tmp)
     lib = ctypes.CDLL(str(target))
     i32, i64, ptr, f32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    for f, args in ((lib.batchgen_decode_attention, [i32] * 5 + [ptr, i64, i64, ptr, ptr, i64] + [ptr] * 5),
-                    (lib.batchgen_prefill_attention, [i32] * 5 + [ptr, i64, i64] + [ptr] * 10),
-                    (lib.batchgen_supports, [i32] * 5)):
-        f.argtypes = args + ([f32, ptr, i32] if f is not lib.batchgen_supports else [])
+    for f, args in ((lib.batchgen_decode_attention, [i32] * 5 + [ptr, i64, i64, ptr, ptr, i64] + [ptr] * 5
+                     + [f32, ptr, i32, i32]),
+                    (lib.batchgen_prefill_attention, [i32] * 5 + [ptr, i64, i64] + [ptr] * 10 + [f32, ptr, i32]),
+                    (lib.batchgen_supports, [i32] * 5), (lib.batchgen_amx, [])):
+        f.argtypes = args
         f.restype = i32
     return lib
 
@@ -129,12 +135,15 @@ def _lib_for(q: torch.Tensor, hkv: int) -> ctypes.CDLL | None:
 
 def decode_attention(q: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor, slot: torch.Tensor,
                      own_len: torch.Tensor, anc_k: torch.Tensor, anc_v: torch.Tensor, anc_len: torch.Tensor,
-                     scale: float, out: torch.Tensor) -> bool:
+                     scale: float, out: torch.Tensor, anchors: str = "matmul") -> bool:
     """One query per row, q (n, Hq, D) (last dim contiguous), over its anchor's keys (data pointers
     `anc_k`/`anc_v` (n,) of contiguous [1, Hkv, len, D] buffers, 0 for none; `anc_len` (n,)) then
     its slot's first `own_len` keys in own_k/own_v [slots, Hkv, cap, D]. Writes out (n, Hq, D)
     float32. The int64 arrays are contiguous CPU tensors. False if the kernel could not run (a
-    layout `supports` refuses; no scratch memory)."""
+    layout `supports` refuses; no scratch memory). `anchors` (`ANCHORS`): the anchors as matrix
+    products, on AMX tiles where `amx` says (bfloat16), else in AVX-512 registers ("matmul"), or
+    in AVX-512 registers always ("matmul-avx512"), or as the 16-row tiles prefill uses ("tiles",
+    the kernel the matrix products replaced, kept for the tests and the benchmark)."""
     n, hq, d = q.shape
     _, hkv, cap, _ = own_v.shape
     assert q.stride(2) == 1 and own_k.is_contiguous() and own_v.is_contiguous() and out.is_contiguous()
@@ -144,7 +153,13 @@ def decode_attention(q: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor, 
     return lib is not None and not lib.batchgen_decode_attention(
         n, hq, hkv, d, DTYPES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1), own_k.data_ptr(),
         own_v.data_ptr(), cap, *_ints(slot, own_len, anc_k, anc_v, anc_len), scale, out.data_ptr(),
-        torch.get_num_threads())
+        torch.get_num_threads(), ANCHORS[anchors])
+
+
+def amx(dtype: torch.dtype, hq: int, hkv: int, d: int) -> bool:
+    """Whether decode attention reads this layout's anchors through AMX tiles: bfloat16, a head size
+    of a multiple of 32, a CPU with AMX (Intel since Sapphire Rapids) and Linux lending them."""
+    return dtype == torch.bfloat16 and supports(dtype, hq, hkv, d, d) and bool(_lib(hq // hkv, d).batchgen_amx())
 
 
 def prefill_attention(q: torch.Tensor, hkv: int, t0: torch.Tensor, t1: torch.Tensor, own_k: torch.Tensor,

@@ -32,6 +32,8 @@ ARCHS = list(CONFIGS)
 EXTRA = {
     "qwen3": lambda: T.Qwen3Config(**COMMON, **LLAMA_LIKE, head_dim=16),
     "llama_bias": lambda: T.LlamaConfig(**COMMON, **LLAMA_LIKE, attention_bias=True, mlp_bias=True),
+    # heads of 32: the size AMX tiles take (pipeline/cpu_anchors.c), which the others' 16 is not
+    "llama_head32": lambda: T.LlamaConfig(**COMMON, **LLAMA_LIKE, head_dim=32),
 }
 
 

@@ -37,16 +37,72 @@ def _case(hq, hkv, d, dtype, seed=0):
     return q, own_k, own_v, args, anchors, torch.stack(want)
 
 
+def _tolerance(dtype, hq, hkv, d, anchors):
+    """float32 scores and sums over the inputs as they are (bfloat16 widened exactly); on AMX tiles
+    the anchors' weights meet the values as two bfloat16 parts, 16 bits of their 24."""
+    amx = anchors == "matmul" and native.amx(dtype, hq, hkv, d)
+    return {"atol": 1e-5, "rtol": 1e-5} if amx else {"atol": 2e-6, "rtol": 1e-5}
+
+
 @needs_kernel
+@pytest.mark.parametrize("anchors", list(native.ANCHORS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hq,hkv,d", [(4, 2, 16), (9, 3, 64), (8, 8, 32), (8, 1, 128), (12, 2, 80)])
-def test_kernel_equals_reference(hq, hkv, d, dtype):
+def test_kernel_equals_reference(hq, hkv, d, dtype, anchors):
     q, own_k, own_v, args, _, want = _case(hq, hkv, d, dtype)
     out = torch.full((q.shape[0], hq, d), float("nan"))
     assert native.supports(dtype, hq, hkv, d, d)
-    assert native.decode_attention(q, own_k, own_v, *args, d ** -0.5, out)
-    # float32 scores and sums over the inputs as they are (bfloat16 widened exactly)
-    assert torch.allclose(out, want, atol=2e-6, rtol=1e-5), (out - want).abs().max()
+    assert native.decode_attention(q, own_k, own_v, *args, d ** -0.5, out, anchors=anchors)
+    assert torch.allclose(out, want, **_tolerance(dtype, hq, hkv, d, anchors)), (out - want).abs().max()
+
+
+def _many_rows(hq, hkv, d, dtype, lengths, rows_each, uniform, seed=3):
+    """Groups of rows over anchors of these lengths (every tile and chunk size, and their tails),
+    each row with 1-9 own keys, slots shuffled. `uniform`: zero queries, so every weight is exactly
+    1 and each output is the exact mean of the values it reads: a key read twice or missed shows."""
+    g = torch.Generator().manual_seed(seed)
+    rows = rows_each * len(lengths)
+    own_k, own_v = (torch.randn(rows, hkv, 9, d, generator=g).to(dtype) for _ in range(2))
+    anchors = [tuple(torch.randn(1, hkv, n, d, generator=g).to(dtype) for _ in range(2)) for n in lengths]
+    if uniform:  # values of whole numbers: their sums are exact in float32
+        own_v, anchors = own_v.round(), [(k, v.round()) for k, v in anchors]
+    q = torch.randn(rows, hq, d, generator=g).to(dtype) * (0 if uniform else 1)
+    slots = torch.randperm(rows, generator=g)
+    own = torch.randint(1, 10, (rows,), generator=g)
+    which = [i % len(lengths) for i in range(rows)]
+    args = (slots, own, torch.tensor([anchors[a][0].data_ptr() for a in which]),
+            torch.tensor([anchors[a][1].data_ptr() for a in which]), torch.tensor([lengths[a] for a in which]))
+    want = torch.stack([_reference(q[i], own_k[s : s + 1], own_v[s : s + 1], anchors[a], int(n) - 1)
+                        for i, (s, n, a) in enumerate(zip(slots.tolist(), own, which))])
+    return q, own_k, own_v, args, anchors, want  # the anchors too: args holds only their addresses
+
+
+@needs_kernel
+@pytest.mark.parametrize("anchors", list(native.ANCHORS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 2, 32), (4, 1, 128), (6, 2, 48)])
+def test_anchor_kernels_over_many_rows(hq, hkv, d, dtype, anchors):
+    """Up to 27 rows an anchor (one to four tiles of rows, partly filled), anchors of 1 to 1,000 keys
+    (one to nine chunks, partly filled), on 1 to 5 threads (the anchors' keys split in slices when
+    few items would leave threads idle, then merged)."""
+    before = torch.get_num_threads()
+    try:
+        for rows_each, lengths in ((27, (1, 13, 140)), (5, (1000,)), (22, (333, 1000))):
+            for uniform in (True, False):
+                q, own_k, own_v, args, _, want = _many_rows(hq, hkv, d, dtype, lengths, rows_each, uniform)
+                for threads in (1, 5):
+                    torch.set_num_threads(threads)
+                    out = torch.full((q.shape[0], hq, d), float("nan"))
+                    assert native.decode_attention(q, own_k, own_v, *args, d ** -0.5, out, anchors=anchors)
+                    tol = {"atol": 2e-6, "rtol": 1e-5} if uniform else _tolerance(dtype, hq, hkv, d, anchors)
+                    assert torch.allclose(out, want, **tol), (lengths, uniform, threads, (out - want).abs().max())
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_amx_is_bfloat16_only():
+    assert not native.amx(torch.float32, 9, 3, 64)
+    assert not native.amx(torch.bfloat16, 6, 2, 48)  # tiles of 32 elements: head sizes of multiples of 32
 
 
 def _reference(q, keys, values, anchor, last):
@@ -151,6 +207,38 @@ def test_engine_on_the_kernel(arch, monkeypatch):
     for r in reqs:
         want = reference_generate(model, r, [2])
         assert all(outs["1"][(r.key, s)] == want for s in range(r.params.n)), f"{arch}: job {r.key}"
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_engine_on_the_anchor_kernels(dtype, monkeypatch):
+    """Heads of 32, whose bfloat16 anchors go through AMX tiles where this CPU has them: greedy
+    output equals plain generate (in bfloat16, or parts from it exactly where the reference's
+    own logits are tied), and equals the engine on the tile kernel the matrix products replaced."""
+    from tests.engine.test_engine import _bf16_tie
+
+    tok = tokenizer()
+    model = make_model("llama_head32", dtype=dtype)
+    reqs = edge_case_requests(tok, max_new_tokens=6)
+    real = native.decode_attention
+    outs = {}
+    for anchors in ("matmul", "tiles"):
+        rows = []
+        monkeypatch.setattr(native, "decode_attention",
+                            lambda *a, **kw: rows.append(a[0].shape[0]) or real(*a, anchors=anchors))
+        engine = Engine(model, eos_token_ids=[2], min_shared_tokens=4, max_batch_tokens=250)
+        outs[anchors] = {(c.key, c.sample_index): c.token_ids for c in engine.run(reqs)}
+        assert rows and max(rows) > 1 and engine.stats.cascade_batches > 0
+    equal = 0
+    for r in reqs:
+        want = reference_generate(model, r, [2])
+        for s in range(r.params.n):
+            got = outs["matmul"][(r.key, s)]
+            equal += got == want
+            assert got == want or (dtype == torch.bfloat16 and _bf16_tie(model, r.prompt_ids, want, got)), r.key
+    assert equal >= len(outs["matmul"]) * 2 // 3
+    if dtype == torch.float32 or not native.amx(dtype, 4, 2, 32):  # the same float32 sums, in another order
+        assert outs["matmul"] == outs["tiles"]
 
 
 @needs_kernel

@@ -1,0 +1,131 @@
+"""Decode attention's anchor part against the machine's GEMM rate.
+
+Many rows decoding over one long shared prefix (the anchor): per layer, every row's query heads
+read the prefix's keys and values, 4 x rows x query heads x prefix x head size FLOPs, a matrix
+product ((rows x G) x D against D x L per key head). This times that call through the compiled
+kernels (`pipeline.model.native.decode_attention`, each row with a single own key, so the anchor is
+nearly all of it):
+  blocked   the engine's kernel: the anchor as matrix products, on AMX tiles for bfloat16
+            where the CPU has them (`native.amx`), else in AVX-512 registers
+  avx512    the matrix products in AVX-512 registers (for bfloat16 the kernel without AMX; for
+            float32 the same kernel as blocked)
+  tiles     the 16-row register tiles the matrix products replaced
+  pytorch   the same attention through PyTorch's ops (`attention.partial`: bmm, softmax, bmm)
+and against the GEMM rate of the same FLOPs:
+  bmm       torch.bmm of the same two products (queries by keys, weights by values), no softmax
+  linear    oneDNN's packed linear (`kernels.linear`, as the model's weight matmuls run) at 2,048
+            rows of the model's fused QKV layer: the GEMM rate of `bench_profile`'s attention floor
+Systems take turns (`--turns`) in one process, since this machine is shared and its speed drifts;
+each row gives medians and ratios to `blocked`, never times across runs.
+
+    python -m bench.bench_attention --shapes 128x1600,32x3000 --dtypes float32,bfloat16 --turns 7
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import time
+
+import torch
+
+from pipeline.model import attention, kernels, native
+
+SYSTEMS = ("blocked", "avx512", "tiles", "pytorch", "bmm", "linear")
+GEMM_ROWS = 2048
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+        return f"{fields['Model name'].strip()} (family {fields.get('CPU family', '?').strip()}, " \
+               f"model {fields.get('Model', '?').strip()})"
+    except (OSError, KeyError, subprocess.SubprocessError):
+        return platform.processor() or platform.machine()
+
+
+def calls(rows: int, length: int, dtype: torch.dtype, hq: int, hkv: int, d: int, hidden: int):
+    """{system: a no-argument call} for one layer's anchor attention, and its FLOPs."""
+    g = torch.Generator().manual_seed(0)
+    own_k, own_v = (torch.randn(rows, hkv, 16, d, generator=g).to(dtype) for _ in range(2))
+    anc_k, anc_v = (torch.randn(1, hkv, length, d, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(rows, hq, d, generator=g).to(dtype)
+    out = torch.empty(rows, hq, d)
+    lt = lambda *xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+    args = (torch.arange(rows), lt(*[1] * rows), lt(*[anc_k.data_ptr()] * rows), lt(*[anc_v.data_ptr()] * rows),
+            lt(*[length] * rows))
+    flops = 4 * rows * hq * length * d
+    # the same two products as bmm: (Hkv, rows x G, D) x (Hkv, D, L), then (Hkv, rows x G, L) x (Hkv, L, D)
+    qg = q.view(rows, hkv, hq // hkv, d).transpose(0, 1).reshape(hkv, -1, d).contiguous()
+    kt, p = anc_k[0].transpose(1, 2).contiguous(), torch.rand(hkv, qg.shape[1], length, generator=g).to(dtype)
+    # the model's weight matmul at 2,048 rows: x (2048, hidden) by the fused QKV weight, about the same FLOPs
+    weight = torch.randn((hq + 2 * hkv) * d, hidden, generator=g).to(dtype) * 0.02
+    linear, x = kernels.linear(weight), torch.randn(GEMM_ROWS, hidden, generator=g).to(dtype)
+    repeat = max(1, round(flops / (2 * GEMM_ROWS * hidden * weight.shape[0])))
+    qp = q[None].transpose(1, 2)[..., None, :].reshape(1, hq, rows, d)  # (1, Hq, rows, D): rows as queries
+    systems = {
+        "blocked": lambda: native.decode_attention(q, own_k, own_v, *args, d ** -0.5, out, anchors="matmul"),
+        "avx512": lambda: native.decode_attention(q, own_k, own_v, *args, d ** -0.5, out, anchors="matmul-avx512"),
+        "tiles": lambda: native.decode_attention(q, own_k, own_v, *args, d ** -0.5, out, anchors="tiles"),
+        "pytorch": lambda: attention.partial(qp, anc_k, anc_v, None, d ** -0.5,
+                                             matmul_dtype=dtype),
+        "bmm": lambda: (torch.bmm(qg, kt), torch.bmm(p, anc_v[0])),
+        "linear": lambda: [linear(x) for _ in range(repeat)],
+    }
+    scale = {"linear": 2 * GEMM_ROWS * hidden * weight.shape[0] * repeat / flops}  # its FLOPs over the anchor's
+    return systems, flops, scale
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="128x1600,32x3000", help="rows x prefix tokens, comma-separated")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--turns", type=int, default=7, help="turns of every system (medians over them)")
+    ap.add_argument("--calls", type=int, default=5, help="calls per turn")
+    ap.add_argument("--heads", default="9,3,64,576", help="query heads, key heads, head size, hidden size "
+                    "(SmolLM2-135M's)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    hq, hkv, d, hidden = map(int, args.heads.split(","))
+    print(f"{cpu_model()}, {args.threads} threads, {args.turns} turns; GFLOP/s of one layer's anchor attention "
+          f"({hq} query heads, {hkv} key heads, head size {d}), medians over turns\n")
+    print("| rows | prefix | dtype | AMX | " + " | ".join(SYSTEMS) + " | blocked / tiles | blocked / bmm | blocked / linear |")
+    print("|---:|---:|---|---|" + "---:|" * (len(SYSTEMS) + 3))
+    report = []
+    for shape in args.shapes.split(","):
+        rows, length = map(int, shape.split("x"))
+        for name in args.dtypes.split(","):
+            dtype = getattr(torch, name)
+            if not native.supports(dtype, hq, hkv, d, d):
+                print(f"| {rows} | {length} | {name} | (no kernel: {native.why_not(dtype, hq, hkv, d, d)}) |")
+                continue
+            systems, flops, scale = calls(rows, length, dtype, hq, hkv, d, hidden)
+            times: dict[str, list[float]] = {s: [] for s in SYSTEMS}
+            with torch.inference_mode():
+                for f in systems.values():
+                    f()  # warm-up: builds, first-touch pages, oneDNN's primitives
+                for _ in range(args.turns):
+                    for s in SYSTEMS:
+                        t = time.perf_counter()
+                        for _ in range(args.calls):
+                            systems[s]()
+                        times[s].append((time.perf_counter() - t) / args.calls / scale.get(s, 1.0))
+            rate = {s: flops / statistics.median(v) / 1e9 for s, v in times.items()}
+            amx = "yes" if native.amx(dtype, hq, hkv, d) else "no"
+            print(f"| {rows} | {length} | {name} | {amx} | " + " | ".join(f"{rate[s]:.0f}" for s in SYSTEMS)
+                  + f" | {rate['blocked'] / rate['tiles']:.2f} | {rate['blocked'] / rate['bmm']:.2f} "
+                    f"| {rate['blocked'] / rate['linear']:.2f} |", flush=True)
+            report.append({"rows": rows, "prefix": length, "dtype": name, "gflop_s": rate, "times_s": times})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cpu": cpu_model(), "threads": args.threads, "results": report}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,372 @@
+/* Decode phase A of cpu_attention.c as matrix products: the rows reading one anchor against its keys,
+ * in AVX-512 registers (`block_item`) or, for bfloat16, on AMX tiles (`amx_item`). Included by
+ * cpu_attention.c after its Decode job and helpers (not built alone); pipeline/native.py hashes
+ * both files into the library's name. */
+/* ---------------------------------------------------------------------------------------------
+ * Decode phase A as matrix products: up to 48 lanes (rows x the query heads of one key head, three
+ * vectors) against the anchor's keys, KC keys at a time:
+ *   scores [KC][lanes] = keys . queries^T, register tiles of 8 keys x 48 lanes (14 x 32, 16 x 16;
+ *     each key element broadcast to every lane vector; bfloat16: AVX-512 BF16 dot products of
+ *     pairs, exact products summed in float32);
+ *   the softmax over the chunk, each lane's running maximum and sum (and its outputs) rescaled
+ *     once per chunk, not once per key;
+ *   outputs [lanes][D] += weights^T . values, register tiles of RB lanes x D (each weight
+ *     broadcast to D/16 vectors of values), values widened to float32 once per chunk. */
+/* RB lanes of D/16 accumulators each, D/16 registers of values and a weight: at most 32 registers */
+enum { NK = 16, KC = 112, LANES = 3 * W, RB = (31 - D / W) / (D / W) < 16 ? (31 - D / W) / (D / W) : 16 };
+/* keys a register tile of scores for nv lane vectors (nv x keys accumulators, at most 28); KC is a
+ * multiple of each */
+#define KEYS(nv) ((nv) == 3 ? 8 : (nv) == 2 ? 14 : 16)
+enum { KA = 128, PACK = 256 }; /* AMX (below): keys per chunk; keys per packing item */
+
+typedef struct {
+    float qt[D * LANES];  /* [D][lanes] queries, scaled; bfloat16: [D/2][lanes] pairs of elements */
+    float s[KC * LANES];  /* [key][lanes] scores, then weights */
+    float o[LANES * D];   /* [lanes][D] weighted values, not yet divided by the sum */
+    float v[KC * D];      /* bfloat16: the chunk's values as float32 */
+    float k[NK * D];      /* the last keys of a slice, padded with zeros to a whole tile */
+    vf m[3], sum[3];
+} Block;
+
+#if defined(__AVX512BF16__)
+enum { DOT_BF16 = 1 };
+#else
+enum { DOT_BF16 = 0 }; /* bfloat16 keys and queries widened to float32 instead */
+#endif
+
+/* Scores of KEYS(nv) keys (rows of D at k, in the KV dtype) for `nv` lane vectors, into
+ * s[j][lanes]; top[u]: each lane's maximum, over the first `real` keys too. */
+static inline __attribute__((always_inline)) void block_scores(const Block *b, const void *k, float *s, int nv,
+                                                               int dot, float scale, int real, vf *top) {
+    const int nk = KEYS(nv);
+    vf acc[3][NK];
+#pragma GCC unroll 16
+    for (int j = 0; j < nk; j++)
+        for (int u = 0; u < nv; u++) acc[u][j] = SPLAT(0.0f);
+    if (!dot) {
+        const float *kf = k;
+        for (int i = 0; i < D; i++) {
+            vf q[3];
+            for (int u = 0; u < nv; u++) q[u] = ld(b->qt, i * LANES + W * u, 0);
+#pragma GCC unroll 16
+            for (int j = 0; j < nk; j++) {
+                vf kj = SPLAT(kf[j * D + i]);
+                for (int u = 0; u < nv; u++) acc[u][j] += q[u] * kj;
+            }
+        }
+    }
+#if defined(__AVX512BF16__)
+    else {
+        const int32_t *kp = k; /* pairs of bfloat16 */
+        const int32_t *qp = (const int32_t *)b->qt;
+        for (int p = 0; p < D / 2; p++) {
+            __m512bh q[3];
+            for (int u = 0; u < nv; u++) q[u] = (__m512bh)_mm512_loadu_si512(qp + p * LANES + W * u);
+#pragma GCC unroll 16
+            for (int j = 0; j < nk; j++) {
+                __m512bh kj = (__m512bh)_mm512_set1_epi32(kp[j * D / 2 + p]);
+                for (int u = 0; u < nv; u++) acc[u][j] = (vf)_mm512_dpbf16_ps((__m512)acc[u][j], q[u], kj);
+            }
+        }
+    }
+#endif
+#pragma GCC unroll 16
+    for (int j = 0; j < nk; j++)
+        for (int u = 0; u < nv; u++) {
+            if (dot) /* the queries were not scaled: bfloat16 products stay exact */
+                acc[u][j] *= scale;
+            if (j < real) top[u] = (vf)_mm512_max_ps((__m512)top[u], (__m512)acc[u][j]);
+            st(s + j * LANES + W * u, acc[u][j]);
+        }
+}
+
+/* o[r0..r0+rb) += weights s[0..n)[r] x values vf32 [n][D] (float32 rows). */
+static inline __attribute__((always_inline)) void block_values(float *o, const float *s, const float *v, int n,
+                                                               int r0, int rb) {
+    vf acc[RB][D / W];
+    for (int r = 0; r < rb; r++)
+        for (int c = 0; c < D / W; c++) acc[r][c] = ld(o, (r0 + r) * D + W * c, 0);
+    for (int j = 0; j < n; j++) {
+        vf x[D / W];
+        for (int c = 0; c < D / W; c++) x[c] = ld(v, j * D + W * c, 0);
+        for (int r = 0; r < rb; r++) {
+            vf p = SPLAT(s[j * LANES + r0 + r]);
+            for (int c = 0; c < D / W; c++) acc[r][c] += p * x[c];
+        }
+    }
+    for (int r = 0; r < rb; r++)
+        for (int c = 0; c < D / W; c++) st(o + (r0 + r) * D + W * c, acc[r][c]);
+}
+
+/* Every real lane's outputs: tiles of RB lanes, then the rest (each count its own unrolled code). */
+static void block_all_values(float *o, const float *s, const float *v, int n, int real) {
+    int r0 = 0;
+    for (; r0 + RB <= real; r0 += RB) block_values(o, s, v, n, r0, RB);
+    switch (real - r0) {
+#define TAIL(x) case x: if (x < RB) block_values(o, s, v, n, r0, x < RB ? x : 1); break;
+        TAIL(1) TAIL(2) TAIL(3) TAIL(4) TAIL(5) TAIL(6) TAIL(7) TAIL(8)
+        TAIL(9) TAIL(10) TAIL(11) TAIL(12) TAIL(13) TAIL(14) TAIL(15)
+#undef TAIL
+        default: break;
+    }
+}
+
+static void block_item(const void *arg, int w, void *scratch) {
+    const Decode *job = arg;
+    Block *b = scratch;
+    int64_t h = job->items[ITEM * w + 2], slice = job->items[ITEM * w + 4], tok[LANES], head[LANES], j0, j1;
+    int real = item_lanes(job, w, LANES, tok, head), nv = (real + W - 1) / W, bf16 = job->bf16;
+    int dot = bf16 && DOT_BF16;
+    for (int l = 0; l < LANES; l++) /* queries transposed: qt[i][lane], or pairs of elements qt[i/2][lane] */
+        for (int c = 0; c < D / W; c++) {
+            int64_t at = tok[l] * job->q_tok + head[l] * job->q_head + W * c;
+            if (dot) {
+                const int32_t *src = (const int32_t *)((const uint16_t *)job->q + at);
+                for (int i = 0; i < W / 2; i++) ((int32_t *)b->qt)[(W / 2 * c + i) * LANES + l] = src[i];
+            } else {
+                vf x = ld(job->q, at, bf16) * job->scale;
+                for (int i = 0; i < W; i++) b->qt[(W * c + i) * LANES + l] = x[i];
+            }
+        }
+    int64_t t0 = tok[0], len = job->anc_len[t0], es = bf16 ? 2 : 4;
+    slice_keys(job, slice, len, &j0, &j1);
+    const char *keys = (const char *)job->anc_k[t0] + h * len * D * es;
+    const char *values = (const char *)job->anc_v[t0] + h * len * D * es;
+    memset(b->o, 0, sizeof b->o);
+    for (int u = 0; u < 3; u++) b->m[u] = SPLAT(-1e30f), b->sum[u] = SPLAT(0.0f);
+    float widened[NK * D] __attribute__((aligned(64)));
+    const int nk = KEYS(nv);
+    for (int64_t c0 = j0; c0 < j1; c0 += KC) {
+        int n = j1 - c0 < KC ? (int)(j1 - c0) : KC;
+        vf top[3] = {b->m[0], b->m[1], b->m[2]};
+        for (int jb = 0; jb < n; jb += nk) {
+            const void *k = keys + (c0 + jb) * D * es;
+            if (n - jb < nk) { /* the slice's last keys: padded, so that every tile has its keys */
+                memset(b->k, 0, sizeof b->k);
+                memcpy(b->k, k, (size_t)(n - jb) * D * es);
+                k = b->k;
+            }
+            if (bf16 && !dot) { /* no BF16 dot products on this CPU: keys widened */
+                for (int i = 0; i < nk * D; i += W) st(widened + i, ld(k, i, 1));
+                k = widened;
+            }
+            if (nv == 3)
+                block_scores(b, k, b->s + jb * LANES, 3, dot, job->scale, n - jb, top);
+            else if (nv == 2)
+                block_scores(b, k, b->s + jb * LANES, 2, dot, job->scale, n - jb, top);
+            else
+                block_scores(b, k, b->s + jb * LANES, 1, dot, job->scale, n - jb, top);
+        }
+        for (int u = 0; u < nv; u++) { /* the chunk's softmax, lane by lane; earlier chunks rescaled */
+            float *s = b->s + W * u;
+            vf rescale = exp_neg(b->m[u] - top[u]), sum = b->sum[u] * rescale;
+            for (int j = 0; j < n; j++) {
+                vf e = exp_neg(ld(s, j * LANES, 0) - top[u]);
+                st(s + j * LANES, e);
+                sum += e;
+            }
+            b->m[u] = top[u], b->sum[u] = sum;
+            for (int l = 0; l < W && W * u + l < real; l++)
+                if (rescale[l] != 1.0f)
+                    for (int c = 0; c < D / W; c++)
+                        st(b->o + (W * u + l) * D + W * c, ld(b->o, (W * u + l) * D + W * c, 0) * rescale[l]);
+        }
+        const float *v = (const float *)(values + c0 * D * es);
+        if (bf16) {
+            for (int i = 0; i < n * D; i += W) st(b->v + i, ld(values, c0 * D + i, 1));
+            v = b->v;
+        }
+        block_all_values(b->o, b->s, v, n, real);
+    }
+    for (int l = 0; l < real; l++) {
+        float *dst = state_of(job, slice, tok[l], head[l]);
+        memcpy(dst, b->o + l * D, sizeof(float) * D);
+        dst[D] = b->m[l / W][l % W], dst[D + 1] = b->sum[l / W][l % W];
+    }
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+/* ---------------------------------------------------------------------------------------------
+ * Decode phase A on AMX tiles (bfloat16, head size a multiple of 32; Intel since Sapphire Rapids):
+ * the same matrix products on 16 x 16 tiles of float32 sums, transposed so that the softmax runs
+ * down vectors of 16 rows as in `block_item`, KA keys at a time:
+ *   scores^T [keys][rows] = keys [keys][D] (read in place) . queries^T (pairs of elements);
+ *   the softmax (float32), the weights rounded to bfloat16 (as PyTorch's bfloat16 matmuls and
+ *     flash attention round them) in pairs of keys;
+ *   outputs^T [D][rows] += values^T [D][keys] . weights^T, the values transposed once per call
+ *     (`pack_item`) for all the rows reading them. */
+enum { HAVE_AMX = 1 };
+
+typedef struct {
+    uint8_t palette, start;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Linux lends a process the tile registers only once it asks (5.16+); 0 where it does not. */
+static int amx_usable(void) {
+    static int state = -1;
+    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return state;
+}
+
+/* Each key head's values transposed, [D][len rounded up to 32] with zeros past len. */
+static int64_t padded(int64_t len) { return (len + 31) / 32 * 32; }
+
+static void pack_item(const void *arg, int w, void *scratch) {
+    const Decode *job = arg;
+    (void)scratch;
+    const int64_t *it = job->pack_items + 4 * w;
+    int64_t g = it[0], h = it[1], k0 = it[2], t = it[3], len = job->anc_len[t], lp = padded(len);
+    int64_t k1 = k0 + PACK < lp ? k0 + PACK : lp;
+    const int32_t *values = (const int32_t *)((const uint16_t *)job->anc_v[t] + h * len * D); /* pairs of dims */
+    uint16_t *vt = job->packed + job->packed_at[g] + h * lp * D;
+    /* 32 keys x 2 dims at a time: the pairs (dim d, d + 1) of 16 keys gathered twice, then split
+     * into dim d's 32 keys (the even halves) and dim d + 1's (the odd) */
+    __m512i even = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32,
+                                    30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    __m512i odd = _mm512_add_epi16(even, _mm512_set1_epi16(1));
+    __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                      _mm512_set1_epi32(D / 2));
+    for (int64_t j0 = k0; j0 < k1; j0 += 32) {
+        __mmask16 m0 = len - j0 >= 16 ? 0xffff : len - j0 <= 0 ? 0 : (__mmask16)((1u << (len - j0)) - 1);
+        __mmask16 m1 = len - j0 >= 32 ? 0xffff : len - j0 <= 16 ? 0 : (__mmask16)((1u << (len - j0 - 16)) - 1);
+        for (int p = 0; p < D / 2; p++) {
+            __m512i at = _mm512_add_epi32(rows, _mm512_set1_epi32(p));
+            __m512i g0 = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m0, at, values + j0 * (D / 2), 4);
+            __m512i g1 = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m1, at, values + (j0 + 16) * (D / 2), 4);
+            _mm512_storeu_si512(vt + 2 * p * lp + j0, _mm512_permutex2var_epi16(g0, even, g1));
+            _mm512_storeu_si512(vt + (2 * p + 1) * lp + j0, _mm512_permutex2var_epi16(g0, odd, g1));
+        }
+    }
+}
+
+enum { AL = 4 * W }; /* rows an item: four tiles of 16, so that four tiles of sums are in flight */
+
+typedef struct {
+    uint16_t qt[AL * D];     /* [rows / 16][D/2][16][2] queries^T in pairs of elements (tiles B) */
+    float s[KA * AL];        /* [keys][rows] scores */
+    uint16_t pt[2 * KA * AL]; /* [part][rows / 16][keys / 2][16][2] weights^T in pairs of keys (tiles B),
+                               * in two parts: rounded to bfloat16, and what that rounding left */
+    float ot[D * AL];        /* [D][rows] weighted values, not yet divided by the sum */
+    uint16_t k[W * D];       /* the slice's last keys, padded with zeros to 16 */
+    vf m[4], sum[4];
+} Amx;
+
+/* Tile `c` += tile 4 (A) x the B tile at `src` (64-byte rows), loaded into tile `b`. */
+#define TDP(c, b, src)                 \
+    do {                               \
+        _tile_loadd(b, src, 64);       \
+        _tile_dpbf16ps(c, 4, b);       \
+    } while (0)
+
+static void amx_item(const void *arg, int w, void *scratch) {
+    const Decode *job = arg;
+    Amx *b = scratch;
+    const int64_t *it = job->items + ITEM * w;
+    int64_t h = it[2], slice = it[4], g = it[5], tok[AL], head[AL], j0, j1;
+    int real = item_lanes(job, w, AL, tok, head), nv = (real + W - 1) / W;
+    const int32_t *q32 = job->q;
+    for (int l = 0; l < W * nv; l++) /* qt[rg][pair][row in rg] = (q[2 pair], q[2 pair + 1]) */
+        for (int p = 0; p < D / 2; p++)
+            ((int32_t *)b->qt)[((l / W) * (D / 2) + p) * W + l % W] = q32[(tok[l] * job->q_tok + head[l] * job->q_head) / 2 + p];
+    int64_t len = job->anc_len[tok[0]], lp = padded(len);
+    slice_keys(job, slice, len, &j0, &j1);
+    const uint16_t *keys = (const uint16_t *)job->anc_k[tok[0]] + h * len * D;
+    const uint16_t *vt = job->packed + job->packed_at[g] + h * lp * D;
+    memset(b->ot, 0, sizeof b->ot);
+    for (int u = 0; u < 4; u++) b->m[u] = SPLAT(-1e30f), b->sum[u] = SPLAT(0.0f);
+    TileConfig cfg = {.palette = 1};
+    for (int i = 0; i < 8; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+    _tile_loadconfig(&cfg);
+#define QT(rg, ds) (b->qt + ((rg) * (D / 2) + (ds) * 16) * 2 * W)
+#define PT(rg, ks) (b->pt + ((rg) * (KA / 2) + (ks) * 16) * 2 * W)
+    for (int64_t c0 = j0; c0 < j1; c0 += KA) {
+        int n = j1 - c0 < KA ? (int)(j1 - c0) : KA, blocks = (n + W - 1) / W, pairs = (n + 31) / 32;
+        for (int kb = 0; kb < blocks; kb++) { /* tiles 0-3: scores^T of 16 keys for rows 0-15, ..., 48-63 */
+            const uint16_t *k = keys + (c0 + kb * W) * D;
+            if (c0 + kb * W + W > j1) { /* past the slice's end: zeros, and no read past the anchor */
+                memset(b->k, 0, sizeof b->k);
+                memcpy(b->k, k, (size_t)(j1 - c0 - kb * W) * D * 2);
+                k = b->k;
+            }
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int ds = 0; ds < D / 32; ds++) {
+                _tile_loadd(4, k + ds * 32, 2 * D);
+                TDP(0, 5, QT(0, ds));
+                if (nv > 1) TDP(1, 6, QT(1, ds));
+                if (nv > 2) TDP(2, 7, QT(2, ds));
+                if (nv > 3) TDP(3, 5, QT(3, ds));
+            }
+            float *dst = b->s + kb * W * AL;
+            _tile_stored(0, dst, 4 * AL);
+            if (nv > 1) _tile_stored(1, dst + W, 4 * AL);
+            if (nv > 2) _tile_stored(2, dst + 2 * W, 4 * AL);
+            if (nv > 3) _tile_stored(3, dst + 3 * W, 4 * AL);
+        }
+        for (int u = 0; u < nv; u++) { /* the chunk's softmax, 16 rows a vector; earlier chunks rescaled */
+            const float *s = b->s + W * u;
+            vf top = b->m[u] * (1.0f / job->scale); /* the maximum unscaled (scale > 0) */
+            for (int j = 0; j < n; j++) top = (vf)_mm512_max_ps((__m512)top, (__m512)ld(s, j * AL, 0));
+            top *= job->scale;
+            vf rescale = exp_neg(b->m[u] - top), sum = b->sum[u] * rescale;
+            for (int j = 0; j < 32 * pairs; j += 2) {
+                vf e0 = j < n ? exp_neg(ld(s, j * AL, 0) * job->scale - top) : SPLAT(0.0f);
+                vf e1 = j + 1 < n ? exp_neg(ld(s, (j + 1) * AL, 0) * job->scale - top) : SPLAT(0.0f);
+                sum += e0 + e1;
+                /* each row's pair (e0, e1) in two bfloat16 parts: the top 16 bits of each, then
+                 * the rest (exact in float32) rounded to bfloat16; bit operations, no shuffles */
+                __m512i top16 = _mm512_set1_epi32((int)0xffff0000), b0 = (__m512i)e0, b1 = (__m512i)e1;
+                __m512i r0 = (__m512i)(e0 - (vf)_mm512_and_si512(b0, top16));
+                __m512i r1 = (__m512i)(e1 - (vf)_mm512_and_si512(b1, top16));
+                r0 = _mm512_add_epi32(r0, _mm512_set1_epi32(0x8000)), r1 = _mm512_add_epi32(r1, _mm512_set1_epi32(0x8000));
+                /* 0xca: the second operand's bits where the first (top16) has ones, else the third's */
+                _mm512_storeu_si512(PT(u, 0) + j * W, _mm512_ternarylogic_epi32(top16, b1, _mm512_srli_epi32(b0, 16), 0xca));
+                _mm512_storeu_si512(PT(u, 0) + KA * AL + j * W,
+                                    _mm512_ternarylogic_epi32(top16, r1, _mm512_srli_epi32(r0, 16), 0xca));
+            }
+            b->m[u] = top, b->sum[u] = sum;
+            if (_mm512_cmp_ps_mask((__m512)rescale, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ))
+                for (int i = 0; i < D; i++) st(b->ot + i * AL + W * u, ld(b->ot, i * AL + W * u, 0) * rescale);
+        }
+        for (int db = 0; db < D / W; db++) { /* tiles 0-3: outputs^T of 16 dims for rows 0-15, ..., 48-63 */
+            float *o = b->ot + db * W * AL;
+            _tile_loadd(0, o, 4 * AL);
+            if (nv > 1) _tile_loadd(1, o + W, 4 * AL);
+            if (nv > 2) _tile_loadd(2, o + 2 * W, 4 * AL);
+            if (nv > 3) _tile_loadd(3, o + 3 * W, 4 * AL);
+            for (int ks = 0; ks < pairs; ks++) {
+                _tile_loadd(4, vt + (int64_t)db * W * lp + c0 + ks * 32, 2 * lp);
+                for (int part = 0; part < 2; part++) {
+                    TDP(0, 5, PT(0, ks) + part * KA * AL);
+                    if (nv > 1) TDP(1, 6, PT(1, ks) + part * KA * AL);
+                    if (nv > 2) TDP(2, 7, PT(2, ks) + part * KA * AL);
+                    if (nv > 3) TDP(3, 5, PT(3, ks) + part * KA * AL);
+                }
+            }
+            _tile_stored(0, o, 4 * AL);
+            if (nv > 1) _tile_stored(1, o + W, 4 * AL);
+            if (nv > 2) _tile_stored(2, o + 2 * W, 4 * AL);
+            if (nv > 3) _tile_stored(3, o + 3 * W, 4 * AL);
+        }
+    }
+#undef QT
+#undef PT
+    _tile_release();
+    for (int l = 0; l < real; l++) {
+        float *dst = state_of(job, slice, tok[l], head[l]);
+        for (int i = 0; i < D; i++) dst[i] = b->ot[i * AL + l];
+        dst[D] = b->m[l / W][l % W], dst[D + 1] = b->sum[l / W][l % W];
+    }
+}
+#undef TDP
+#else
+enum { HAVE_AMX = 0 };
+static int amx_usable(void) { return 0; }
+#endif
