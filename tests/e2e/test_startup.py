@@ -34,7 +34,7 @@ def test_warp_is_transformers_warpers(temperature, top_k, top_p):
 
 def test_a_cli_run_imports_neither_transformers_nor_pandas(tmp_path, model_dir):
     """The first run of a model directory loads its tokenizer through transformers and records it
-    (pipeline/fast_tokenizer.py); the next imports neither, and writes the same output."""
+    (pipeline/text/fast_tokenizer.py); the next imports neither, and writes the same output."""
     import transformers
 
     src = tmp_path / "jobs.jsonl"
