@@ -182,3 +182,39 @@ def test_files_changed_since_they_were_checked(setup, tmp_path):
             setup.decoder.set_adapters([info])
     finally:
         path.write_text(text)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", ["all", "slice", "index"])
+def test_one_projection_computes_as_peft_does(setup, dtype, rows):
+    """In the model's dtype as peft computes it (`peft.tuners.lora.Linear.forward`, its loader
+    keeping a bfloat16 model's adapter in float32): every row through the adapter gives peft's
+    output bit for bit; a run of rows or scattered rows get it to the rounding of GEMMs over fewer
+    rows, and the other rows keep the base output."""
+    import copy
+
+    from peft import PeftModel
+
+    from pipeline.model import lora
+
+    base = copy.deepcopy(setup.model).to(dtype)
+    peft_model = PeftModel.from_pretrained(copy.deepcopy(base), str(setup.paths[2])).eval()
+    adapters = lora.Adapters([setup.infos[2]], base.config, lora.SINGLE_GROUPS, CPU, dtype)
+    idx = {"all": slice(0, 7), "slice": slice(2, 6), "index": torch.tensor([0, 2, 3, 6])}[rows]
+    chosen = torch.zeros(7, dtype=torch.bool)
+    chosen[idx] = True
+    for proj, part in (("q_proj", "self_attn"), ("v_proj", "self_attn"), ("o_proj", "self_attn"),
+                       ("up_proj", "mlp"), ("down_proj", "mlp")):
+        module = peft_model.get_submodule(f"base_model.model.model.layers.1.{part}.{proj}")
+        x = torch.randn(7, module.in_features, generator=torch.Generator().manual_seed(3)).to(dtype)
+        with torch.inference_mode():
+            want = module(x)  # (7, out): every row through the adapter
+            y = module.base_layer(x)
+            adapters.apply(1, proj, x, y, [(1, idx)])
+            assert y.dtype == dtype and not torch.equal(want, module.base_layer(x))
+        if rows == "all":
+            assert torch.equal(y, want), proj
+        else:
+            tol = 1e-5 if dtype == torch.float32 else 2e-2  # bfloat16: an ulp of the output
+            assert torch.allclose(y[chosen], want[chosen], rtol=tol, atol=tol), proj
+            assert torch.equal(y[~chosen], module.base_layer(x)[~chosen])
