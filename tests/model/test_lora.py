@@ -126,11 +126,7 @@ def test_every_adapter_changes_the_logits(setup):
 def test_a_wrong_scaling_breaks_the_comparison(setup, code, factor):
     forward = setup.decoder if code == "decoder" else setup.hf
     forward.set_adapters(setup.infos)
-    for groups in forward.adapters.updates:
-        for updates in groups.values():
-            for u in updates[1:]:
-                if u is not None:
-                    u.scaling *= factor
+    forward.adapters.scalings[1:] = [s * factor for s in forward.adapters.scalings[1:]]
     with pytest.raises(AssertionError):
         _compare(setup, mixed_steps(forward))
 
@@ -210,7 +206,7 @@ def test_one_projection_computes_as_peft_does(setup, dtype, rows):
         with torch.inference_mode():
             want = module(x)  # (7, out): every row through the adapter
             y = module.base_layer(x)
-            adapters.apply(1, proj, x, y, [(1, idx)])
+            adapters.apply(1, proj, x, y, adapters.plan([(1, idx)]))
             assert y.dtype == dtype and not torch.equal(want, module.base_layer(x))
         if rows == "all":
             assert torch.equal(y, want), proj
@@ -218,3 +214,35 @@ def test_one_projection_computes_as_peft_does(setup, dtype, rows):
             tol = 1e-5 if dtype == torch.float32 else 2e-2  # bfloat16: an ulp of the output
             assert torch.allclose(y[chosen], want[chosen], rtol=tol, atol=tol), proj
             assert torch.equal(y[~chosen], module.base_layer(x)[~chosen])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_several_adapters_in_one_projection_compute_as_peft_does(setup, dtype):
+    """Rows of three adapters (of ranks 8, 64 and 8, on different projections, in unequal numbers)
+    and the base model in one projection call: each row as peft computes it for its own adapter,
+    to the rounding of GEMMs over other row counts."""
+    import copy
+
+    from peft import PeftModel
+
+    from pipeline.model import lora
+
+    base = copy.deepcopy(setup.model).to(dtype)
+    peft_models = {a: PeftModel.from_pretrained(copy.deepcopy(base), str(setup.paths[a - 1])).eval() for a in (2, 3, 4)}
+    adapters = lora.Adapters(setup.infos, base.config, lora.SINGLE_GROUPS, CPU, dtype)
+    rows = {2: [0, 3, 5], 3: [1, 2, 4, 6, 8], 4: [9]}  # row 7: the base model
+    plan = adapters.plan([(a, torch.tensor(r)) for a, r in rows.items()])
+    assert plan.real is not None and plan.ids.tolist() == [2, 3, 4]  # padded, a subset of the adapters
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for proj, part in (("q_proj", "self_attn"), ("k_proj", "self_attn"), ("v_proj", "self_attn"),
+                       ("up_proj", "mlp"), ("down_proj", "mlp")):
+        name = f"model.layers.1.{part}.{proj}"
+        plain = base.get_submodule(name)
+        x = torch.randn(10, plain.in_features, generator=torch.Generator().manual_seed(4)).to(dtype)
+        with torch.inference_mode():
+            y = plain(x)
+            adapters.apply(1, proj, x, y, plan)
+            assert torch.equal(y[7], plain(x)[7])
+            for a, r in rows.items():
+                want = peft_models[a].get_submodule("base_model.model." + name)(x)
+                assert torch.allclose(y[r], want[r], rtol=tol, atol=tol), (proj, a)
