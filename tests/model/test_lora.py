@@ -92,13 +92,15 @@ def mixed_steps(forward, adapters=(0, 1, 2, 3, 4, 1, 2), static=False):
     return [(r["adapter"], (r.get("full") or []) + r["ids"], r["logits"]) for r in rows]
 
 
-def _compare(setup, results, atol=1e-4):
+def _compare(setup, results, atol=1e-4, logprobs=False):
+    """Every logit (or log-probability) within atol of the reference's."""
     worst = 0.0
+    norm = (lambda z: z.log_softmax(-1)) if logprobs else (lambda z: z)  # noqa: E731
     for adapter, ids, logits in results:
         with torch.inference_mode():
-            want = setup.references[adapter](torch.tensor([ids])).logits[0]
+            want = norm(setup.references[adapter](torch.tensor([ids])).logits[0])
         for p, got in logits.items():
-            worst = max(worst, float((got - want[p]).abs().max()))
+            worst = max(worst, float((norm(got) - want[p]).abs().max()))
     assert worst < atol, worst
     return worst
 
@@ -246,3 +248,33 @@ def test_several_adapters_in_one_projection_compute_as_peft_does(setup, dtype):
             for a, r in rows.items():
                 want = peft_models[a].get_submodule("base_model.model." + name)(x)
                 assert torch.allclose(y[r], want[r], rtol=tol, atol=tol), (proj, a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("code", ["decoder", "hf"])
+def test_the_default_model_with_random_adapters(code, tmp_path):
+    """The real default model (SmolLM2-135M) with two random adapters mixed with its own rows: their
+    log-probabilities within 1e-4 (its logits reach 30 and more, and 30 layers of float32
+    rounding part even the base model's rows' logits from the uncached forward's by more than
+    1e-4, as far as peft's merged and unmerged models' part from each other)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.model.default_model import default_model_path
+    from pipeline.model.load import load_model
+
+    # transformers' own load (load_model packs the weights for oneDNN, which peft cannot copy)
+    model = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32).eval()
+    forward = load_model(None, "cpu", "float32")[0] if code == "decoder" else HFModel(load_model(
+        None, "cpu", "float32", own_decoder=False)[0])
+    assert forward.model_code == ("batchgen" if code == "decoder" else "transformers")
+    paths = [make_adapter(model, tmp_path / "a", rank=8, seed=1, size=0.2),
+             make_adapter(model, tmp_path / "b", rank=16, targets=("q_proj", "v_proj", "up_proj"), rslora=True,
+                          seed=2, size=0.2)]
+    forward.set_adapters([inspect_adapter(p, forward.config) for p in paths])
+    setup = SimpleNamespace(references=[model] + [merged(model, p) for p in paths])
+    _compare(setup, mixed_steps(forward, adapters=(0, 1, 2, 1, 0, 2, 1)), logprobs=True)
+    ids = torch.tensor([_ids(20, 7)])
+    with torch.inference_mode():  # what makes it able to fail: each adapter moves the logits far more
+        assert all((m(ids).logits - model(ids).logits).abs().max() > 0.1 for m in setup.references[1:])
