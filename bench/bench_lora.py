@@ -5,8 +5,9 @@ decoder (and with `--hf` transformers' model code too), its rows spread round-ro
 row on the base model), 1 or 8 adapters, or `--adapters` as given. The adapters are random PEFT
 LoRA checkpoints of `--rank` on all seven projections, written in peft's file layout (no peft
 import needed to make them). Every configuration runs in turns, `--repeat` rounds of `--steps`
-steps each, so the host's drift hits them alike; it prints each one's median step time and its
-ratio to the base model's.
+steps each, so the host's drift hits them alike; it prints each one's median step time, wall
+and CPU (the thread's own time: on a shared host, waits for a core stay out of it), and their
+ratios to the base model's.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python -m bench.bench_lora --rows 64 --rank 8 --repeat 5
 """
@@ -88,6 +89,7 @@ def main() -> None:
             forward.set_adapters(infos)
         steps = {(code, n): decode_step(f, args.rows, args.context, n) for code, f in codes.items() for n in counts}
         times = {key: [] for key in steps}
+        cpu = {key: [] for key in steps}
         keep = torch.arange(args.rows)
         with torch.inference_mode():
             for key, step in steps.items():  # warm-up: oneDNN's first calls, the rotary table
@@ -95,14 +97,16 @@ def main() -> None:
             for _ in range(args.repeat):
                 for key, step in steps.items():
                     for _ in range(args.steps):
-                        t = time.perf_counter()
+                        t, c = time.perf_counter(), time.thread_time()
                         codes[key[0]].forward(step, keep)
                         times[key].append(time.perf_counter() - t)
+                        cpu[key].append(time.thread_time() - c)
     print(f"threads {threads}, rows {args.rows}, context {args.context}, rank {args.rank}, all 7 projections")
     for (code, n), ts in times.items():
         med, base = statistics.median(ts), statistics.median(times[(code, counts[0])])
-        print(f"{code:12s} adapters {n:2d}: median {med * 1e3:8.2f} ms/step  x{med / base:.2f} of {counts[0]} "
-              f"(min {min(ts) * 1e3:.2f}, max {max(ts) * 1e3:.2f})")
+        c, c0 = statistics.median(cpu[(code, n)]), statistics.median(cpu[(code, counts[0])])
+        print(f"{code:12s} adapters {n:2d}: wall {med * 1e3:8.2f} ms/step x{med / base:.2f} (min {min(ts) * 1e3:.2f}), "
+              f"cpu {c * 1e3:8.2f} ms/step x{c / c0:.2f} of {counts[0]} adapters")
 
 
 if __name__ == "__main__":

@@ -6,10 +6,12 @@ no extra work: its `Step.lora` is empty, so no code here runs. With several adap
 their updates run as one batched GEMM pair per projection (`Plan`), not a loop over adapters:
 on a CPU each small op's dispatch costs more than its arithmetic.
 
-The arithmetic is peft's (`peft.tuners.lora.Linear.forward`, not merged): the input cast to the
-adapter's dtype, `B(A x) * scaling` in it, added to the base output in the wider of the two
-dtypes, cast back. Adapter weights are float32 for a half-precision model, as peft's loader keeps
-them (`autocast_adapter_dtype`), so a bfloat16 model adds a float32 update to its bfloat16 output.
+The arithmetic is peft's (`peft.tuners.lora.Linear.forward`, not merged) but for the order of
+roundings: the input cast to the adapter's dtype, `(scaling B)(A x)` in it (the scaling folded
+into B at load: no multiply per forward), added to the base output in the wider of the two
+dtypes, then cast back. Adapter weights are float32 for a half-precision model, as peft's loader
+keeps them (`autocast_adapter_dtype`), so a bfloat16 model adds a float32 update to its bfloat16
+output, as peft does (not an update rounded to bfloat16 first).
 
 A model code groups the projections it runs as one GEMM: batchgen's decoder fuses q, k and v
 (`DECODER_GROUPS`), so one adapter's q/k/v matrices become one A (their rows stacked: they read the
@@ -23,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 
 from pipeline.model.adapter_files import TARGETS, AdapterError, AdapterInfo, base_shape, inspect_adapter
@@ -44,8 +45,9 @@ class Stack:
     `sum(out)`), stacked by adapter index (0, the base model, and any adapter that leaves the
     group alone: zeros), padded with zeros to the largest rank: zeros add exact zeros."""
 
-    a: torch.Tensor  # (N + 1, R, in): per adapter, the group's A matrices stacked (R: rank x projections)
-    b: torch.Tensor  # (N + 1, out, R): their B matrices on the diagonal, zero elsewhere
+    # stored transposed, as the GEMMs read them (a transposed view made batched GEMMs slower)
+    a: torch.Tensor  # (N + 1, in, R): per adapter, the group's A matrices side by side (R: rank x projections)
+    b: torch.Tensor  # (N + 1, R, out): their B matrices times the adapter's scaling on the diagonal, zero elsewhere
     users: list[int]  # the adapters that update this group
 
 
@@ -61,7 +63,6 @@ class Plan:
     gather: torch.Tensor | None = None  # (k n,) token index of each padded position
     real: torch.Tensor | None = None  # (m,) the padded positions that are real tokens; None: all are
     tokens: torch.Tensor | None = None  # (m,) their token indices
-    scaling: torch.Tensor | None = None  # (k, 1, 1) each adapter's scaling
 
 
 class Adapters:
@@ -74,36 +75,35 @@ class Adapters:
         self.count, self.device = len(infos), device
         # peft keeps a half-precision model's adapters in float32; a float32 or float64 one's in its own dtype
         self.dtype = torch.promote_types(dtype, torch.float32)
-        self.scalings = [0.0]
         loaded = []
         for info in infos:
             checked = inspect_adapter(info.path, config)  # the files as they are now, against this model
             if checked.digest != info.digest:
                 raise AdapterError(f"adapter {info.path}: its files changed since they were checked")
-            loaded.append((checked.rank, _read(checked.path)))
-            self.scalings.append(checked.scaling)
+            loaded.append((checked.rank, checked.scaling, _read(checked.path)))
         self.stacks: list[dict[str, Stack | None]] = [
             {g: self._stack(loaded, layer, projs, shape.shapes) for g, projs in groups.items()}
             for layer in range(shape.layers)]
 
-    def _stack(self, loaded: list[tuple[int, dict[str, torch.Tensor]]], layer: int, projs: tuple[str, ...],
+    def _stack(self, loaded: list[tuple[int, float, dict[str, torch.Tensor]]], layer: int, projs: tuple[str, ...],
                shapes: dict[str, tuple[int, int]]) -> Stack | None:
         names = [(_PREFIX.format(layer, _PART[p], p, "A"), _PREFIX.format(layer, _PART[p], p, "B")) for p in projs]
-        users = [i for i, (_, tensors) in enumerate(loaded, 1) if any(a in tensors for a, _ in names)]
+        users = [i for i, (*_, tensors) in enumerate(loaded, 1) if any(a in tensors for a, _ in names)]
         if not users:
             return None
         fan_in, out = shapes[projs[0]][0], sum(shapes[p][1] for p in projs)
         # the widest adapter's A: its rank times the projections of the group it updates
-        width = max(loaded[i - 1][0] * sum(a in loaded[i - 1][1] for a, _ in names) for i in users)
-        a_all = torch.zeros(len(loaded) + 1, width, fan_in, dtype=self.dtype)
-        b_all = torch.zeros(len(loaded) + 1, out, width, dtype=self.dtype)
+        width = max(loaded[i - 1][0] * sum(a in loaded[i - 1][2] for a, _ in names) for i in users)
+        a_all = torch.zeros(len(loaded) + 1, fan_in, width, dtype=self.dtype)
+        b_all = torch.zeros(len(loaded) + 1, width, out, dtype=self.dtype)
         for i in users:
-            r, tensors = loaded[i - 1]
+            r, scaling, tensors = loaded[i - 1]
             row, col = 0, 0  # the projection's columns in the fused output; its rows in the stacked A
             for p, (a_name, b_name) in zip(projs, names):
                 if a_name in tensors:
-                    a_all[i, col : col + r] = tensors[a_name]
-                    b_all[i, row : row + shapes[p][1], col : col + r] = tensors[b_name]
+                    a_all[i, :, col : col + r] = tensors[a_name].T
+                    # the scaling folded into B: one multiply per weight at load, none per forward
+                    b_all[i, col : col + r, row : row + shapes[p][1]] = tensors[b_name].T.to(self.dtype) * scaling
                     col += r
                 row += shapes[p][1]
         return Stack(a_all.to(self.device), b_all.to(self.device), users)
@@ -121,8 +121,7 @@ class Adapters:
         if any(len(r) < n for r in runs):
             real = torch.cat([torch.arange(j * n, j * n + len(r), device=dev) for j, r in enumerate(runs)])
         return Plan(lora, ids=None if ids == list(range(1, self.count + 1)) else torch.tensor(ids, device=dev),
-                    gather=gather, real=real, tokens=torch.cat(runs),
-                    scaling=torch.tensor([self.scalings[a] for a in ids], dtype=self.dtype, device=dev)[:, None, None])
+                    gather=gather, real=real, tokens=torch.cat(runs))
 
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor, plan: Plan) -> None:
         """The adapters' updates of `group` in `layer`, into `y` (T, out) in place, from its input x (T, in)."""
@@ -134,22 +133,22 @@ class Adapters:
             if a not in stack.users:
                 return
             xs = x[idx] if isinstance(idx, slice) else x.index_select(0, idx)  # (n, in)
-            delta = F.linear(F.linear(xs.to(self.dtype), stack.a[a]), stack.b[a]) * self.scalings[a]  # (n, out)
+            u = xs.to(self.dtype) @ stack.a[a]  # (n, R)
+            if isinstance(idx, slice) and y.dtype == u.dtype:  # the update's GEMM adds into y's rows itself
+                y[idx].addmm_(u, stack.b[a])
+                return
+            delta = u @ stack.b[a]  # (n, out)
         else:
-            k = plan.scaling.shape[0]
             a_w, b_w = (stack.a[1:], stack.b[1:]) if plan.ids is None else \
-                (stack.a.index_select(0, plan.ids), stack.b.index_select(0, plan.ids))  # (k, R, in), (k, out, R)
-            xs = x.index_select(0, plan.gather).view(k, -1, x.shape[1]).to(self.dtype)  # (k, n, in)
-            delta = torch.bmm(torch.bmm(xs, a_w.transpose(1, 2)), b_w.transpose(1, 2)) * plan.scaling  # (k, n, out)
+                (stack.a.index_select(0, plan.ids), stack.b.index_select(0, plan.ids))  # (k, in, R), (k, R, out)
+            xs = x.index_select(0, plan.gather).view(a_w.shape[0], -1, x.shape[1]).to(self.dtype)  # (k, n, in)
+            delta = torch.bmm(torch.bmm(xs, a_w), b_w)  # (k, n, out)
             delta = delta.view(-1, y.shape[1])
             if plan.real is not None:
                 delta = delta.index_select(0, plan.real)  # (m, out)
             idx = plan.tokens
         if y.dtype == delta.dtype:
-            if isinstance(idx, slice):
-                y[idx] += delta
-            else:
-                y.index_add_(0, idx, delta)  # distinct indices: one addition per element, as y + delta
+            y.index_add_(0, idx, delta)  # distinct indices: one addition per element, as y + delta
         else:  # the sum in the adapter's wider dtype, then cast: peft's `result + delta`, `.to(...)`
             delta += y[idx] if isinstance(idx, slice) else y.index_select(0, idx)
             if isinstance(idx, slice):
