@@ -123,14 +123,15 @@ def test_resume_compares_the_resolved_dtype_not_the_option(tmp_path, model_dir, 
     with pytest.raises(Interrupted):
         process([str(jobs_file)], out, options(model_dir, dtype="float32"), progress=interrupt_after(4))
     first = parts()
-    # `auto` on this CPU is float32: the same precision, so the work resumes
+    # `auto` for this float32 checkpoint is float32: the same precision, so the work resumes
     with pytest.raises(Interrupted):
         process([str(jobs_file)], out, options(model_dir, dtype="auto"), progress=interrupt_after(4))
     assert parts() > first
-    # `auto` on a CUDA machine is bfloat16: finished float32 work must not be mixed in
+    # where `auto` resolves to bfloat16 (a bfloat16 checkpoint where it runs natively), finished
+    # float32 work must not be mixed in
     real = pipeline.model.load.resolve_dtype
     monkeypatch.setattr(pipeline.model.load, "resolve_dtype",
-                        lambda d, dev: torch.bfloat16 if d == "auto" else real(d, dev))
+                        lambda d, dev, *a: torch.bfloat16 if d == "auto" else real(d, dev, *a))
     with pytest.raises(JobError, match="other jobs, options or model"):
         process([str(jobs_file)], out, options(model_dir, dtype="auto"))
     monkeypatch.setattr(pipeline.model.load, "resolve_dtype", real)
