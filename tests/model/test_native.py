@@ -115,20 +115,27 @@ def _reference(q, keys, values, anchor, last):
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 16), (9, 3, 64), (8, 8, 32), (8, 1, 128), (12, 2, 80)])
-def test_prefill_kernel_equals_reference(hq, hkv, d, dtype):
+@pytest.mark.parametrize("dtype,dots", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 16), (9, 3, 64), (8, 8, 32), (8, 1, 128), (12, 2, 80), (6, 2, 48)])
+@pytest.mark.parametrize("uniform", [False, True])
+def test_prefill_kernel_equals_reference(hq, hkv, d, dtype, dots, uniform):
     """Runs of tokens: fresh suffixes in row slots (one token; 37 tokens, no anchor), a later chunk
     continuing its row's stored keys under a long anchor, and a prefix prefilled in its own buffer
-    after tokens copied from its parent; causal by own index, the rows' keys already stored."""
+    after tokens copied from its parent; causal by own index, the rows' keys already stored. `dots`:
+    bfloat16 on AVX-512 BF16 dot products (where this CPU has them), else widened to float32.
+    `uniform`: zero queries and values of whole numbers, so every weight is exactly 1 (in bfloat16
+    too) and each output the exact mean of the values it reads: a key read twice or missed shows."""
     g = torch.Generator().manual_seed(2)
     slots_k, slots_v = (torch.randn(4, hkv, 300, d, generator=g).to(dtype) for _ in range(2))
     prefix_k, prefix_v = (torch.randn(1, hkv, 120, d, generator=g).to(dtype) for _ in range(2))
     anchors = [tuple(torch.randn(1, hkv, n, d, generator=g).to(dtype) for _ in range(2)) for n in (1, 257)]
+    if uniform:
+        slots_v, prefix_v = (slots_v * 4).round(), (prefix_v * 4).round()
+        anchors = [(k, (v * 4).round()) for k, v in anchors]
     # (tokens, buffer, row, first own index, anchor)
     segments = [(1, "slots", 3, 0, 0), (37, "slots", 0, 0, None), (45, "slots", 2, 100, 1), (40, "prefix", 0, 10, None)]
     t = sum(n for n, *_ in segments)
-    q = torch.randn(hq, t + 5, d, generator=g).to(dtype)[:, 5:].transpose(0, 1)  # (T, Hq, D), strided
+    q = torch.randn(hq, t + 5, d, generator=g).to(dtype)[:, 5:].transpose(0, 1) * (0 if uniform else 1)  # (T, Hq, D), strided
     buffers = {"slots": (slots_k, slots_v), "prefix": (prefix_k, prefix_v)}
     lt = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
     starts = [sum(n for n, *_ in segments[:i]) for i in range(len(segments))]
@@ -139,11 +146,24 @@ def test_prefill_kernel_equals_reference(hq, hkv, d, dtype):
         lt([buffers[b][0].data_ptr() for _, b, *_ in segments]), lt([buffers[b][1].data_ptr() for _, b, *_ in segments]),
         lt([buffers[b][0].shape[2] for _, b, *_ in segments]), lt([r for _, _, r, *_ in segments]),
         lt([o for *_, o, _ in segments]), lt([anc(0, a) for *_, a in segments]), lt([anc(1, a) for *_, a in segments]),
-        lt([anchors[a][0].shape[2] if a is not None else 0 for *_, a in segments]), d ** -0.5, out)
+        lt([anchors[a][0].shape[2] if a is not None else 0 for *_, a in segments]), d ** -0.5, out, dots=dots)
     want = torch.stack([_reference(q[start + i], buffers[b][0][r : r + 1], buffers[b][1][r : r + 1],
                                    anchors[a] if a is not None else None, offset + i)
                         for start, (n, b, r, offset, a) in zip(starts, segments) for i in range(n)])
-    assert torch.allclose(out, want, atol=2e-6, rtol=1e-5), (out - want).abs().max()
+    atol = 2e-6
+    if dots and not uniform and native.bf16_dots(hq, hkv, d):
+        # each weight rounded to bfloat16 (8 bits: within 2^-9 of itself), their sum not: an output
+        # moves by at most 2^-9 of the largest value it reads
+        atol += 2.0 ** -9 * max(x[1].abs().max().item() for x in (*buffers.values(), *anchors))
+    assert torch.allclose(out, want, atol=atol, rtol=1e-5), (out - want).abs().max()
+
+
+def test_bf16_dots_where_the_cpu_has_them():
+    """The AVX-512 BF16 prefill tile is built exactly where the CPU has AVX-512 BF16."""
+    if not native.supports(torch.bfloat16, 9, 3, 64, 64):
+        assert not native.bf16_dots(9, 3, 64)
+    else:
+        assert native.bf16_dots(9, 3, 64) == (" avx512_bf16" in native._cpu_key())
 
 
 @needs_kernel
