@@ -506,10 +506,11 @@ int batchgen_amx(void) {
 #endif
 }
 
-/* 1 where bfloat16 prefill runs on the AVX-512 BF16 tile (cpu_bf16.c): built for a CPU with them. */
+/* 1 where bfloat16 prefill runs on the AVX-512 BF16 tile (cpu_bf16.c) unless told otherwise: built for a
+ * CPU with them, and one that runs them fast (`bf16_dots_fast`). */
 int batchgen_bf16_dots(void) {
 #if defined(__AVX512F__)
-    return TILE_BF16;
+    return TILE_BF16 && bf16_dots_fast();
 #else
     return 0;
 #endif

@@ -14,6 +14,11 @@
 #if defined(__AVX512BF16__)
 enum { TILE_BF16 = 1 };
 
+/* Whether the dot products beat widening: AMD's run at their FMA's instruction rate, twice its
+ * multiply-adds; Intel's Xeon here (family 6, model 207) ran them at a quarter of its FMA's rate,
+ * half its multiply-adds, and its tile widening bfloat16 was the faster (BENCHMARKS.md). */
+static int bf16_dots_fast(void) { return __builtin_cpu_is("amd"); }
+
 typedef int32_t pair_t __attribute__((may_alias, aligned(2))); /* two bfloat16 read as one lane */
 
 typedef struct {
@@ -118,4 +123,5 @@ static void tile_bf16_out(const TileBf *t, float *out, int hq, const int64_t *to
 }
 #else
 enum { TILE_BF16 = 0 }; /* bfloat16 widened to float32 by the float32 tile instead */
+static int bf16_dots_fast(void) { return 0; }
 #endif

@@ -162,27 +162,32 @@ def amx(dtype: torch.dtype, hq: int, hkv: int, d: int) -> bool:
     return dtype == torch.bfloat16 and supports(dtype, hq, hkv, d, d) and bool(_lib(hq // hkv, d).batchgen_amx())
 
 
-def bf16_dots(hq: int, hkv: int, d: int) -> bool:
-    """Whether bfloat16 prefill runs on AVX-512 BF16 dot products for this layout (`cpu_bf16.c`: a CPU
-    with them, AMD since Zen 4, Intel since Cooper Lake), not on the float32 tile."""
-    return supports(torch.bfloat16, hq, hkv, d, d) and bool(_lib(hq // hkv, d).batchgen_bf16_dots())
+def bf16_dots(hq: int, hkv: int, d: int, fast_only: bool = True) -> bool:
+    """Whether bfloat16 prefill runs on AVX-512 BF16 dot products for this layout (`cpu_bf16.c`), not
+    widened on the float32 tile: on a CPU that has them and, with `fast_only`, runs them faster
+    than it widens (AMD since Zen 4; not the Intel Xeon measured, BENCHMARKS.md)."""
+    if not supports(torch.bfloat16, hq, hkv, d, d):
+        return False
+    return bool(_lib(hq // hkv, d).batchgen_bf16_dots()) if fast_only else "avx512_bf16" in _cpu_key().split()
 
 
 def prefill_attention(q: torch.Tensor, hkv: int, t0: torch.Tensor, t1: torch.Tensor, own_k: torch.Tensor,
                       own_v: torch.Tensor, own_cap: torch.Tensor, own_index: torch.Tensor, offset: torch.Tensor,
                       anc_k: torch.Tensor, anc_v: torch.Tensor, anc_len: torch.Tensor, scale: float,
-                      out: torch.Tensor, dots: bool = True) -> bool:
+                      out: torch.Tensor, dots: bool | None = None) -> bool:
     """Runs of tokens, each continuing one sequence: segment s is tokens t0[s]..t1[s] of q (T, Hq, D)
     (last dim contiguous), whose keys sit at own indices offset[s].. of row own_index[s] of its own
     buffer (data pointers own_k/own_v of contiguous [rows, Hkv, own_cap[s], D]), already written.
     Each token reads its anchor (as in `decode_attention`) and then its own keys up to its own
     index. Writes the segments' rows of out (T, Hq, D) float32. False if the kernel could not run.
-    bfloat16 runs on AVX-512 BF16 dot products where `bf16_dots` says, its weights rounded to
-    bfloat16 as PyTorch's kernels round them; `dots=False`: widened to float32 on the float32 tile
-    (what CPUs without them run; kept for the tests and the benchmark)."""
+    bfloat16 runs on AVX-512 BF16 dot products where `bf16_dots` says (`dots` True: wherever the CPU
+    has them), its weights rounded to bfloat16 as PyTorch's kernels round them; else, or with
+    `dots=False`, widened to float32 on the float32 tile."""
     hq, d = q.shape[1], q.shape[2]
     assert q.stride(2) == 1 and out.is_contiguous() and out.dtype == torch.float32 and q.dtype in DTYPES
     lib = _lib_for(q, hkv)
+    if dots is None:
+        dots = lib is not None and bool(lib.batchgen_bf16_dots())
     return lib is not None and not lib.batchgen_prefill_attention(
         t0.numel(), hq, hkv, d, DTYPES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1),
         *_ints(t0, t1, own_k, own_v, own_cap, own_index, offset, anc_k, anc_v, anc_len), scale, out.data_ptr(),

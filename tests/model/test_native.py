@@ -151,19 +151,19 @@ def test_prefill_kernel_equals_reference(hq, hkv, d, dtype, dots, uniform):
                                    anchors[a] if a is not None else None, offset + i)
                         for start, (n, b, r, offset, a) in zip(starts, segments) for i in range(n)])
     atol = 2e-6
-    if dots and not uniform and native.bf16_dots(hq, hkv, d):
+    if dots and not uniform and native.bf16_dots(hq, hkv, d, fast_only=False):
         # each weight rounded to bfloat16 (8 bits: within 2^-9 of itself), their sum not: an output
         # moves by at most 2^-9 of the largest value it reads
         atol += 2.0 ** -9 * max(x[1].abs().max().item() for x in (*buffers.values(), *anchors))
     assert torch.allclose(out, want, atol=atol, rtol=1e-5), (out - want).abs().max()
 
 
-def test_bf16_dots_where_the_cpu_has_them():
-    """The AVX-512 BF16 prefill tile is built exactly where the CPU has AVX-512 BF16."""
-    if not native.supports(torch.bfloat16, 9, 3, 64, 64):
-        assert not native.bf16_dots(9, 3, 64)
-    else:
-        assert native.bf16_dots(9, 3, 64) == (" avx512_bf16" in native._cpu_key())
+def test_bf16_dots_where_the_cpu_runs_them_fast():
+    """The AVX-512 BF16 prefill tile is built where the CPU has AVX-512 BF16, and runs by default on
+    AMD's (the Intel Xeon measured widens faster)."""
+    has = native.supports(torch.bfloat16, 9, 3, 64, 64) and "avx512_bf16" in native._cpu_key().split()
+    assert native.bf16_dots(9, 3, 64, fast_only=False) == has
+    assert native.bf16_dots(9, 3, 64) == (has and "AuthenticAMD" in open("/proc/cpuinfo").read())
 
 
 @needs_kernel
@@ -259,6 +259,33 @@ def test_engine_on_the_anchor_kernels(dtype, monkeypatch):
     assert equal >= len(outs["matmul"]) * 2 // 3
     if dtype == torch.float32 or not native.amx(dtype, 4, 2, 32):  # the same float32 sums, in another order
         assert outs["matmul"] == outs["tiles"]
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "llama_head32"])
+@pytest.mark.parametrize("dots", [True, False])
+def test_engine_bfloat16_prefill_on_each_path(arch, dots, monkeypatch):
+    """bfloat16 prefill on AVX-512 BF16 dot products (where this CPU has them) and widened to
+    float32, each forced: greedy output equals plain generate in bfloat16, or parts from it exactly
+    where the reference's own logits are tied."""
+    from tests.engine.test_engine import _bf16_tie
+
+    tok = tokenizer()
+    model = make_model(arch, dtype=torch.bfloat16)
+    reqs = edge_case_requests(tok, max_new_tokens=6)
+    real, segments = native.prefill_attention, []
+    monkeypatch.setattr(native, "prefill_attention",
+                        lambda *a, **kw: segments.append(a[2].numel()) or real(*a, dots=dots))
+    engine = Engine(model, eos_token_ids=[2], min_shared_tokens=4, max_batch_tokens=250)
+    got = {(c.key, c.sample_index): c.token_ids for c in engine.run(reqs)}
+    assert len(segments) > 2 and max(segments) > 1 and engine.stats.cascade_batches > 0  # the engine's calls
+    equal = 0
+    for r in reqs:
+        want = reference_generate(model, r, [2])
+        for s in range(r.params.n):
+            equal += got[(r.key, s)] == want
+            assert got[(r.key, s)] == want or _bf16_tie(model, r.prompt_ids, want, got[(r.key, s)]), r.key
+    assert equal >= len(got) * 2 // 3
 
 
 @needs_kernel
