@@ -25,6 +25,7 @@ typedef struct {
     int32_t qp[D / 2 * W]; /* [D/2][16 lanes] queries in pairs of elements, unscaled */
     float ot[D * W];       /* [D][16] values weighted by e^(score - m), not yet divided by sum */
     int32_t vp[W / 2 * D]; /* [8 pairs of keys][D] the values of keys 2p and 2p + 1, per dimension */
+    uint16_t k[W * D];     /* the last keys of a run, padded with zeros to 16 */
     vf m, sum, pos;        /* as in Tile */
 } TileBf;
 _Static_assert(sizeof(TileBf) <= sizeof(Tile), "the prefill pass's scratch is sized for a Tile");
@@ -65,12 +66,17 @@ static void tile_bf16_keys(TileBf *t, const uint16_t *keys, const uint16_t *valu
     for (int64_t j0 = 0; j0 < len; j0 += W) {
         int n = len - j0 < W ? (int)(len - j0) : W;
         const pair_t *k = (const pair_t *)(keys + j0 * D);
+        if (n < W) { /* padded: no test for the end among the dot products */
+            memset(t->k, 0, sizeof t->k);
+            memcpy(t->k, keys + j0 * D, (size_t)n * D * 2);
+            k = (const pair_t *)t->k;
+        }
         vf s[W];
         for (int j = 0; j < W; j++) s[j] = SPLAT(0.0f);
         for (int p = 0; p < D / 2; p++) {
             __m512bh qv = (__m512bh)_mm512_loadu_si512(t->qp + p * W);
             for (int j = 0; j < W; j++)
-                s[j] = (vf)_mm512_dpbf16_ps((__m512)s[j], qv, (__m512bh)_mm512_set1_epi32(k[(j < n ? j : 0) * D / 2 + p]));
+                s[j] = (vf)_mm512_dpbf16_ps((__m512)s[j], qv, (__m512bh)_mm512_set1_epi32(k[j * D / 2 + p]));
         }
         vf top = t->m;
         for (int j = 0; j < W; j++) {
