@@ -506,13 +506,13 @@ int batchgen_amx(void) {
 #endif
 }
 
-/* 1 where bfloat16 prefill runs on the AVX-512 BF16 tile (cpu_bf16.c) unless told otherwise: built for a
- * CPU with them, and one that runs them fast (`bf16_dots_fast`). */
-int batchgen_bf16_dots(void) {
+/* 1 where this build has the AVX-512 BF16 prefill tile (cpu_bf16.c) and, with `fast_only`, where bfloat16
+ * prefill runs on it unless told otherwise: on a CPU that runs the dot products fast (`bf16_dots_fast`). */
+int batchgen_bf16_dots(int fast_only) {
 #if defined(__AVX512F__)
-    return TILE_BF16 && bf16_dots_fast();
+    return TILE_BF16 && (!fast_only || bf16_dots_fast());
 #else
-    return 0;
+    return (void)fast_only, 0;
 #endif
 }
 
