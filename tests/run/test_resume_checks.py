@@ -139,6 +139,30 @@ def test_resume_compares_the_resolved_dtype_not_the_option(tmp_path, model_dir, 
     assert summary["resumed_jobs"] == 7 and summary["dtype"] == "float32" and summary["device_type"] == "cpu"
 
 
+def test_resume_of_a_bfloat16_checkpoint_follows_the_machine(tmp_path, jobs_file, monkeypatch):
+    """`auto` on a bfloat16 checkpoint is bfloat16 on a CPU with AVX-512 BF16 and float32 on one
+    without: work finished on the one is not mixed into a run on the other, and resumes on its own."""
+    import torch
+
+    from pipeline.model import precision
+    from tests.helpers.tiny_models import make_model
+    from tests.helpers.tiny_tokenizer import make_tokenizer
+
+    model_dir = tmp_path / "bf16-llama"
+    make_model("llama", dtype=torch.bfloat16).save_pretrained(model_dir)
+    make_tokenizer().save_pretrained(model_dir)
+    out = str(tmp_path / "out.parquet")
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    with pytest.raises(Interrupted):
+        process([str(jobs_file)], out, options(model_dir), progress=interrupt_after(4))
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx512f"}))
+    with pytest.raises(JobError, match="other jobs, options or model"):
+        process([str(jobs_file)], out, options(model_dir))
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx512f", "amx_bf16"}))
+    summary = process([str(jobs_file)], out, options(model_dir))
+    assert summary["resumed_jobs"] > 0 and summary["dtype"] == "bfloat16"
+
+
 # --- 13: the summary of a resumed run equals an uninterrupted run's -----------------------------
 
 def test_a_resumed_runs_summary_equals_an_uninterrupted_runs(tmp_path, model_dir, jobs_file):
