@@ -150,7 +150,8 @@ def main() -> None:
 @_model_options
 @click.option("--device", default="auto", show_default=True, envvar="BATCHGEN_DEVICE", help="auto, cpu, cuda, cuda:N")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
-              show_default=True, envvar="BATCHGEN_DTYPE")
+              show_default=True, envvar="BATCHGEN_DTYPE",
+              help="auto: the checkpoint's own dtype where this device computes it natively, else float32")
 @_generation_options
 @click.option("--max-batch-tokens", type=click.IntRange(min=1), default=MAX_BATCH_TOKENS, show_default=True,
               envvar="BATCHGEN_MAX_BATCH_TOKENS", help="KV-cache token budget of one batch (rows x longest row).")

@@ -260,6 +260,7 @@ static void anchor_item(const void *arg, int w, void *scratch) {
 }
 
 #include "cpu_anchors.c" /* block_item, amx_item: phase A as matrix products */
+#include "cpu_bf16.c"    /* the prefill tile in bfloat16 on AVX-512 BF16 dot products */
 
 static void own_item(const void *arg, int w, void *scratch) {
     const Decode *job = arg;
@@ -340,6 +341,7 @@ typedef struct {
     float scale;
     float *out;
     int64_t *items; /* (segment, key head, first lane) */
+    int dots;       /* bfloat16 on the AVX-512 BF16 tile (cpu_bf16.c) where the CPU has it */
 } Prefill;
 
 static void prefill_item(const void *arg, int w, void *scratch) {
@@ -352,9 +354,22 @@ static void prefill_item(const void *arg, int w, void *scratch) {
         int64_t r = r0 + l < rows ? r0 + l : rows - 1;
         tok[l] = t0 + r / G, head[l] = h * G + r % G, pos[l] = (float)(off + r / G);
     }
-    tile_start(t, job->q, job->q_tok, job->q_head, tok, head, pos, job->scale, job->bf16);
     int64_t la = job->anc_k[seg] ? job->anc_len[seg] : 0, cap = job->own_cap[seg], es = job->bf16 ? 2 : 4;
     int64_t own = (job->own_index[seg] * job->hkv + h) * cap * D * es;
+#if defined(__AVX512BF16__)
+    if (job->bf16 && job->dots) {
+        TileBf *b = scratch;
+        tile_bf16_start(b, job->q, job->q_tok, job->q_head, tok, head, pos);
+        if (la)
+            tile_bf16_keys(b, (const uint16_t *)job->anc_k[seg] + h * la * D, (const uint16_t *)job->anc_v[seg] + h * la * D,
+                           la, 0, job->scale);
+        tile_bf16_keys(b, (const uint16_t *)((const char *)job->own_k[seg] + own),
+                       (const uint16_t *)((const char *)job->own_v[seg] + own), (int64_t)pos[W - 1] + 1, 1, job->scale);
+        tile_bf16_out(b, job->out, job->hq, tok, head, rows - r0);
+        return;
+    }
+#endif
+    tile_start(t, job->q, job->q_tok, job->q_head, tok, head, pos, job->scale, job->bf16);
     if (la)
         tile_keys(t, (const char *)job->anc_k[seg] + h * la * D * es, (const char *)job->anc_v[seg] + h * la * D * es,
                   la, 0, job->bf16);
@@ -491,11 +506,21 @@ int batchgen_amx(void) {
 #endif
 }
 
+/* 1 where this build has the AVX-512 BF16 prefill tile (cpu_bf16.c) and, with `fast_only`, where bfloat16
+ * prefill runs on it unless told otherwise: on a CPU that runs the dot products fast (`bf16_dots_fast`). */
+int batchgen_bf16_dots(int fast_only) {
+#if defined(__AVX512F__)
+    return TILE_BF16 && (!fast_only || bf16_dots_fast());
+#else
+    return (void)fast_only, 0;
+#endif
+}
+
 int batchgen_prefill_attention(int nseg, int hq, int hkv, int d, int bf16, const void *q, int64_t q_tok,
                                int64_t q_head, const int64_t *t0, const int64_t *t1, const int64_t *own_k,
                                const int64_t *own_v, const int64_t *own_cap, const int64_t *own_index,
                                const int64_t *offset, const int64_t *anc_k, const int64_t *anc_v,
-                               const int64_t *anc_len, float scale, float *out, int threads) {
+                               const int64_t *anc_len, float scale, float *out, int threads, int dots) {
     if (!ok(hq, hkv, d, bf16)) return 1;
 #if defined(__AVX512F__)
     int items = 0;
@@ -507,13 +532,13 @@ int batchgen_prefill_attention(int nseg, int hq, int hkv, int d, int bf16, const
         for (int64_t r = 0; r < G * (t1[s] - t0[s]); r += W)
             for (int h = 0; h < hkv; h++, k++) list[3 * k] = s, list[3 * k + 1] = h, list[3 * k + 2] = r;
     Prefill job = {hq, hkv, bf16, q, q_tok, q_head, t0, t1, own_k, own_v, own_cap, own_index,
-                   offset, anc_k, anc_v, anc_len, scale, out, list};
+                   offset, anc_k, anc_v, anc_len, scale, out, list, dots};
     int failed = run(prefill_item, &job, items, sizeof(Tile), threads);
     free(list);
     return failed;
 #else
     return (void)nseg, (void)q, (void)q_tok, (void)q_head, (void)t0, (void)t1, (void)own_k, (void)own_v,
            (void)own_cap, (void)own_index, (void)offset, (void)anc_k, (void)anc_v, (void)anc_len, (void)scale,
-           (void)out, (void)threads, 1;
+           (void)out, (void)threads, (void)dots, 1;
 #endif
 }

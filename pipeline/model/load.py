@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from pipeline.errors import OptionError, option
 from pipeline.model.default_model import DEFAULT_MODEL, default_model_path
 from pipeline.model.files import ModelLoadError
+from pipeline.model.precision import resolve_dtype, stored_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -56,30 +57,18 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-           "float16": "float16", "fp16": "float16"}
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """``auto`` → bf16 on CUDA when supported (fp16 otherwise), float32 elsewhere."""
-    import torch
-
-    if dtype == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        # Half precision on CPU is slow and, for fp16, numerically fragile.
-        return torch.float32
-    try:
-        return getattr(torch, _DTYPES[dtype])
-    except KeyError:
-        raise OptionError("dtype", "unknown dtype: use auto, float32, bfloat16 or float16", dtype) from None
-
-
-def resolve_precision(device: str, dtype: str) -> dict[str, str]:
+def resolve_precision(device: str, dtype: str, model: str | None = None) -> dict[str, str]:
     """The device type and dtype a run with these options computes in (what `load_model` uses):
-    `auto` differs between machines, so resumed work is checked against these, not the options."""
+    `auto` differs between machines and checkpoints, so resumed work is checked against these, not
+    the options."""
     torch_device = resolve_device(device)
-    return {"device_type": torch_device.type, "dtype": str(resolve_dtype(dtype, torch_device)).removeprefix("torch.")}
+    torch_dtype = resolve_dtype(dtype, torch_device, _stored(model_source(model)[1], dtype))
+    return {"device_type": torch_device.type, "dtype": str(torch_dtype).removeprefix("torch.")}
+
+
+def _stored(source: str, dtype: str) -> str | None:
+    """The checkpoint's stored dtype where `auto` needs it (`precision.stored_dtype`)."""
+    return stored_dtype(_directory(source)[0]) if dtype == "auto" else None
 
 
 def _looks_local(name: str) -> bool:
@@ -136,24 +125,31 @@ def _own_decoder_config(source: str, label: str):
     transformers does, or whose tensors disagree with its config, is a ModelLoadError."""
     from pipeline.model.decoder_config import Refused, read
 
-    if Path(source).is_dir():
-        directory = source
-    elif _looks_local(source):
-        return None, "not a model directory"
-    else:
-        try:
-            from huggingface_hub import try_to_load_from_cache
-
-            cached = try_to_load_from_cache(source, "config.json")
-        except (ValueError, OSError):  # not a valid repo id
-            return None, "not a valid hub id"
-        if not isinstance(cached, str):
-            return None, "not in the local Hugging Face cache"
-        directory = Path(cached).parent
+    directory, why = _directory(source)
+    if directory is None:
+        return None, why
     try:
         return read(directory)
     except Refused as e:
         raise ModelLoadError(f"model {label!r}: {e}") from None
+
+
+def _directory(source: str) -> tuple[Path | None, str | None]:
+    """`(directory, None)`: where the model's files are, a local directory or a hub id's snapshot in
+    the local Hugging Face cache; else `(None, why not)`."""
+    if Path(source).is_dir():
+        return Path(source), None
+    if _looks_local(source):
+        return None, "not a model directory"
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(source, "config.json")
+    except (ValueError, OSError):  # not a valid repo id
+        return None, "not a valid hub id"
+    if not isinstance(cached, str):
+        return None, "not in the local Hugging Face cache"
+    return Path(cached).parent, None
 
 
 def _check_runnable(config, label: str) -> None:
@@ -188,7 +184,7 @@ def load_model(
     """
     label, source = model_source(name_or_path)
     torch_device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, torch_device)
+    torch_dtype = resolve_dtype(dtype, torch_device, _stored(source, dtype))
     if own_decoder is None:
         from pipeline.model.decoder import enabled
 

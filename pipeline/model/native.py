@@ -10,7 +10,8 @@ Python or torch headers compiles in well under a second, where a torch extension
 The kernels need AVX-512 (on AVX2 their 16-float vectors spill: the decode kernel ran slower
 than PyTorch's kernels, BENCHMARKS.md). Decode reads each anchor as matrix products: in AVX-512 registers (with
 AVX-512 BF16 dot products for bfloat16 where the CPU has them), or for bfloat16 on AMX tiles
-where the CPU has them (Intel since Sapphire Rapids) and Linux lends them (`amx`). Without AVX-512, without a compiler, for another layout or dtype, or with
+where the CPU has them (Intel since Sapphire Rapids) and Linux lends them (`amx`). bfloat16 prefill
+runs on AVX-512 BF16 dot products where the CPU runs them fast (`bf16_dots`, `cpu_bf16.c`). Without AVX-512, without a compiler, for another layout or dtype, or with
 ``BATCHGEN_NATIVE=0``, `supports` is False and the engine reads decode attention through PyTorch's
 kernels (`pipeline.model.attention`): the same results, more slowly. `why_not` says which.
 `pipeline.model.attention.native_ok` checks both kernels against the reference once per layout.
@@ -30,7 +31,8 @@ import torch
 from pipeline.model.files import cache_dir
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
-INCLUDED = [Path(__file__).with_name("cpu_anchors.c")]  # #included by SOURCE: part of the cache key too
+# #included by SOURCE: part of the cache key too
+INCLUDED = [Path(__file__).with_name("cpu_anchors.c"), Path(__file__).with_name("cpu_bf16.c")]
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-pthread"]
 # -fopenmp: the kernel's threads are torch's (the loader shares the libgomp.so.1 torch has loaded),
 # which still spin after torch's last op; new pthreads would fight them for the cores (slower:
@@ -82,8 +84,8 @@ def _build(fold: int, head: int) -> ctypes.CDLL:
     i32, i64, ptr, f32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     for f, args in ((lib.batchgen_decode_attention, [i32] * 5 + [ptr, i64, i64, ptr, ptr, i64] + [ptr] * 5
                      + [f32, ptr, i32, i32]),
-                    (lib.batchgen_prefill_attention, [i32] * 5 + [ptr, i64, i64] + [ptr] * 10 + [f32, ptr, i32]),
-                    (lib.batchgen_supports, [i32] * 5), (lib.batchgen_amx, [])):
+                    (lib.batchgen_prefill_attention, [i32] * 5 + [ptr, i64, i64] + [ptr] * 10 + [f32, ptr, i32, i32]),
+                    (lib.batchgen_supports, [i32] * 5), (lib.batchgen_amx, []), (lib.batchgen_bf16_dots, [i32])):
         f.argtypes = args
         f.restype = i32
     return lib
@@ -162,19 +164,33 @@ def amx(dtype: torch.dtype, hq: int, hkv: int, d: int) -> bool:
     return dtype == torch.bfloat16 and supports(dtype, hq, hkv, d, d) and bool(_lib(hq // hkv, d).batchgen_amx())
 
 
+def bf16_dots(hq: int, hkv: int, d: int, fast_only: bool = True) -> bool:
+    """Whether bfloat16 prefill runs on AVX-512 BF16 dot products for this layout (`cpu_bf16.c`), not
+    widened on the float32 tile: on a CPU that has them and, with `fast_only`, runs them faster
+    than it widens (AMD since Zen 4; not the Intel Xeon measured, BENCHMARKS.md)."""
+    if not supports(torch.bfloat16, hq, hkv, d, d):
+        return False
+    return bool(_lib(hq // hkv, d).batchgen_bf16_dots(int(fast_only)))
+
+
 def prefill_attention(q: torch.Tensor, hkv: int, t0: torch.Tensor, t1: torch.Tensor, own_k: torch.Tensor,
                       own_v: torch.Tensor, own_cap: torch.Tensor, own_index: torch.Tensor, offset: torch.Tensor,
                       anc_k: torch.Tensor, anc_v: torch.Tensor, anc_len: torch.Tensor, scale: float,
-                      out: torch.Tensor) -> bool:
+                      out: torch.Tensor, dots: bool | None = None) -> bool:
     """Runs of tokens, each continuing one sequence: segment s is tokens t0[s]..t1[s] of q (T, Hq, D)
     (last dim contiguous), whose keys sit at own indices offset[s].. of row own_index[s] of its own
     buffer (data pointers own_k/own_v of contiguous [rows, Hkv, own_cap[s], D]), already written.
     Each token reads its anchor (as in `decode_attention`) and then its own keys up to its own
-    index. Writes the segments' rows of out (T, Hq, D) float32. False if the kernel could not run."""
+    index. Writes the segments' rows of out (T, Hq, D) float32. False if the kernel could not run.
+    bfloat16 runs on AVX-512 BF16 dot products where `bf16_dots` says (`dots` True: wherever the CPU
+    has them), its weights rounded to bfloat16 as PyTorch's kernels round them; else, or with
+    `dots=False`, widened to float32 on the float32 tile."""
     hq, d = q.shape[1], q.shape[2]
     assert q.stride(2) == 1 and out.is_contiguous() and out.dtype == torch.float32 and q.dtype in DTYPES
     lib = _lib_for(q, hkv)
+    if dots is None:
+        dots = lib is not None and bool(lib.batchgen_bf16_dots(1))
     return lib is not None and not lib.batchgen_prefill_attention(
         t0.numel(), hq, hkv, d, DTYPES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1),
         *_ints(t0, t1, own_k, own_v, own_cap, own_index, offset, anc_k, anc_v, anc_len), scale, out.data_ptr(),
-        torch.get_num_threads())
+        torch.get_num_threads(), int(dots))

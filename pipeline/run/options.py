@@ -45,8 +45,8 @@ class RunOptions:
 
 def run_settings(options: RunOptions, model_name: str, precision: dict[str, str]) -> dict[str, Any]:
     """What decides the outputs' content: finished work is resumed only under the same settings.
-    `precision` is the resolved device type and dtype (`auto` means float32 on a CPU and bfloat16
-    on CUDA, so resumed work must not be judged by the option). Batch sizes do not count."""
+    `precision` is the resolved device type and dtype (what `auto` means depends on the checkpoint
+    and the machine, so resumed work must not be judged by the option). Batch sizes do not count."""
     return {"model": model_name, **precision, "defaults": asdict(options.defaults),
             "prompt_template": options.prompt_template, "system": options.system, "shard": options.shard,
             "output_format": options.output_format}

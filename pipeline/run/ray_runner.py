@@ -165,7 +165,7 @@ def process_ray(inputs: Sequence[str], out_dir: str, options: RunOptions, *, add
     try:
         # where the actors run, `auto` resolves to their device: ask a task with their resources
         probe = ray.remote(num_cpus=0, num_gpus=gpus_per_worker or 0)(resolve_precision)
-        settings = run_settings(options, model_name, ray.get(probe.remote(options.device, options.dtype)))
+        settings = run_settings(options, model_name, ray.get(probe.remote(options.device, options.dtype, options.model)))
         claim(out_dir, job_set_key(job_digest(jobs), settings), settings, options.overwrite)
         done = done_orders(out_dir)
         todo = [{"order": o, "prompt": j.prompt or "", "messages": json.dumps(j.messages) if j.messages else ""}

@@ -63,7 +63,7 @@ def process(inputs: Sequence[str], output: str, options: RunOptions,
             mine = _mine(checked, options, shard)
             report_invalid = shard is None or shard[0] == 0  # rows that cannot run: shard 0 reports them
             model_name = options.model or DEFAULT_MODEL
-            settings = run_settings(options, model_name, resolve_precision(options.device, options.dtype))
+            settings = run_settings(options, model_name, resolve_precision(options.device, options.dtype, options.model))
             job_set = job_set_key(checked.digest, settings)
             key = f"{job_set}:{options.shard}"
             # refused before the model loads; checked again under the output's lock

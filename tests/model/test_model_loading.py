@@ -12,6 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, ViTConfig, ViTModel
 
 from pipeline.model import default_model as pm
+from pipeline.model import precision
 from pipeline.model.load import ModelLoadError, load_model, resolve_device, resolve_dtype
 from pipeline.errors import OptionError
 
@@ -56,14 +57,89 @@ def test_resolve_device_rejects_garbage() -> None:
 # ----------------------------------------------------------------- resolve_dtype
 
 
-def test_resolve_dtype_auto() -> None:
-    assert resolve_dtype("auto", torch.device("cpu")) is torch.float32
+def _cpu(monkeypatch: pytest.MonkeyPatch, *flags: str) -> None:
+    """A CPU with these feature flags (and the ones no rule reads)."""
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"fpu", "avx2", "avx512f", *flags}))
 
 
-@pytest.mark.parametrize("bf16, expected", [(True, torch.bfloat16), (False, torch.float16)])
-def test_resolve_dtype_auto_cuda(monkeypatch: pytest.MonkeyPatch, bf16: bool, expected: torch.dtype) -> None:
+@pytest.mark.parametrize("stored, flags, expected", [
+    ("float32", ("avx512_bf16", "amx_bf16", "avx512_fp16"), torch.float32),  # the default model's case
+    ("bfloat16", ("avx512_bf16",), torch.bfloat16),  # AMD Zen 4/5
+    ("bfloat16", ("amx_bf16",), torch.bfloat16),
+    ("bfloat16", ("avx512_fp16",), torch.float32),  # bfloat16 would be emulated
+    ("bfloat16", (), torch.float32),
+    ("float16", ("avx512_fp16",), torch.float16),
+    ("float16", ("amx_fp16",), torch.float16),
+    ("float16", ("avx512_bf16", "amx_bf16"), torch.float32),
+    ("float64", ("avx512_bf16",), torch.float32),
+    (None, ("avx512_bf16",), torch.float32),  # the checkpoint does not say
+])
+def test_resolve_dtype_auto_on_a_cpu(monkeypatch: pytest.MonkeyPatch, stored, flags, expected) -> None:
+    _cpu(monkeypatch, *flags)
+    assert resolve_dtype("auto", torch.device("cpu"), stored) is expected
+
+
+@pytest.mark.parametrize("stored, bf16, expected", [
+    ("float32", True, torch.float32), ("bfloat16", True, torch.bfloat16), ("bfloat16", False, torch.float32),
+    ("float16", False, torch.float16), (None, True, torch.float32),
+])
+def test_resolve_dtype_auto_cuda(monkeypatch: pytest.MonkeyPatch, stored, bf16: bool, expected: torch.dtype) -> None:
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
-    assert resolve_dtype("auto", torch.device("cuda")) is expected
+    assert resolve_dtype("auto", torch.device("cuda"), stored) is expected
+
+
+@pytest.mark.parametrize("stored, expected", [("float16", torch.float16), ("bfloat16", torch.float32),
+                                              ("float32", torch.float32)])
+def test_resolve_dtype_auto_mps(stored, expected: torch.dtype) -> None:
+    assert resolve_dtype("auto", torch.device("mps"), stored) is expected
+
+
+def test_this_cpus_flags_are_read() -> None:
+    """The flags the rule reads are this machine's (x86 Linux: avx2 or sse2 among them)."""
+    flags = precision.cpu_flags()
+    assert not Path("/proc/cpuinfo").is_file() or flags & {"sse2", "asimd", "fpu"}
+
+
+def test_explicit_dtype_ignores_the_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    _cpu(monkeypatch)
+    assert resolve_dtype("bfloat16", torch.device("cpu"), "float32") is torch.bfloat16
+    assert resolve_dtype("float32", torch.device("cpu"), "bfloat16") is torch.float32
+
+
+def _tensors(path: Path, dtypes: dict[str, torch.dtype]) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: torch.zeros(2, dtype=d) for k, d in dtypes.items()}, str(path))
+
+
+def test_stored_dtype_reads_config_then_headers(tmp_path: Path) -> None:
+    d = tmp_path / "m"
+    d.mkdir()
+    assert precision.stored_dtype(d) is None  # nothing says
+    _tensors(d / "model.safetensors", {"a.ids": torch.int64, "b.weight": torch.bfloat16, "c.weight": torch.float32})
+    assert precision.stored_dtype(d) == "bfloat16"  # the first floating-point tensor, as transformers reads it
+    (d / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert precision.stored_dtype(d) == "bfloat16"
+    (d / "config.json").write_text(json.dumps({"torch_dtype": "float16"}))  # older transformers' key
+    assert precision.stored_dtype(d) == "float16"
+    (d / "config.json").write_text(json.dumps({"dtype": "float32", "torch_dtype": "float16"}))
+    assert precision.stored_dtype(d) == "float32"
+    assert precision.stored_dtype(None) is None
+
+
+def test_stored_dtype_of_a_sharded_checkpoint(tmp_path: Path) -> None:
+    _tensors(tmp_path / "model-00002-of-00002.safetensors", {"x.weight": torch.float32})
+    _tensors(tmp_path / "model-00001-of-00002.safetensors", {"y.weight": torch.float16})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "x.weight": "model-00002-of-00002.safetensors", "y.weight": "model-00001-of-00002.safetensors"}}))
+    assert precision.stored_dtype(tmp_path) == "float16"
+
+
+def test_the_default_model_is_stored_in_float32() -> None:
+    """`auto` runs the embedded default model in float32 on every machine: it is stored that way."""
+    if not (pm.cache_dir() / "models" / pm._CONVERTED_NAME / pm._MARKER).is_file():
+        pytest.skip("the default model is not converted in this cache (a conversion takes minutes)")
+    assert precision.stored_dtype(pm.default_model_path()) == "float32"
 
 
 @pytest.mark.parametrize(
@@ -114,6 +190,25 @@ def test_load_model_tiny(tiny_llama_dir: Path, dtype: str, expected: torch.dtype
     with torch.no_grad():
         logits = model(torch.tensor([[1, 2, 3]])).logits
     assert logits.shape == (1, 3, 128)
+
+
+@pytest.mark.parametrize("own_decoder", [True, False])
+@pytest.mark.parametrize("flags, expected", [(("avx512_bf16",), torch.bfloat16), ((), torch.float32)])
+def test_auto_loads_a_bfloat16_checkpoint_by_the_rule(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, own_decoder,
+                                                        flags, expected) -> None:
+    """A checkpoint stored in bfloat16 loads in bfloat16 where the CPU computes it natively, else in
+    float32, on either model code; the run's resolved precision (its resume fingerprint) says the same."""
+    from pipeline.model.load import resolve_precision
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2)).to(torch.bfloat16).save_pretrained(tmp_path)
+    _cpu(monkeypatch, *flags)
+    model, _ = load_model(str(tmp_path), device="cpu", dtype="auto", own_decoder=own_decoder)
+    assert model.dtype is expected
+    want = str(expected).removeprefix("torch.")
+    assert resolve_precision("cpu", "auto", str(tmp_path)) == {"device_type": "cpu", "dtype": want}
+    assert resolve_precision("cpu", "float32", str(tmp_path))["dtype"] == "float32"
 
 
 def test_load_model_falls_back_to_eager(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

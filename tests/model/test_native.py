@@ -115,20 +115,27 @@ def _reference(q, keys, values, anchor, last):
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 16), (9, 3, 64), (8, 8, 32), (8, 1, 128), (12, 2, 80)])
-def test_prefill_kernel_equals_reference(hq, hkv, d, dtype):
+@pytest.mark.parametrize("dtype,dots", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 16), (9, 3, 64), (8, 8, 32), (8, 1, 128), (12, 2, 80), (6, 2, 48)])
+@pytest.mark.parametrize("uniform", [False, True])
+def test_prefill_kernel_equals_reference(hq, hkv, d, dtype, dots, uniform):
     """Runs of tokens: fresh suffixes in row slots (one token; 37 tokens, no anchor), a later chunk
     continuing its row's stored keys under a long anchor, and a prefix prefilled in its own buffer
-    after tokens copied from its parent; causal by own index, the rows' keys already stored."""
+    after tokens copied from its parent; causal by own index, the rows' keys already stored. `dots`:
+    bfloat16 on AVX-512 BF16 dot products (where this CPU has them), else widened to float32.
+    `uniform`: zero queries and values of whole numbers, so every weight is exactly 1 (in bfloat16
+    too) and each output the exact mean of the values it reads: a key read twice or missed shows."""
     g = torch.Generator().manual_seed(2)
     slots_k, slots_v = (torch.randn(4, hkv, 300, d, generator=g).to(dtype) for _ in range(2))
     prefix_k, prefix_v = (torch.randn(1, hkv, 120, d, generator=g).to(dtype) for _ in range(2))
     anchors = [tuple(torch.randn(1, hkv, n, d, generator=g).to(dtype) for _ in range(2)) for n in (1, 257)]
+    if uniform:
+        slots_v, prefix_v = (slots_v * 4).round(), (prefix_v * 4).round()
+        anchors = [(k, (v * 4).round()) for k, v in anchors]
     # (tokens, buffer, row, first own index, anchor)
     segments = [(1, "slots", 3, 0, 0), (37, "slots", 0, 0, None), (45, "slots", 2, 100, 1), (40, "prefix", 0, 10, None)]
     t = sum(n for n, *_ in segments)
-    q = torch.randn(hq, t + 5, d, generator=g).to(dtype)[:, 5:].transpose(0, 1)  # (T, Hq, D), strided
+    q = torch.randn(hq, t + 5, d, generator=g).to(dtype)[:, 5:].transpose(0, 1) * (0 if uniform else 1)  # (T, Hq, D), strided
     buffers = {"slots": (slots_k, slots_v), "prefix": (prefix_k, prefix_v)}
     lt = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
     starts = [sum(n for n, *_ in segments[:i]) for i in range(len(segments))]
@@ -139,11 +146,24 @@ def test_prefill_kernel_equals_reference(hq, hkv, d, dtype):
         lt([buffers[b][0].data_ptr() for _, b, *_ in segments]), lt([buffers[b][1].data_ptr() for _, b, *_ in segments]),
         lt([buffers[b][0].shape[2] for _, b, *_ in segments]), lt([r for _, _, r, *_ in segments]),
         lt([o for *_, o, _ in segments]), lt([anc(0, a) for *_, a in segments]), lt([anc(1, a) for *_, a in segments]),
-        lt([anchors[a][0].shape[2] if a is not None else 0 for *_, a in segments]), d ** -0.5, out)
+        lt([anchors[a][0].shape[2] if a is not None else 0 for *_, a in segments]), d ** -0.5, out, dots=dots)
     want = torch.stack([_reference(q[start + i], buffers[b][0][r : r + 1], buffers[b][1][r : r + 1],
                                    anchors[a] if a is not None else None, offset + i)
                         for start, (n, b, r, offset, a) in zip(starts, segments) for i in range(n)])
-    assert torch.allclose(out, want, atol=2e-6, rtol=1e-5), (out - want).abs().max()
+    atol = 2e-6
+    if dots and not uniform and native.bf16_dots(hq, hkv, d, fast_only=False):
+        # each weight rounded to bfloat16 (8 bits: within 2^-9 of itself), their sum not: an output
+        # moves by at most 2^-9 of the largest value it reads
+        atol += 2.0 ** -9 * max(x[1].abs().max().item() for x in (*buffers.values(), *anchors))
+    assert torch.allclose(out, want, atol=atol, rtol=1e-5), (out - want).abs().max()
+
+
+def test_bf16_dots_where_the_cpu_runs_them_fast():
+    """The AVX-512 BF16 prefill tile is built where the CPU has AVX-512 BF16, and runs by default on
+    AMD's (the Intel Xeon measured widens faster)."""
+    has = native.supports(torch.bfloat16, 9, 3, 64, 64) and "avx512_bf16" in native._cpu_key().split()
+    assert native.bf16_dots(9, 3, 64, fast_only=False) == has
+    assert native.bf16_dots(9, 3, 64) == (has and "AuthenticAMD" in open("/proc/cpuinfo").read())
 
 
 @needs_kernel
@@ -239,6 +259,33 @@ def test_engine_on_the_anchor_kernels(dtype, monkeypatch):
     assert equal >= len(outs["matmul"]) * 2 // 3
     if dtype == torch.float32 or not native.amx(dtype, 4, 2, 32):  # the same float32 sums, in another order
         assert outs["matmul"] == outs["tiles"]
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "llama_head32"])
+@pytest.mark.parametrize("dots", [True, False])
+def test_engine_bfloat16_prefill_on_each_path(arch, dots, monkeypatch):
+    """bfloat16 prefill on AVX-512 BF16 dot products (where this CPU has them) and widened to
+    float32, each forced: greedy output equals plain generate in bfloat16, or parts from it exactly
+    where the reference's own logits are tied."""
+    from tests.engine.test_engine import _bf16_tie
+
+    tok = tokenizer()
+    model = make_model(arch, dtype=torch.bfloat16)
+    reqs = edge_case_requests(tok, max_new_tokens=6)
+    real, segments = native.prefill_attention, []
+    monkeypatch.setattr(native, "prefill_attention",
+                        lambda *a, **kw: segments.append(a[2].numel()) or real(*a, dots=dots))
+    engine = Engine(model, eos_token_ids=[2], min_shared_tokens=4, max_batch_tokens=250)
+    got = {(c.key, c.sample_index): c.token_ids for c in engine.run(reqs)}
+    assert len(segments) > 2 and max(segments) > 1 and engine.stats.cascade_batches > 0  # the engine's calls
+    equal = 0
+    for r in reqs:
+        want = reference_generate(model, r, [2])
+        for s in range(r.params.n):
+            equal += got[(r.key, s)] == want
+            assert got[(r.key, s)] == want or _bf16_tie(model, r.prompt_ids, want, got[(r.key, s)]), r.key
+    assert equal >= len(got) * 2 // 3
 
 
 @needs_kernel

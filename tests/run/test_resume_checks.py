@@ -123,19 +123,44 @@ def test_resume_compares_the_resolved_dtype_not_the_option(tmp_path, model_dir, 
     with pytest.raises(Interrupted):
         process([str(jobs_file)], out, options(model_dir, dtype="float32"), progress=interrupt_after(4))
     first = parts()
-    # `auto` on this CPU is float32: the same precision, so the work resumes
+    # `auto` for this float32 checkpoint is float32: the same precision, so the work resumes
     with pytest.raises(Interrupted):
         process([str(jobs_file)], out, options(model_dir, dtype="auto"), progress=interrupt_after(4))
     assert parts() > first
-    # `auto` on a CUDA machine is bfloat16: finished float32 work must not be mixed in
+    # where `auto` resolves to bfloat16 (a bfloat16 checkpoint where it runs natively), finished
+    # float32 work must not be mixed in
     real = pipeline.model.load.resolve_dtype
     monkeypatch.setattr(pipeline.model.load, "resolve_dtype",
-                        lambda d, dev: torch.bfloat16 if d == "auto" else real(d, dev))
+                        lambda d, dev, *a: torch.bfloat16 if d == "auto" else real(d, dev, *a))
     with pytest.raises(JobError, match="other jobs, options or model"):
         process([str(jobs_file)], out, options(model_dir, dtype="auto"))
     monkeypatch.setattr(pipeline.model.load, "resolve_dtype", real)
     summary = process([str(jobs_file)], out, options(model_dir, dtype="auto"))
     assert summary["resumed_jobs"] == 7 and summary["dtype"] == "float32" and summary["device_type"] == "cpu"
+
+
+def test_resume_of_a_bfloat16_checkpoint_follows_the_machine(tmp_path, jobs_file, monkeypatch):
+    """`auto` on a bfloat16 checkpoint is bfloat16 on a CPU with AVX-512 BF16 and float32 on one
+    without: work finished on the one is not mixed into a run on the other, and resumes on its own."""
+    import torch
+
+    from pipeline.model import precision
+    from tests.helpers.tiny_models import make_model
+    from tests.helpers.tiny_tokenizer import make_tokenizer
+
+    model_dir = tmp_path / "bf16-llama"
+    make_model("llama", dtype=torch.bfloat16).save_pretrained(model_dir)
+    make_tokenizer().save_pretrained(model_dir)
+    out = str(tmp_path / "out.parquet")
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    with pytest.raises(Interrupted):
+        process([str(jobs_file)], out, options(model_dir), progress=interrupt_after(4))
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx512f"}))
+    with pytest.raises(JobError, match="other jobs, options or model"):
+        process([str(jobs_file)], out, options(model_dir))
+    monkeypatch.setattr(precision, "cpu_flags", lambda: frozenset({"avx512f", "amx_bf16"}))
+    summary = process([str(jobs_file)], out, options(model_dir))
+    assert summary["resumed_jobs"] > 0 and summary["dtype"] == "bfloat16"
 
 
 # --- 13: the summary of a resumed run equals an uninterrupted run's -----------------------------

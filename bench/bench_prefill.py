@@ -1,0 +1,80 @@
+"""Prefill attention's tile (`pipeline.model.native.prefill_attention`), one layer, by dtype and path:
+  float32       the float32 tile
+  bf16-widened  bfloat16 widened to float32 on the float32 tile (what CPUs without AVX-512 BF16 run)
+  bf16-dots     bfloat16 on AVX-512 BF16 dot products (`cpu_bf16.c`; where `native.bf16_dots` says)
+Suffixes of 30-400 tokens over anchors of 400 (the engine's shape on a few-shot file), SmolLM2-135M's
+heads (9 query heads, 3 key heads of 64). FLOPs: 4 x head size per (query head, key) pair a token
+reads (its anchor and its own keys up to itself). Systems take turns in one process, since this
+machine is shared and its speed drifts; medians, GFLOP/s, and each system's ratio to float32.
+
+    python -m bench.bench_prefill --turns 21 --threads 1
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from bench.bench_attention import cpu_model
+from pipeline.model import native
+
+SYSTEMS = ("float32", "bf16-widened", "bf16-dots")
+
+
+def case(dtype: torch.dtype, hq: int, hkv: int, d: int, suffixes: int, anchor: int, seed: int = 0):
+    """The call's arguments and its FLOPs: `suffixes` rows of 30-400 tokens in row slots, each over
+    one of four anchors of `anchor` keys."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(30, 401, (suffixes,), generator=g).tolist()
+    cap = max(lengths)
+    own_k, own_v = (torch.randn(suffixes, hkv, cap, d, generator=g).to(dtype) for _ in range(2))
+    anchors = [tuple(torch.randn(1, hkv, anchor, d, generator=g).to(dtype) for _ in range(2)) for _ in range(4)]
+    t = sum(lengths)
+    q = torch.randn(t, hq, d, generator=g).to(dtype)
+    starts = [sum(lengths[:i]) for i in range(suffixes)]
+    lt = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+    args = (q, hkv, lt(starts), lt([s + n for s, n in zip(starts, lengths)]), lt([own_k.data_ptr()] * suffixes),
+            lt([own_v.data_ptr()] * suffixes), lt([cap] * suffixes), lt(list(range(suffixes))), lt([0] * suffixes),
+            lt([anchors[i % 4][0].data_ptr() for i in range(suffixes)]),
+            lt([anchors[i % 4][1].data_ptr() for i in range(suffixes)]), lt([anchor] * suffixes), d ** -0.5,
+            torch.empty(t, hq, d))
+    flops = sum(4 * d * hq * (anchor + i + 1) for n in lengths for i in range(n))
+    return args, flops, (own_k, own_v, anchors)  # the buffers too: args holds only their addresses
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--turns", type=int, default=21)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--suffixes", type=int, default=16)
+    p.add_argument("--anchor", type=int, default=400)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    hq, hkv, d = 9, 3, 64
+    cases = {"float32": case(torch.float32, hq, hkv, d, a.suffixes, a.anchor),
+             "bf16": case(torch.bfloat16, hq, hkv, d, a.suffixes, a.anchor)}
+    calls = {"float32": lambda: native.prefill_attention(*cases["float32"][0]),
+             "bf16-widened": lambda: native.prefill_attention(*cases["bf16"][0], dots=False),
+             "bf16-dots": lambda: native.prefill_attention(*cases["bf16"][0], dots=True)}
+    times = {s: [] for s in SYSTEMS}
+    for s in SYSTEMS:
+        assert calls[s]()  # built and warm
+    for _ in range(a.turns):
+        for s in SYSTEMS:
+            t0 = time.perf_counter()
+            calls[s]()
+            times[s].append(time.perf_counter() - t0)
+    print(f"{cpu_model()}; {a.threads} thread(s); bf16 dot products: {native.bf16_dots(hq, hkv, d)}; "
+          f"{a.suffixes} suffixes over anchors of {a.anchor}; {a.turns} turns")
+    base = statistics.median(times["float32"])
+    for s in SYSTEMS:
+        m = statistics.median(times[s])
+        flops = cases["float32" if s == "float32" else "bf16"][1]
+        print(f"{s:13s} {m * 1e3:8.2f} ms  {flops / m / 1e9:7.1f} GFLOP/s  float32 / this {base / m:5.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
