@@ -98,6 +98,17 @@ def job_files(name: str, args, work: Path) -> tuple[Path, Path]:
     return jobs, peer_jobs
 
 
+def result_line(system: str, stdout: str) -> dict:
+    """A runner's JSON line: its last stdout line that is one (vLLM's engine logs to stdout after it)."""
+    for text in reversed(stdout.splitlines()):
+        if text.startswith("{"):
+            try:
+                return json.loads(text)
+            except json.JSONDecodeError:
+                continue
+    raise RuntimeError(f"{system} printed no result line; its stdout ends:\n{stdout[-1500:]}")
+
+
 def run_once(system: str, jobs: Path, out: Path, args, result: Result, samples: bool, turn: int = 0) -> None:
     """One timed run of `system`, its phases added to `result` (and its outputs kept, the last run's)."""
     times = out.with_suffix(".times.json")
@@ -120,7 +131,7 @@ def run_once(system: str, jobs: Path, out: Path, args, result: Result, samples: 
         rows = pq.read_table(out, columns=["id", "sample_index", "completion"]).to_pylist()
         result.completions = {f"{r['id']}/{r['sample_index']}" if samples else r["id"]: r["completion"] for r in rows}
     else:
-        line = json.loads(proc.stdout.strip().splitlines()[-1])
+        line = result_line(system, proc.stdout)
         ready_at, done_at = line["ready_at"], line["done_at"]
         result.version = str(line.get("version", ""))
         result.info = {"completion_tokens": line.get("completion_tokens")}
