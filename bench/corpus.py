@@ -4,7 +4,8 @@ from them in the shapes real jobs have:
 
 - fewshot: MMLU-style 5-shot multiple choice. Per subject, a header of five answered questions
   (about 400 tokens) shared by every question of the subject; each question 30-400 tokens,
-  log-uniform (most are short, some are long), with four options.
+  log-uniform (most are short, some are long), with four options. Up to 16 subjects (the 1,000-job
+  file: 16 x 64).
 - system_prompt: a ~500-token system prompt per group, each followed by user requests of 20-120
   tokens.
 - samples: decode-heavy, 16 samples ("n") of each of 8 questions under a ~1,600-token 8-shot
@@ -32,7 +33,8 @@ MODULES = ("collections", "json", "argparse", "logging", "email", "http.client",
            "mailbox", "mimetypes", "doctest", "pdb", "timeit", "trace", "sys", "os", "time", "select", "signal",
            "ast", "tokenize", "importlib", "traceback", "warnings", "builtins")
 SUBJECTS = ("file systems", "networking", "concurrency", "text processing", "numeric computing", "data formats",
-            "testing", "interpreter internals")
+            "testing", "interpreter internals", "security", "databases", "web protocols", "packaging", "debugging",
+            "serialization", "dates and times", "email handling")  # a subject's name is in its jobs' ids: 16 distinct
 CHARS_PER_TOKEN = 4.2  # SmolLM2's tokenizer on this text
 
 
