@@ -6,7 +6,8 @@ after the other, `--turns` times, so that both meet the same load on a shared ma
 phase it reports the wall time, the time in the compiled kernels, and the wall time over the phase's
 two floors as `bench_profile` defines them (weight-matmul FLOPs at the linear rate for each forward's
 own number of rows, plus attention FLOPs at the 2,048-row linear rate), both floors measured once in
-the same process; medians over turns.
+the same process; medians over turns. With 1 thread every time is the thread's CPU time (wall time
+on a loaded machine measures the load), the floors' rates too.
 
     python -m bench.bench_kernel_turns --workload samples --old HEAD~1 --turns 3 --threads 1
 """
@@ -54,6 +55,7 @@ def main() -> int:
     p.add_argument("--turns", type=int, default=3)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.threads == 1 else time.perf_counter
     from transformers import AutoTokenizer
 
     from bench import corpus
@@ -79,17 +81,17 @@ def main() -> int:
 
     def decode(q, own_k, own_v, slot, own_len, anc_k, anc_v, anc_len, scale, out, **kw):
         timer["gflop"] += 4 * q.shape[1] * (int(own_len.sum()) + int(anc_len[anc_k != 0].sum())) * q.shape[2] / 1e9
-        t = time.perf_counter()
+        t = clock()
         ok = real_decode(q, own_k, own_v, slot, own_len, anc_k, anc_v, anc_len, scale, out, **kw)
-        timer["kernel"] += time.perf_counter() - t
+        timer["kernel"] += clock() - t
         return ok
 
     def prefill(q, hkv, t0, t1, own_k, own_v, own_cap, own_index, offset, anc_k, anc_v, anc_len, scale, out):
         n, before = t1 - t0, offset + anc_len * (anc_k != 0)
         timer["gflop"] += 4 * q.shape[1] * int((n * before + n * (n + 1) // 2).sum()) * q.shape[2] / 1e9
-        t = time.perf_counter()
+        t = clock()
         ok = real_prefill(q, hkv, t0, t1, own_k, own_v, own_cap, own_index, offset, anc_k, anc_v, anc_len, scale, out)
-        timer["kernel"] += time.perf_counter() - t
+        timer["kernel"] += clock() - t
         return ok
 
     native.decode_attention, native.prefill_attention = decode, prefill
@@ -107,10 +109,10 @@ def main() -> int:
             def forward(step, keep, real_forward=real_forward, phases=phases, name=name, turn=turn):
                 phase = "prefill" if step.n_dec == 0 else ("decode" if step.n_dec == step.tokens else "mixed")
                 timer["kernel"] = timer["gflop"] = 0.0
-                t = time.perf_counter()
+                t = clock()
                 out = real_forward(step, keep)
                 ph = phases[phase]
-                ph["wall"] += time.perf_counter() - t
+                ph["wall"] += clock() - t
                 ph["kernel"] += timer["kernel"]
                 ph["gflop"] += timer["gflop"]
                 if turn == 1 and name == "new":
@@ -125,11 +127,12 @@ def main() -> int:
     native._libs[(fold, head)] = libs["new"]
     native.decode_attention, native.prefill_attention = real_decode, real_prefill
     needed = {bucket(m) for forwards in floors.values() for m, _ in forwards} | {2048}
-    rates = {m: linear_rate(model.dtype if hasattr(model, "dtype") else torch.float32, m, model) for m in sorted(needed)}
+    rates = {m: linear_rate(model.dtype, m, model, clock) for m in sorted(needed)}
     print(f"{cpu_model()}, {args.workload}, {args.dtype}, {args.threads} threads, {args.turns} turns, "
-          f"old = {args.old}; linear rate {rates[2048]:.0f} GFLOP/s at 2,048 rows; medians\n")
-    print("| phase | build | wall s | kernel s | attention GFLOP/s | matmul floor s | attention floor s "
-          "| wall / both floors |")
+          f"old = {args.old}, {'CPU' if args.threads == 1 else 'wall'} time; linear rate {rates[2048]:.0f} GFLOP/s at 2,048 rows; medians\n")
+    kind = "CPU" if args.threads == 1 else "wall"
+    print(f"| phase | build | {kind} s | kernel s | attention GFLOP/s | matmul floor s | attention floor s "
+          f"| {kind} / both floors |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for phase, forwards in floors.items():
         floor = sum(f / rates[bucket(m)] for m, f in forwards) / 1e9
