@@ -141,6 +141,11 @@ static void block_item(const void *arg, int w, void *scratch) {
         vf top[3] = {b->m[0], b->m[1], b->m[2]};
         for (int jb = 0; jb < n; jb += nk) {
             const void *k = keys + (c0 + jb) * D * es;
+            /* while this tile's scores compute: the next chunk's keys and this chunk's values, a
+             * tile's worth each */
+            int64_t ahead = c0 + KC + jb, mine = c0 + jb;
+            prefetch_rows(keys, ahead < j1 ? ahead : j1, ahead + nk < j1 ? ahead + nk : j1, D * es);
+            prefetch_rows(values, mine, mine + nk < j1 ? mine + nk : j1, D * es);
             if (n - jb < nk) { /* the slice's last keys: padded, so that every tile has its keys */
                 memset(b->k, 0, sizeof b->k);
                 memcpy(b->k, k, (size_t)(n - jb) * D * es);

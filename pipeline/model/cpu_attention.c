@@ -80,6 +80,14 @@ static inline __attribute__((always_inline)) vf exp_neg(vf x) {
     return (vf)_mm512_maskz_scalef_ps(~tiny, (__m512)y, (__m512)n);
 }
 
+/* Rows [from, to) of `row` bytes each into L2, ahead of their use: an anchor or a row's own keys
+ * stream from memory once per step, and the hardware prefetchers stop at each 4 KB page, so a
+ * kernel that reads them only as it needs them waits on memory (BENCHMARKS.md). */
+static inline __attribute__((always_inline)) void prefetch_rows(const char *base, int64_t from, int64_t to,
+                                                                int64_t row) {
+    for (int64_t i = from * row; i < to * row; i += 64) _mm_prefetch(base + i, _MM_HINT_T1);
+}
+
 /* One parallel pass: `item` over work items 0..items-1, shared out as threads come for them; each
  * thread has `scratch` bytes of its own. */
 typedef struct {
@@ -262,23 +270,59 @@ static void anchor_item(const void *arg, int w, void *scratch) {
 #include "cpu_anchors.c" /* block_item, amx_item: phase A as matrix products */
 #include "cpu_bf16.c"    /* the prefill tile in bfloat16 on AVX-512 BF16 dot products */
 
+/* The 16 lane sums of v[0..15], in one vector: a tree of shuffles and adds (15 adds for 16 sums,
+ * where a horizontal sum per vector takes 4). Lane l holds the sum of v[SUMS16[l]] (pairs swapped:
+ * storing key j's vector at v[SUMS16[j]] puts its sum at lane j). */
+static const int SUMS16[W] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+
+static inline __attribute__((always_inline)) vf sums16(const vf *v) {
+    vf w[8], z[4], u[2];
+    for (int a = 0; a < 8; a++) /* 256-bit halves: key a's in the low half, key a + 8's in the high */
+        w[a] = (vf)_mm512_shuffle_f32x4((__m512)v[a], (__m512)v[a + 8], 0x44)
+               + (vf)_mm512_shuffle_f32x4((__m512)v[a], (__m512)v[a + 8], 0xee);
+    for (int a = 0; a < 4; a++) /* 128-bit quarters */
+        z[a] = (vf)_mm512_shuffle_f32x4((__m512)w[a], (__m512)w[a + 4], 0x88)
+               + (vf)_mm512_shuffle_f32x4((__m512)w[a], (__m512)w[a + 4], 0xdd);
+    for (int a = 0; a < 2; a++) /* pairs of lanes */
+        u[a] = (vf)_mm512_shuffle_ps((__m512)z[a], (__m512)z[a + 2], 0x44)
+               + (vf)_mm512_shuffle_ps((__m512)z[a], (__m512)z[a + 2], 0xee);
+    return (vf)_mm512_shuffle_ps((__m512)u[0], (__m512)u[1], 0x88) + (vf)_mm512_shuffle_ps((__m512)u[0], (__m512)u[1], 0xdd);
+}
+
 static void own_item(const void *arg, int w, void *scratch) {
     const Decode *job = arg;
     float *s = scratch;
     int t = w / job->hkv, h = w % job->hkv, bf16 = job->bf16;
-    vf qv[G][D / W], o[G][D / W];
+    vf qv[G][D / W], o[G][D / W], part[G][W];
     for (int g = 0; g < G; g++)
         for (int c = 0; c < D / W; c++)
             qv[g][c] = ld(job->q, t * job->q_tok + (int64_t)(h * G + g) * job->q_head + W * c, bf16) * job->scale;
     int64_t lo = job->own_len[t], base = (job->slot[t] * job->hkv + h) * job->cap * D;
-    for (int64_t j = 0; j < lo; j++) {
-        vf k[D / W];
-        for (int c = 0; c < D / W; c++) k[c] = ld(job->own_k, base + j * D + W * c, bf16);
-        for (int g = 0; g < G; g++) {
-            vf acc = qv[g][0] * k[0];
-            for (int c = 1; c < D / W; c++) acc += qv[g][c] * k[c];
-            s[g * job->stride + j] = _mm512_reduce_add_ps((__m512)acc);
+    /* the next item's keys and values on their way to L2 while this one's scores compute, 16 rows
+     * a block (each row's own keys stream from memory every step; all at once, they held up this
+     * item's own reads) */
+    int more = w + 1 < job->n * job->hkv, es = bf16 ? 2 : 4;
+    int64_t next = more ? job->own_len[(w + 1) / job->hkv] : 0;
+    const char *nk = (const char *)job->own_k, *nv = (const char *)job->own_v;
+    if (more) {
+        int64_t at = (job->slot[(w + 1) / job->hkv] * job->hkv + (w + 1) % job->hkv) * job->cap * D * es;
+        nk += at, nv += at;
+    }
+    for (int64_t j0 = 0; j0 < lo; j0 += W) { /* 16 keys at a time, each query head's products lane-summed at once */
+        int64_t upto = j0 + W < lo && j0 + W < next ? j0 + W : next; /* the last block: the rest */
+        prefetch_rows(nk, j0, upto, D * es);
+        prefetch_rows(nv, j0, upto, D * es);
+        for (int j = 0; j < W; j++) {
+            int64_t at = base + (j0 + j < lo ? j0 + j : j0) * D; /* past the end: a real key, masked below */
+            vf k[D / W];
+            for (int c = 0; c < D / W; c++) k[c] = ld(job->own_k, at + W * c, bf16);
+            for (int g = 0; g < G; g++) {
+                vf acc = qv[g][0] * k[0];
+                for (int c = 1; c < D / W; c++) acc += qv[g][c] * k[c];
+                part[g][SUMS16[j]] = acc;
+            }
         }
+        for (int g = 0; g < G; g++) st(s + g * job->stride + j0, sums16(part[g]));
     }
     int64_t padded = (lo + W - 1) / W * W;
     float m[G], sum[G];

@@ -100,6 +100,34 @@ def test_anchor_kernels_over_many_rows(hq, hkv, d, dtype, anchors):
         torch.set_num_threads(before)
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 1, 128), (8, 8, 16)])
+def test_own_keys_of_every_length(hq, hkv, d, dtype):
+    """Rows with 1 to 40 own keys (every tail of the own part's blocks of 16 keys), each next to
+    rows both longer and shorter (the kernel prefetches the next row's keys), idle slots between
+    them, half with an anchor. Uniform queries first (each output the exact mean of the values it
+    reads: a key read twice, missed or read past the row's end shows), then random ones."""
+    g = torch.Generator().manual_seed(5)
+    lengths = [1 + (7 * i) % 40 for i in range(40)]
+    cap, slots = 48, 2 * len(lengths)
+    own_k, own_v = (torch.randn(slots, hkv, cap, d, generator=g).to(dtype) for _ in range(2))
+    own_v = own_v.round()
+    anchor = tuple(torch.randn(1, hkv, 50, d, generator=g).to(dtype).round() for _ in range(2))
+    slot = torch.arange(0, slots, 2)[torch.randperm(len(lengths), generator=g)]  # every other slot idle
+    with_anchor = [i % 2 == 0 for i in range(len(lengths))]
+    args = (slot, torch.tensor(lengths), torch.tensor([anchor[0].data_ptr() * a for a in with_anchor]),
+            torch.tensor([anchor[1].data_ptr() * a for a in with_anchor]), torch.tensor([50 * a for a in with_anchor]))
+    for uniform in (True, False):
+        q = torch.randn(len(lengths), hq, d, generator=g).to(dtype) * (0 if uniform else 1)
+        want = torch.stack([_reference(q[i], own_k[s : s + 1], own_v[s : s + 1], anchor if a else None, n - 1)
+                            for i, (s, n, a) in enumerate(zip(slot.tolist(), lengths, with_anchor))])
+        out = torch.full((len(lengths), hq, d), float("nan"))
+        assert native.decode_attention(q, own_k, own_v, *args, d ** -0.5, out)
+        tol = {"atol": 2e-6, "rtol": 1e-5} if uniform else _tolerance(dtype, hq, hkv, d, "matmul")
+        assert torch.allclose(out, want, **tol), (uniform, (out - want).abs().max())
+
+
 def test_amx_is_bfloat16_only():
     assert not native.amx(torch.float32, 9, 3, 64)
     assert not native.amx(torch.bfloat16, 6, 2, 48)  # tiles of 32 elements: head sizes of multiples of 32
