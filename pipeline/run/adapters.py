@@ -128,8 +128,18 @@ class Adapters:
         return self._found[where]
 
     def digests(self) -> dict[str, str]:
-        """Each usable adapter's content digest by its directory: what resumed work must match."""
-        return {info.path: info.digest for info in self.infos}
+        """Each label jobs ran with, with its adapter's content digest: what resumed work must match
+        (the jobs' digest holds each job's label; a label that now names other weights, or a
+        checkpoint retrained in place, is other work)."""
+        return {label: self.infos[i - 1].digest for label, i in self._of_label.items() if isinstance(i, int) and i}
+
+    def labels(self) -> dict[int, str | None]:
+        """Each index with the first label that named it (what `batchgen plan` reports; 0: None)."""
+        out: dict[int, str | None] = {0: None}
+        for label, i in self._of_label.items():
+            if isinstance(i, int):
+                out.setdefault(i, label)
+        return out
 
     def used(self, labels: Iterable[str | None]) -> "Adapters":
         """A copy that knows only these labels' adapters, indexed 1.. in their order (a Ray worker's)."""

@@ -51,7 +51,7 @@ def run_settings(options: RunOptions, model_name: str, precision: dict[str, str]
     """What decides the outputs' content: finished work is resumed only under the same settings.
     `precision` is the resolved device type and dtype (`auto` means float32 on a CPU and bfloat16
     on CUDA, so resumed work must not be judged by the option). Batch sizes do not count.
-    `adapters`: each adapter the jobs use, by directory, with its content digest (a retrained
+    `adapters`: each adapter label the jobs use, with its adapter's content digest (a retrained
     checkpoint in the same place is another adapter); the jobs' digest holds which job runs which."""
     settings = {"model": model_name, **precision, "defaults": asdict(options.defaults),
                 "prompt_template": options.prompt_template, "system": options.system, "shard": options.shard,
