@@ -201,3 +201,73 @@ def test_resume_with_adapters_and_a_changed_adapter_refuses_it(tmp_path, model_d
     make_adapter(make_model("llama"), mine, rank=8, targets=KINDS[1][2], seed=99)
     refused = run(["process", str(src), "-o", str(tmp_path / "k.parquet"), *args], model_dir, ok=False)
     assert refused.exit_code == 1 and "--overwrite" in refused.output, refused.output
+
+
+def _rows_of(path):
+    return pq.read_table(path).to_pylist()
+
+
+def test_shards_keep_adapter_groups_whole_and_merge_to_the_unsharded_output(tmp_path, model_dir, adapters):
+    rows = [{"id": f"{who}-{i}", "prompt": SHARED + f"Item {i}?", **({"adapter": who} if who else {})}
+            for who in (None, "r1", "r8") for i in range(3)]
+    src = write_jsonl(tmp_path / "jobs.jsonl", rows)
+    args = ["--max-new-tokens", "4", "--min-shared-tokens", "4", "--adapter", f"r1={adapters['r1']}",
+            "--adapter", f"r8={adapters['r8']}"]
+    whole = tmp_path / "whole.parquet"
+    run(["process", str(src), "-o", str(whole), *args], model_dir)
+    shards = [tmp_path / f"s{i}.parquet" for i in range(3)]
+    for i, out in enumerate(shards):
+        run(["process", str(src), "-o", str(out), "--shard", f"{i}/3", *args], model_dir)
+    # a prefix group per adapter: each shard holds one adapter's jobs whole
+    held = [{r["adapter"] for r in _rows_of(s)} for s in shards]
+    assert sorted(len(h) for h in held) == [1, 1, 1] and set().union(*held) == {None, "r1", "r8"}
+    merged_out = tmp_path / "merged.parquet"
+    from click.testing import CliRunner
+
+    from pipeline.cli import main
+
+    result = CliRunner().invoke(main, ["merge", *map(str, shards), "-o", str(merged_out)])
+    assert result.exit_code == 0, result.output
+    assert _rows_of(merged_out) == _rows_of(whole)
+    summary = json.loads((tmp_path / "merged.parquet.summary.json").read_text())
+    assert summary["adapter_jobs"] == {"": 3, "r1": 3, "r8": 3}
+
+
+def test_structured_output_with_an_adapter_is_the_merged_models(model_dir, adapters, references):
+    """A constrained job on an adapter chooses what the same job on the merged model chooses."""
+    import batchgen
+
+    jobs = [{"id": i, "prompt": SHARED + q, "choice": ["yes", "no", "maybe"], "adapter": "r64"}
+            for i, q in enumerate(["Is rain wet?", "Is fire cold?", "Is snow white?"])]
+    engine = batchgen.Engine.load(str(model_dir), dtype="float32")
+    got = engine.generate(jobs, adapters={"r64": adapters["r64"]}, max_new_tokens=8, min_shared_tokens=4)
+    plain = batchgen.Engine(references["r64"], make_tokenizer())
+    want = plain.generate([{k: v for k, v in j.items() if k != "adapter"} for j in jobs], max_new_tokens=8,
+                          min_shared_tokens=4)
+    assert [r["completion"] for r in got] == [r["completion"] for r in want]
+    assert all(r["completion"] in ("yes", "no", "maybe") and r["adapter"] == "r64" for r in got)
+
+
+@pytest.mark.slow
+def test_ray_engine_with_adapters_equals_the_local_engine(tmp_path, model_dir, adapters):
+    pytest.importorskip("ray")
+    rows = [{"id": f"{who}-{i}", "prompt": SHARED + f"Item {i}?", **({"adapter": who} if who else {})}
+            for who in (None, "r1", "rs") for i in range(3)]
+    src = write_jsonl(tmp_path / "jobs.jsonl", rows)
+    args = ["--max-new-tokens", "4", "--min-shared-tokens", "4", "--adapter", f"r1={adapters['r1']}",
+            "--adapter", f"rs={adapters['rs']}"]
+    local = tmp_path / "local.parquet"
+    run(["process", str(src), "-o", str(local), *args], model_dir)
+    out_dir = tmp_path / "ray_out"
+    run(["process", str(src), "-o", str(out_dir), "--engine", "ray", "--workers", "1", *args], model_dir)
+    import pyarrow as pa
+
+    parts = pa.concat_tables([pq.read_table(p) for p in sorted(out_dir.glob("part-*.parquet"))])
+    ray_rows = sorted(parts.to_pylist(), key=lambda r: (r["_batchgen_order"], r["sample_index"]))
+    for r in ray_rows:
+        del r["_batchgen_order"]
+    assert ray_rows == _rows_of(local)
+    ray_summary = json.loads((out_dir / "summary.json").read_text())
+    local_summary = json.loads((tmp_path / "local.parquet.summary.json").read_text())
+    assert ray_summary["prefill_tokens"] == local_summary["prefill_tokens"]
+    assert ray_summary["adapter_jobs"] == local_summary["adapter_jobs"] == {"": 3, "r1": 3, "rs": 3}
