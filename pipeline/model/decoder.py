@@ -31,7 +31,8 @@ from pipeline.model import attention
 
 from pipeline.model import kernels
 
-from pipeline.model import rope
+from pipeline.model import lora, rope
+from pipeline.model.adapter_files import AdapterInfo
 from pipeline.model.decoder_config import FLOAT_DTYPES, DecoderConfig, header
 from pipeline.model.forward import eos_list
 from pipeline.model.kv import LayerShape
@@ -81,6 +82,7 @@ class Decoder:
         self.lm_head = kernels.linear(head)
         self.layers = [self._layer(weights, f"model.layers.{i}.") for i in range(c.num_hidden_layers)]
         self._cos = self._sin = torch.empty(0, self.d, dtype=dtype, device=device)
+        self.adapters: lora.Adapters | None = None  # `set_adapters`
         if device.type == "cpu":
             kernels.keep_freed_memory()  # activations reuse memory instead of faulting in fresh pages
 
@@ -100,6 +102,11 @@ class Decoder:
     def layer_shapes(self) -> list[LayerShape]:
         return [LayerShape(self.hkv, self.d, self.d)] * self.config.num_hidden_layers
 
+    def set_adapters(self, infos: list[AdapterInfo]) -> None:
+        """Load these LoRA adapters as indices 1..len(infos) (`Decode.adapter`, `Segment.adapter`),
+        replacing any set before; index 0 is the base model."""
+        self.adapters = lora.Adapters(infos, self.config, lora.DECODER_GROUPS, self.device, self.dtype)
+
     def forward(self, step: Step, keep: list[int] | torch.Tensor) -> torch.Tensor:
         """The step's flat tokens through every layer; logits (N, V) at the token indices `keep`."""
         keep = torch.as_tensor(keep, dtype=torch.long, device=self.device)
@@ -108,8 +115,15 @@ class Decoder:
         cos, sin = self._rope(pos)  # (T, 1, D) each; sin with the first half negated
         windows = self.config.layer_windows
         x = F.embedding(ids, self.embed)  # (T, H)
+        ad = step.lora  # per adapter present, its tokens: every projection adds their updates
+        if ad:
+            lora.check(self.adapters, ad)
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(self._norm(x, layer.input_norm)).view(t, hq + 2 * hkv, d)
+            h = self._norm(x, layer.input_norm)
+            qkv = layer.qkv(h)  # (T, (Hq + 2 Hkv) D)
+            if ad:
+                self.adapters.apply(i, "qkv", h, qkv, ad)
+            qkv = qkv.view(t, hq + 2 * hkv, d)
             q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]  # (T, H*, D) views
             if layer.q_norm is not None:
                 q, k = self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)
@@ -119,9 +133,22 @@ class Decoder:
                 q, k = qk[:, :hq], qk[:, hq:]
             out = attention.attend(step, i, q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                    self.scale, windows[i])  # (T, Hq, D) float32
-            x = x + layer.o(out.to(self.dtype).view(t, hq * d))
+            out = out.to(self.dtype).view(t, hq * d)
+            o = layer.o(out)  # (T, H)
+            if ad:
+                self.adapters.apply(i, "o", out, o, ad)
+            x = x + o
             h = self._norm(x, layer.post_norm)
-            x = x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
+            if not ad:
+                x = x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
+                continue
+            gate, up = layer.gate(h), layer.up(h)  # (T, I) each
+            self.adapters.apply(i, "gate", h, gate, ad)
+            self.adapters.apply(i, "up", h, up, ad)
+            mid = F.silu(gate) * up
+            down = layer.down(mid)  # (T, H)
+            self.adapters.apply(i, "down", mid, down, ad)
+            x = x + down
         if not keep.numel():  # a prefix being prefilled: no logits wanted
             return x.new_empty(0, self.config.vocab_size, dtype=torch.float32)
         x = self._norm(x.index_select(0, keep), self.norm)  # (N, H): the norm is per token

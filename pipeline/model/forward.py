@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import torch
 
 from pipeline.errors import BatchgenError
+from pipeline.model.adapter_files import AdapterInfo
 from pipeline.model.kv import LayerShape
 from pipeline.model.step import Step
 
@@ -36,6 +37,12 @@ class Forward(Protocol):
 
     def forward(self, step: Step, keep: list[int] | torch.Tensor) -> torch.Tensor:
         """The step's flat tokens through the model: float32 logits (len(keep), V) at the token indices `keep`."""
+        ...
+
+    def set_adapters(self, infos: list[AdapterInfo]) -> None:
+        """Load these LoRA adapters (`pipeline.model.adapter_files.inspect_adapter`) as indices
+        1..len(infos), which a step's `Decode.adapter` / `Segment.adapter` name; 0 is the base
+        model. Raises `AdapterError` for an adapter this model cannot apply."""
         ...
 
 

@@ -10,12 +10,13 @@ buffers (`pipeline.model.kv`), written by that attention function.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from pipeline.model import attention, kernels
+from pipeline.model import attention, kernels, lora
+from pipeline.model.adapter_files import AdapterError, AdapterInfo
 from pipeline.model.forward import EngineError, Forward, eos_list
 from pipeline.model.kv import LayerShape
 from pipeline.model.step import Step
@@ -45,16 +46,56 @@ class HFModel:
         self.linears = kernels.fast_linears(model)
         if self.device.type == "cpu":
             kernels.keep_freed_memory()  # activations reuse memory instead of faulting in fresh pages
+        self.adapters: lora.Adapters | None = None  # `set_adapters`
+        self._targets: list[tuple[int, str, torch.nn.Module]] = []  # (layer, projection, its module)
 
     def layer_shapes(self) -> list[LayerShape]:
         return layer_shapes(self.model)
 
+    def set_adapters(self, infos: list[AdapterInfo]) -> None:
+        """Load these LoRA adapters as indices 1..len(infos) (`Decode.adapter`, `Segment.adapter`),
+        replacing any set before; index 0 is the base model. The model's modules stay as they are:
+        only forwards whose step has adapter tokens hook their projections (`_lora_hooks`)."""
+        adapters = lora.Adapters(infos, self.config, lora.SINGLE_GROUPS, self.device, self.dtype)
+        targets = []
+        for layer, groups in enumerate(adapters.updates):
+            for proj, updates in groups.items():
+                users = [infos[a - 1].path for a, u in enumerate(updates) if u is not None]
+                if users:
+                    name = f"model.layers.{layer}.{'self_attn' if proj[0] in 'qkvo' else 'mlp'}.{proj}"
+                    try:
+                        targets.append((layer, proj, self.model.get_submodule(name)))
+                    except AttributeError as e:
+                        raise AdapterError(f"adapter {users[0]}: the model {type(self.model).__name__} has no "
+                                           f"module {name}") from e
+        self.adapters, self._targets = adapters, targets
+
     def forward(self, step: Step, keep: list[int] | torch.Tensor) -> torch.Tensor:
         index = torch.as_tensor(keep, dtype=torch.long, device=self.device)
-        with selected(self.model), kernels.linears_on_onednn(self.linears):
+        with selected(self.model), kernels.linears_on_onednn(self.linears), self._lora_hooks(step.lora):
             out = self.model(input_ids=step.input_ids, position_ids=step.positions, use_cache=False,
                              logits_to_keep=index, **{KWARG: step})
         return out.logits[0].float()
+
+    @contextmanager
+    def _lora_hooks(self, ad: lora.Lora) -> Iterator[None]:
+        """For one forward with adapter tokens, each adapted projection adds the updates to its
+        output (T flat tokens: transformers' batch of one); a forward without them hooks nothing."""
+        if not ad:
+            yield
+            return
+        lora.check(self.adapters, ad)
+
+        def hook(layer: int, proj: str):
+            def add(module, args, y):  # x (1, T, in), y (1, T, out)
+                x = args[0]
+                self.adapters.apply(layer, proj, x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1]), ad)
+            return add
+
+        with ExitStack() as hooks:
+            for layer, proj, module in self._targets:
+                hooks.callback(module.register_forward_hook(hook(layer, proj)).remove)
+            yield
 
 
 def as_forward(model: Any) -> Forward:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeline.model.kv import PrefixKV, RowKV, pointers
+from pipeline.model.lora import Lora, token_groups
 
 DECODE_RUN = 16  # decoding slots per own-part call: each call reads only as far as its longest row
 PAD_WASTE = 1.5  # a padded call of fresh suffixes may do this much more work than their own
@@ -38,6 +39,7 @@ class Segment:
     offset: int
     base: int  # position of own token 0: the anchor's length
     anchor: PrefixKV | None = None
+    adapter: int = 0  # the LoRA adapter its tokens run through (`Forward.set_adapters`); 0: the base model
 
 
 @dataclass
@@ -47,6 +49,7 @@ class Decode:
     slot: int
     base: int
     anchor: PrefixKV | None = None
+    adapter: int = 0
 
 
 @dataclass
@@ -145,6 +148,9 @@ class Step:
     batches: list[Batch]  # the fresh suffixes
     groups: list[Group]
     native: Native | None = None  # for the compiled kernels, on a CPU
+    # per LoRA adapter present (index > 0), its tokens' indices (`pipeline.model.lora`); empty when
+    # every token runs the base model, and then the forward does no adapter work at all
+    lora: Lora = field(default_factory=list)
     kernel_layers: list[int] = field(default_factory=lambda: [0, 0])  # layers through the compiled kernels, PyTorch's
     _masks: dict = field(default_factory=dict)
 
@@ -270,6 +276,10 @@ def build(decode: list[Decode], decode_ids: list[int], segments: list[tuple[Segm
         groups.append(Group(prefix, slice(index[0], index[0] + len(index)) if run else index_t.to(device),
                             positions[index_t]))
     everything = store_tokens == list(range(len(ids)))
+    lora = []
+    if any(d.adapter for d in decode) or any(s.adapter for s in every):
+        lora = token_groups([(d.adapter, [t]) for t, d in enumerate(decode)]
+                            + [(s.adapter, range(s.t0, s.t1)) for s in every], device)
     return Step(
         input_ids=torch.tensor([ids], dtype=torch.long, device=device),
         positions=positions[None].to(device),
@@ -289,6 +299,7 @@ def build(decode: list[Decode], decode_ids: list[int], segments: list[tuple[Segm
         groups=groups,
         native=_native(decode, store_at[: len(decode)], every, len(kv.k if kv is not None else every[0].k))
         if device.type == "cpu" else None,
+        lora=lora,
     )
 
 
@@ -354,4 +365,7 @@ class StaticDecode:
             input_ids=self.ids[:, :size], positions=self.positions[:, :size], kv=self.kv, n_dec=size,
             dec_slots=self.slots[:size], contiguous=True, hi=size, dec_runs=[(0, size, self.kv.capacity)],
             dec_lens=self.lens[:size], store_tokens=slice(None), store_slots=self.slots[:size],
-            store_at=self.at[:size], segments=[], continuing=[], batches=[], groups=groups)
+            store_at=self.at[:size], segments=[], continuing=[], batches=[], groups=groups,
+            # a slot's token index is the slot; idle slots run the base model
+            lora=token_groups(sorted((d.adapter, [d.slot]) for d in decode if d.adapter), device)
+            if any(d.adapter for d in decode) else [])

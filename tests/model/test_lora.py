@@ -1,0 +1,220 @@
+"""LoRA adapters in a forward (pipeline/model/lora.py) on both model codes, batchgen's decoder and
+transformers' model code: steps that mix the base model's tokens and several adapters' (decode
+tokens, fresh suffixes, a continued chunk, a prefix and a row anchored on it) give, per row, the
+logits of peft's merged model (`merge_and_unload`) for that row's adapter, over its whole sequence,
+uncached, in float32."""
+import pytest
+import torch
+
+from pipeline.model.adapter_files import AdapterError, inspect_adapter
+from pipeline.model.hf import HFModel
+from pipeline.model.kv import PrefixKV, RowKV
+from pipeline.model.step import Decode, Segment, StaticDecode, build
+from tests.helpers.tiny_adapters import make_adapter, merged
+from tests.helpers.tiny_models import make_decoder
+
+CPU = torch.device("cpu")
+ARCHS = ["llama", "qwen2", "mistral"]  # mistral: a sliding window of 12, which the sequences cross
+# (rank, targets, alpha, rslora, more LoraConfig): every projection in some adapter, ranks 1, 8, 64
+ADAPTERS = [
+    (1, ("q_proj", "v_proj"), 4, False, {}),
+    (8, ("k_proj", "o_proj", "gate_proj", "down_proj"), 8, True, {}),
+    (64, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), 32, False, {}),
+    (8, ("v_proj", "up_proj"), 16, False, {"layers_to_transform": [1]}),  # one layer of two
+]
+
+
+class Setup:
+    def __init__(self, arch, directory):
+        self.model, self.decoder = make_decoder(arch, directory / "base")
+        self.hf = HFModel(make_decoder(arch, directory / "base2")[0])  # the same weights (seed 0), its own copy
+        self.paths = [make_adapter(self.model, directory / f"a{i}", rank=r, targets=t, alpha=alpha, rslora=rs,
+                                   seed=i + 1, **more) for i, (r, t, alpha, rs, more) in enumerate(ADAPTERS)]
+        self.infos = [inspect_adapter(p, self.model.config) for p in self.paths]
+        self.references = [self.model] + [merged(self.model, p) for p in self.paths]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def setup(request, tmp_path_factory):
+    return Setup(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def _ids(n, seed):
+    return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def mixed_steps(forward, adapters=(0, 1, 2, 3, 4, 1, 2), static=False):
+    """Three steps on `forward`, rows of these adapters; returns per row (adapter, its whole sequence,
+    {position: logits}) for every position any step computed logits at.
+    1: each row but the last two prefills its prompt (a suffix of its slot), and a prefix of the
+       last adapter's fills its own buffer; 2: those rows decode a token, the last row but one
+       continues the prefix (anchored on it), the last prefills; 3: every row decodes
+       (through `StaticDecode` where `static`)."""
+    shapes = forward.layer_shapes()
+    kv = RowKV(shapes, 8, 64, torch.float32, CPU)
+    rows = [{"adapter": a, "ids": _ids(9 + 3 * i, i), "slot": kv.take(1)[0], "base": 0, "anchor": None,
+             "logits": {}} for i, a in enumerate(adapters)]
+    first, anchored, last = rows[:-2], rows[-2], rows[-1]
+    prefix_ids = _ids(14, 99)
+    prefix = PrefixKV(shapes, len(prefix_ids), torch.float32, CPU)
+    anchored.update(base=len(prefix_ids), anchor=prefix, full=prefix_ids)
+
+    def run(decode, segments, owners, use_static=False):
+        step = StaticDecode(kv, CPU).build(decode, [r["ids"][-1] for r in owners]) if use_static else \
+            build(decode, [r["ids"][-1] for r in owners[: len(decode)]], segments, kv, CPU)
+        with torch.inference_mode():
+            logits = forward.forward(step, torch.arange(step.tokens))
+        return step, logits
+
+    segs = [(Segment(0, 0, kv.k, kv.v, r["slot"], 0, 0, adapter=r["adapter"]), r["ids"]) for r in first]
+    segs.append((Segment(0, 0, prefix.k, prefix.v, 0, 0, 0, adapter=anchored["adapter"]), prefix_ids))
+    step, logits = run([], segs, [])
+    for r, (seg, _) in zip(first, segs):
+        r["logits"].update({p: logits[seg.t0 + p] for p in range(len(r["ids"]))})
+        kv.advance(r["slot"], len(r["ids"]))
+    for r in first:
+        r["ids"].append(_ids(1, r["slot"] + 50)[0])
+    segs = [(Segment(0, 0, kv.k, kv.v, r["slot"], 0, r["base"], r["anchor"], r["adapter"]), r["ids"])
+            for r in (anchored, last)]
+    step, logits = run([Decode(r["slot"], 0, None, r["adapter"]) for r in first], segs, first)
+    for t, r in enumerate(first):
+        r["logits"][len(r["ids"]) - 1] = logits[t]
+        kv.advance(r["slot"])
+    for r, (seg, ids) in zip((anchored, last), segs):
+        r["logits"].update({r["base"] + p: logits[seg.t0 + p] for p in range(len(ids))})
+        kv.advance(r["slot"], len(ids))
+    for r in rows:
+        r["ids"].append(_ids(1, r["slot"] + 70)[0])
+    decode = [Decode(r["slot"], r["base"], r["anchor"], r["adapter"]) for r in rows]
+    step, logits = run(decode, [], rows, use_static=static)
+    for r in rows:
+        r["logits"][r["base"] + len(r["ids"]) - 1] = logits[r["slot"]]  # static: token i is slot i's
+    return [(r["adapter"], (r.get("full") or []) + r["ids"], r["logits"]) for r in rows]
+
+
+def _compare(setup, results, atol=1e-4):
+    worst = 0.0
+    for adapter, ids, logits in results:
+        with torch.inference_mode():
+            want = setup.references[adapter](torch.tensor([ids])).logits[0]
+        for p, got in logits.items():
+            worst = max(worst, float((got - want[p]).abs().max()))
+    assert worst < atol, worst
+    return worst
+
+
+@pytest.mark.parametrize("code", ["decoder", "hf"])
+def test_mixed_steps_equal_peft_merged_models(setup, code):
+    forward = setup.decoder if code == "decoder" else setup.hf
+    forward.set_adapters(setup.infos)
+    _compare(setup, mixed_steps(forward))
+    _compare(setup, mixed_steps(forward, static=True))
+
+
+def test_every_adapter_changes_the_logits(setup):
+    """What makes the comparisons above able to fail: each adapter's merged model is far from the
+    base model's on the same sequence."""
+    ids = torch.tensor([_ids(30, 5)])
+    with torch.inference_mode():
+        base = setup.model(ids).logits
+        for m in setup.references[1:]:
+            assert (m(ids).logits - base).abs().max() > 0.05
+
+
+@pytest.mark.parametrize("code", ["decoder", "hf"])
+@pytest.mark.parametrize("factor", [1.02, 0.98])
+def test_a_wrong_scaling_breaks_the_comparison(setup, code, factor):
+    forward = setup.decoder if code == "decoder" else setup.hf
+    forward.set_adapters(setup.infos)
+    for groups in forward.adapters.updates:
+        for updates in groups.values():
+            for u in updates[1:]:
+                if u is not None:
+                    u.scaling *= factor
+    with pytest.raises(AssertionError):
+        _compare(setup, mixed_steps(forward))
+
+
+@pytest.mark.parametrize("code", ["decoder", "hf"])
+def test_a_base_only_step_is_bit_identical_with_adapters_set(setup, code, tmp_path):
+    """Adapters set change nothing for the base model's tokens: the same logits, bit for bit."""
+    arch = type(setup.model).__name__
+    model, decoder = make_decoder({"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                                   "MistralForCausalLM": "mistral"}[arch], tmp_path)
+    forward = decoder if code == "decoder" else HFModel(model)
+    before = mixed_steps(forward, adapters=(0,) * 7)
+    forward.set_adapters(setup.infos)
+    after = mixed_steps(forward, adapters=(0,) * 7)
+    for (_, ids_a, la), (_, ids_b, lb) in zip(before, after):
+        assert ids_a == ids_b and la.keys() == lb.keys()
+        assert all(torch.equal(la[p], lb[p]) for p in la)
+
+
+def test_step_lora_groups_tokens_by_adapter():
+    """Per adapter present, its token indices: a slice where they are consecutive, none for base tokens."""
+    from pipeline.model.kv import LayerShape
+
+    kv = RowKV([LayerShape(1, 4, 4)], 4, 8, torch.float32, CPU)
+    decode = [Decode(0, 0, adapter=2), Decode(1, 0), Decode(2, 0, adapter=2)]
+    segs = [(Segment(0, 0, kv.k, kv.v, 3, 0, 0, adapter=1), [5, 6, 7])]
+    step = build(decode, [1, 1, 1], segs, kv, CPU)
+    assert step.lora[0] == (1, slice(3, 6)) and step.lora[1][0] == 2 and step.lora[1][1].tolist() == [0, 2]
+    assert build([Decode(0, 0)], [1], [], kv, CPU).lora == []
+    static = StaticDecode(kv, CPU).build([Decode(1, 0, adapter=1), Decode(0, 0)], [1, 1])
+    assert static.lora == [(1, slice(1, 2))]
+
+
+@pytest.mark.parametrize("code", ["decoder", "hf"])
+def test_an_adapter_index_it_was_not_given(setup, code):
+    forward = setup.decoder if code == "decoder" else setup.hf
+    forward.set_adapters(setup.infos[:1])
+    with pytest.raises(AdapterError, match="a token runs adapter 2, but the model was given 1 adapters"):
+        mixed_steps(forward, adapters=(0, 1, 2, 0, 0, 0, 0))
+
+
+def test_files_changed_since_they_were_checked(setup, tmp_path):
+    info = setup.infos[0]
+    path = setup.paths[0] / "adapter_config.json"
+    text = path.read_text()
+    try:
+        path.write_text(text.replace('"lora_alpha": 4', '"lora_alpha": 5'))
+        with pytest.raises(AdapterError, match="its files changed since they were checked"):
+            setup.decoder.set_adapters([info])
+    finally:
+        path.write_text(text)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", ["all", "slice", "index"])
+def test_one_projection_computes_as_peft_does(setup, dtype, rows):
+    """In the model's dtype as peft computes it (`peft.tuners.lora.Linear.forward`, its loader
+    keeping a bfloat16 model's adapter in float32): every row through the adapter gives peft's
+    output bit for bit; a run of rows or scattered rows get it to the rounding of GEMMs over fewer
+    rows, and the other rows keep the base output."""
+    import copy
+
+    from peft import PeftModel
+
+    from pipeline.model import lora
+
+    base = copy.deepcopy(setup.model).to(dtype)
+    peft_model = PeftModel.from_pretrained(copy.deepcopy(base), str(setup.paths[2])).eval()
+    adapters = lora.Adapters([setup.infos[2]], base.config, lora.SINGLE_GROUPS, CPU, dtype)
+    idx = {"all": slice(0, 7), "slice": slice(2, 6), "index": torch.tensor([0, 2, 3, 6])}[rows]
+    chosen = torch.zeros(7, dtype=torch.bool)
+    chosen[idx] = True
+    for proj, part in (("q_proj", "self_attn"), ("v_proj", "self_attn"), ("o_proj", "self_attn"),
+                       ("up_proj", "mlp"), ("down_proj", "mlp")):
+        module = peft_model.get_submodule(f"base_model.model.model.layers.1.{part}.{proj}")
+        x = torch.randn(7, module.in_features, generator=torch.Generator().manual_seed(3)).to(dtype)
+        with torch.inference_mode():
+            want = module(x)  # (7, out): every row through the adapter
+            y = module.base_layer(x)
+            adapters.apply(1, proj, x, y, [(1, idx)])
+            assert y.dtype == dtype and not torch.equal(want, module.base_layer(x))
+        if rows == "all":
+            assert torch.equal(y, want), proj
+        else:
+            tol = 1e-5 if dtype == torch.float32 else 2e-2  # bfloat16: an ulp of the output
+            assert torch.allclose(y[chosen], want[chosen], rtol=tol, atol=tol), proj
+            assert torch.equal(y[~chosen], module.base_layer(x)[~chosen])
