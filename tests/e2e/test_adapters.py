@@ -171,6 +171,7 @@ def test_the_python_api_takes_adapters(model_dir, adapters, references):
     assert "is neither a registered adapter name" in bad[0]["error"]
 
 
+@pytest.mark.slow  # subprocesses, one killed
 def test_resume_with_adapters_and_a_changed_adapter_refuses_it(tmp_path, model_dir, adapters):
     """A run killed after its first commit resumes to the uninterrupted output; an adapter whose
     weights changed in place makes the finished work another run's (refused without --overwrite)."""
