@@ -287,8 +287,8 @@ def plan(inputs, model, trust_remote_code, adapters, dataset, split, prompt_temp
 def validate(inputs, model, trust_remote_code, adapters, dataset, split, prompt_template, system, output_format,
              engine, **gen):
     """Check every job in INPUTS exactly as `process` does before it generates (rows, carried
-    columns, tokenization and the model's context window; the tokenizer and config only, no
-    weights) and report every problem with its file:line. Pass the --output-format and --engine
+    columns, tokenization and the model's context window, LoRA adapters; the tokenizer, the
+    config and the adapters' headers only, no weights) and report every problem with its file:line. Pass the --output-format and --engine
     that `process` will run with: they refuse jobs of their own (a scoring job under openai or ray)."""
     from pipeline.run.preflight import check_inputs
     from pipeline.run.options import RunOptions
