@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Sequence
 
 from jobs import InvalidRow, Job
 from jobs.errors import OptionError, option
@@ -64,9 +64,10 @@ class Adapters:
     _of_label: dict[str, int | str] = field(default_factory=dict)  # label -> index, or why it cannot run
 
     @classmethod
-    def of(cls, specs: Sequence[str] | Mapping[str, str], base: Any) -> "Adapters":
-        """From `--adapter` values (or the API's {name: path}); a bad default fails here, as an option."""
-        names, default = (dict(specs), None) if isinstance(specs, Mapping) else parse_specs(specs)
+    def of(cls, specs: Sequence[str], base: Any) -> "Adapters":
+        """From `--adapter` values (the API's {name: path} as NAME=PATH); a bad default fails here,
+        as a bad option."""
+        names, default = parse_specs(specs)
         out = cls(base, names, default)
         if default is not None:
             found = out.index(default)
@@ -139,11 +140,4 @@ class Adapters:
         for label, i in self._of_label.items():
             if isinstance(i, int):
                 out.setdefault(i, label)
-        return out
-
-    def used(self, labels: Iterable[str | None]) -> "Adapters":
-        """A copy that knows only these labels' adapters, indexed 1.. in their order (a Ray worker's)."""
-        out = Adapters(self.base, dict(self.names), self.default)
-        for label in labels:
-            out.index(label)
         return out
