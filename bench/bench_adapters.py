@@ -8,7 +8,10 @@ system-prompt workload (`bench/corpus.py`) for every adapter. Systems, each as t
 
   one-run       one `batchgen process` of all jobs, an `adapter` column and `--adapter NAME=PATH` x 8
   merged-runs   8 `batchgen process` runs, one per merged copy, each of its adapter's jobs
-  base          one `batchgen process` of all jobs on the base model (no adapter)
+  base          one `batchgen process` of all jobs on the base model (no adapter): the 8 copies of each
+                job are the same prompt, so they share everything
+  base-distinct the same, each copy's prompts made its own (a first line naming the copy): the
+                sharing of one-run (each copy shares only within itself), without adapters
 
 Wall time counts everything (imports, load, tokenization, generation, writing). Systems take turns
 (A B C, B C A, ...) `--turns` times; the table gives each system's median. The outputs of one-run
@@ -44,12 +47,13 @@ def prepare(work: Path, adapters: int, jobs: int, max_new_tokens: int, rank: int
     base = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     names = [f"a{i}" for i in range(adapters)]
     rows = system_prompt(groups=max(1, jobs // 8), jobs=8, max_new_tokens=max_new_tokens)[:jobs]
-    files = {"all": work / "all.jsonl", "base": work / "base.jsonl"}
-    with open(files["all"], "w") as a, open(files["base"], "w") as b:
+    files = {"all": work / "all.jsonl", "base": work / "base.jsonl", "distinct": work / "distinct.jsonl"}
+    with open(files["all"], "w") as a, open(files["base"], "w") as b, open(files["distinct"], "w") as c:
         for name in names:
             for r in rows:
                 a.write(json.dumps({**r, "id": f"{name}/{r['id']}", "adapter": name}) + "\n")
                 b.write(json.dumps({**r, "id": f"{name}/{r['id']}"}) + "\n")
+                c.write(json.dumps({**r, "id": f"{name}/{r['id']}", "prompt": f"Copy {name}.\n{r['prompt']}"}) + "\n")
     for i, name in enumerate(names):
         d = work / name
         if not (d / "adapter_model.safetensors").exists():
@@ -81,8 +85,9 @@ def run_system(system: str, work: Path, setup: dict, args) -> tuple[float, dict[
     if system == "one-run":
         flags = [f for n in names for f in ("--adapter", f"{n}={work / n}")]
         cmds = [(_batchgen(files["all"], work / "one.parquet", args, *flags), work / "one.parquet")]
-    elif system == "base":
-        cmds = [(_batchgen(files["base"], work / "base.parquet", args), work / "base.parquet")]
+    elif system in ("base", "base-distinct"):
+        out = work / f"{system}.parquet"
+        cmds = [(_batchgen(files["base" if system == "base" else "distinct"], out, args), out)]
     else:
         cmds = [(_batchgen(files[n], work / f"m-{n}.parquet", args, "--model", str(work / f"merged-{n}")),
                  work / f"m-{n}.parquet") for n in names]
@@ -111,11 +116,11 @@ def main() -> None:
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-adapters-"))
     work.mkdir(parents=True, exist_ok=True)
     setup = prepare(work, args.adapters, args.jobs, args.max_new_tokens, args.rank)
-    systems = ["one-run", "merged-runs", "base"]
+    systems = ["one-run", "merged-runs", "base", "base-distinct"]
     walls: dict[str, list[float]] = {s: [] for s in systems}
     outputs: dict[str, dict[str, str]] = {}
     for turn in range(args.turns):
-        for s in systems[turn % 3:] + systems[: turn % 3]:
+        for s in systems[turn % len(systems):] + systems[: turn % len(systems)]:
             wall, outputs[s] = run_system(s, work, setup, args)
             walls[s].append(wall)
             print(f"turn {turn + 1}: {s:<12} {wall:7.1f} s", file=sys.stderr)
@@ -126,7 +131,8 @@ def main() -> None:
     for s in systems:
         print(f"  {s:<12} {median[s]:7.1f} s   ({', '.join(f'{w:.1f}' for w in walls[s])})")
     print(f"  merged-runs / one-run: {median['merged-runs'] / median['one-run']:.2f}x   "
-          f"one-run / base: {median['one-run'] / median['base']:.2f}x")
+          f"one-run / base: {median['one-run'] / median['base']:.2f}x   "
+          f"one-run / base-distinct: {median['one-run'] / median['base-distinct']:.2f}x")
     print(f"  one-run equals merged-runs on {same} of {len(outputs['one-run'])} jobs")
 
 
