@@ -115,13 +115,12 @@ class Decoder:
         cos, sin = self._rope(pos)  # (T, 1, D) each; sin with the first half negated
         windows = self.config.layer_windows
         x = F.embedding(ids, self.embed)  # (T, H)
-        ad = step.lora  # per adapter present, its tokens: every projection adds their updates
-        if ad:
-            lora.check(self.adapters, ad)
+        # per adapter present, its tokens: every projection adds their updates (None: no adapter work)
+        ad = self.adapters.plan(lora.check(self.adapters, step.lora)) if step.lora else None
         for i, layer in enumerate(self.layers):
             h = self._norm(x, layer.input_norm)
             qkv = layer.qkv(h)  # (T, (Hq + 2 Hkv) D)
-            if ad:
+            if ad is not None:
                 self.adapters.apply(i, "qkv", h, qkv, ad)
             qkv = qkv.view(t, hq + 2 * hkv, d)
             q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]  # (T, H*, D) views
@@ -135,11 +134,11 @@ class Decoder:
                                    self.scale, windows[i])  # (T, Hq, D) float32
             out = out.to(self.dtype).view(t, hq * d)
             o = layer.o(out)  # (T, H)
-            if ad:
+            if ad is not None:
                 self.adapters.apply(i, "o", out, o, ad)
             x = x + o
             h = self._norm(x, layer.post_norm)
-            if not ad:
+            if ad is None:
                 x = x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
                 continue
             gate, up = layer.gate(h), layer.up(h)  # (T, I) each

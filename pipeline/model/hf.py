@@ -58,16 +58,15 @@ class HFModel:
         only forwards whose step has adapter tokens hook their projections (`_lora_hooks`)."""
         adapters = lora.Adapters(infos, self.config, lora.SINGLE_GROUPS, self.device, self.dtype)
         targets = []
-        for layer, groups in enumerate(adapters.updates):
-            for proj, updates in groups.items():
-                users = [infos[a - 1].path for a, u in enumerate(updates) if u is not None]
-                if users:
+        for layer, groups in enumerate(adapters.stacks):
+            for proj, stack in groups.items():
+                if stack is not None:
                     name = f"model.layers.{layer}.{'self_attn' if proj[0] in 'qkvo' else 'mlp'}.{proj}"
                     try:
                         targets.append((layer, proj, self.model.get_submodule(name)))
                     except AttributeError as e:
-                        raise AdapterError(f"adapter {users[0]}: the model {type(self.model).__name__} has no "
-                                           f"module {name}") from e
+                        raise AdapterError(f"adapter {infos[stack.users[0] - 1].path}: the model "
+                                           f"{type(self.model).__name__} has no module {name}") from e
         self.adapters, self._targets = adapters, targets
 
     def forward(self, step: Step, keep: list[int] | torch.Tensor) -> torch.Tensor:
@@ -84,12 +83,12 @@ class HFModel:
         if not ad:
             yield
             return
-        lora.check(self.adapters, ad)
+        plan = self.adapters.plan(lora.check(self.adapters, ad))
 
         def hook(layer: int, proj: str):
             def add(module, args, y):  # x (1, T, in), y (1, T, out)
                 x = args[0]
-                self.adapters.apply(layer, proj, x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1]), ad)
+                self.adapters.apply(layer, proj, x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1]), plan)
             return add
 
         with ExitStack() as hooks:
