@@ -10,6 +10,7 @@ file are written as the CLI writes them (for resumable runs, use the CLI).
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any, Callable, TypeVar
 
 import pyarrow as pa
@@ -23,7 +24,7 @@ from jobs.columns import CREATED, ORDER
 
 # keyword options besides the generation parameters (jobs/params.py: PARAMS, CONSTRAINTS, aliases)
 RUN_OPTIONS = ("prompt_template", "system", "min_shared_tokens", "max_batch_tokens", "output_format", "overwrite",
-               "on_error")
+               "on_error", "adapters")
 LOAD_OPTIONS = ("device", "dtype", "trust_remote_code", "threads")
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -50,8 +51,10 @@ def generate(jobs: Any, model: str | None = None, *, output: str | None = None, 
     (max_new_tokens, temperature, top_p, top_k, seed, stop, n, repetition_penalty,
     presence_penalty, frequency_penalty, min_tokens, logit_bias, stop_token_ids, logprobs,
     top_logprobs, prompt_logprobs, json_schema, regex, choice, response_format), run options (prompt_template, system, min_shared_tokens,
-    max_batch_tokens, output_format, overwrite, on_error) and loading options (device, dtype,
+    max_batch_tokens, output_format, overwrite, on_error, adapters) and loading options (device, dtype,
     trust_remote_code, threads). `output`: also write the results and errors file there.
+    `adapters`: {name: PEFT LoRA adapter directory}; a job's `adapter` field names one (or gives
+    a directory), an OpenAI request's `body.model` may name one; jobs without run the base model.
     """
     load = {k: options.pop(k) for k in LOAD_OPTIONS if k in options}
     return Engine.load(model, **load).generate(jobs, output=output, progress=progress, **options)
@@ -91,15 +94,20 @@ class Engine:
         from pipeline.run.preflight import check_output
         from pipeline.run.runner import fingerprint, write_results
 
+        from pipeline.run.adapters import Adapters
+
         opts = run_options(options)
         source = source_of(jobs)
         if output is not None:  # a bad path, or one that is an input, fails before any work, as in the CLI
             check_output(output, opts.output_format, opts.overwrite, source.paths or ())
-        checked = tokenized(*self._read(source, opts), self.tokenizer, self.model.config, opts)
+        adapters = Adapters.of(opts.adapters, self.model.config)
+        checked = tokenized(*self._read(source, opts, adapters), self.tokenizer, self.model.config, opts, adapters)
         if opts.on_error == "fail" and checked.invalid:
             listing = "\n".join(str(v) for v in list(checked.invalid.values())[:50])
             raise JobError(f"{len(checked.invalid)} job(s) cannot run (on_error='fail'); nothing was generated:\n"
                            f"{listing}")
+        if adapters.infos:  # the adapters this call's jobs use (index i + 1: infos[i])
+            self.model.set_adapters(adapters.infos)
         rows, errors = self._run(checked, opts, progress)
         if output is not None:
             write_results(output, opts.output_format, checked.schema, [dict(r) for r in rows],
@@ -108,19 +116,19 @@ class Engine:
         schema = pa.schema([f for f in checked.schema if f.name != CREATED])
         return results_as(source, _in_order(rows, errors, checked, schema), schema)
 
-    def _read(self, source: Source, opts: Any) -> tuple[dict[int, Job], dict[int, InvalidRow], pa.Schema]:
+    def _read(self, source: Source, opts: Any, adapters: Any) -> tuple[dict[int, Job], dict[int, InvalidRow], pa.Schema]:
         from jobs.readers import jobs_of_records
         from pipeline.run.inmemory import checked_rows
         from pipeline.run.inputrows import read_checked
 
         if source.kind == "files":
-            return read_checked(source.paths, opts)
+            return read_checked(source.paths, opts, adapters)
         jobs: dict[int, Job] = {}
         invalid: dict[int, InvalidRow] = {}
         for order, item in enumerate(jobs_of_records(source.records, opts.defaults, opts.prompt_template,
                                                      opts.system)):
             (jobs if isinstance(item, Job) else invalid)[order] = item
-        return checked_rows(jobs, invalid, source.hint, opts)
+        return checked_rows(jobs, invalid, source.hint, opts, adapters)
 
     def _run(self, checked: Any, opts: Any, progress: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """Result rows and error rows, each with its input position, as the CLI's runner makes them."""
@@ -159,7 +167,25 @@ def run_options(options: dict[str, Any]) -> Any:
     given = {k: params[k] for k in PARAMS if k in params}
     given.setdefault("seed", 0)  # the CLI's --seed default: the same jobs give the same samples
     defaults = GenerationDefaults(**given, constraint=rule)
-    return RunOptions(defaults=defaults, **{k: options[k] for k in RUN_OPTIONS if k in options})
+    run = {k: options[k] for k in RUN_OPTIONS if k in options}
+    if "adapters" in run:
+        run["adapters"] = _adapter_specs(run["adapters"])
+    return RunOptions(defaults=defaults, **run)
+
+
+def _adapter_specs(adapters: Any) -> tuple[str, ...]:
+    """`adapters={"name": path}` as the CLI's `--adapter NAME=PATH` values."""
+    from jobs.errors import OptionError
+
+    if not isinstance(adapters, dict):
+        raise OptionError("adapters", f"must be a dict of name -> adapter directory, got {type(adapters).__name__}")
+    for name, path in adapters.items():
+        if not isinstance(name, str) or not name or any(c in name for c in "=/\\ "):
+            raise OptionError("adapters", f"has the name {name!r}: a name is a non-empty string without "
+                                          "'=', '/' or spaces")
+        if not isinstance(path, (str, os.PathLike)) or not str(path):
+            raise OptionError("adapters", f"gives {name!r} no directory (got {path!r})")
+    return tuple(f"{name}={os.fspath(path)}" for name, path in adapters.items())
 
 
 def _is_param(name: str) -> bool:

@@ -27,7 +27,8 @@ RESULT_FIELDS: tuple[pa.Field, ...] = (
 RESULT_COLUMNS = ("id",) + tuple(f.name for f in RESULT_FIELDS)
 # Columns only an output whose jobs ask for them has (null in the rows of the other jobs), by the
 # output they hold: the element of an OpenAI list prompt (its rows share the request's id),
-# generated tokens' logprobs, prompt tokens' logprobs, continuation scores.
+# generated tokens' logprobs, prompt tokens' logprobs, continuation scores, the LoRA adapter a job
+# ran with (its name or path; null: the base model).
 _TOKEN = [pa.field("token", pa.string()), pa.field("id", pa.int64()), pa.field("logprob", pa.float64())]
 OUTPUT_FIELDS: dict[str, tuple[pa.Field, ...]] = {
     "prompt_index": (pa.field("prompt_index", pa.int32()),),
@@ -36,6 +37,7 @@ OUTPUT_FIELDS: dict[str, tuple[pa.Field, ...]] = {
     "scores": (pa.field("scores", pa.list_(pa.struct([
         pa.field("continuation", pa.string()), pa.field("logprob", pa.float64()), pa.field("tokens", pa.int64()),
         pa.field("is_greedy", pa.bool_())]))), pa.field("best_continuation", pa.string())),
+    "adapter": (pa.field("adapter", pa.string()),),
 }
 OUTPUT_COLUMNS = tuple(f.name for fields in OUTPUT_FIELDS.values() for f in fields)
 ORDER = "_batchgen_order"  # a row's position in the input (the runner's parts and the shard outputs carry it)

@@ -64,7 +64,7 @@ UNSUPPORTED: dict[str, str] = {
     "guided_grammar": _GRAMMAR, "guided_decoding_backend": "batchgen uses llguidance",
     "guided_whitespace_pattern": "JSON is compact", "structured_outputs": _GRAMMAR,
     "guided_json_object": 'use response_format {"type": "json_object"}',
-    "lora_request": "no adapters", "lora": "no adapters: merge it into the model", "lora_name": "no adapters",
+    "lora_request": "use the field adapter", "lora": "use the field adapter", "lora_name": "use the field adapter",
     "priority": "batchgen orders by shared prefix", "detokenize": "not supported",
     # transformers
     "do_sample": "temperature 0 is greedy, above 0 samples", "num_beams": "batchgen samples, no beams",

@@ -25,7 +25,7 @@ COMPLETIONS_ENDPOINT = "/v1/completions"
 OPENAI_ENDPOINTS = (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT)
 
 # Keys that Job.from_row consumes (with every name in params.RESERVED); the rest go to `extra`.
-JOB_KEYS = ("id", "prompt", "messages", "continuations") + PARAMS
+JOB_KEYS = ("id", "prompt", "messages", "continuations", "adapter") + PARAMS
 _OPENAI_TOP_KEYS = ("custom_id", "method", "url", "body")
 # Body fields that describe a request without changing its output: accepted, not used.
 _OPENAI_INFO_KEYS = ("model", "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
@@ -33,7 +33,7 @@ _OPENAI_INFO_KEYS = ("model", "user", "metadata", "store", "service_tier", "prom
 # with them (the result columns, the input position that parts and shard outputs carry, and the
 # completion time that OpenAI output reports).
 RESERVED_COLUMNS = ("sample_index", "completion", "finish_reason", "prompt_tokens", "cached_tokens",
-                    "completion_tokens", "scores", "best_continuation", "prompt_index", ORDER, CREATED)
+                    "completion_tokens", "scores", "best_continuation", "prompt_index", "adapter", ORDER, CREATED)
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -120,6 +120,16 @@ def _check_columns(check: Checker, extra: Mapping[str, Any]) -> None:
                                    "(its values would clash with the result column)")
 
 
+def _check_adapter(check: Checker, value: Any) -> str | None:
+    """A row's `adapter`: a registered name or a path, as text (null: the run's default)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise check.fail("adapter", f"must be a non-empty string (a name given with --adapter NAME=PATH, or an "
+                                    f"adapter directory), got {show(value)}")
+    return value
+
+
 def _fill_template(check: Checker, template: str, row: Mapping[str, Any]) -> str:
     try:
         return fill_template(template, row)
@@ -161,6 +171,11 @@ class Job:
     request_model: str | None = None  # an OpenAI request's body.model (OpenAI output echoes it)
     # a scoring job: these are scored after the prompt, nothing is generated (pipeline/text/expand.py)
     continuations: tuple[str, ...] | None = None
+    # the LoRA adapter it runs with: a name registered with --adapter NAME=PATH, or a path; None:
+    # the base model. The row's own field as read; the run resolves it (pipeline/run/adapters.py:
+    # an OpenAI request's body.model naming a registered adapter, else the run's default) and
+    # the output's `adapter` column reports what ran
+    adapter: str | None = None
 
     @property
     def is_chat(self) -> bool:
@@ -222,7 +237,7 @@ class Job:
         check.job_id = job_id
         # a generation parameter is used or refused, never carried through as a plain column
         params, spelled = split_fields(check, row, keys=[k for k in row if k in RESERVED])
-        extra = {k: v for k, v in row.items() if k not in ("id", "prompt", "messages", "continuations")
+        extra = {k: v for k, v in row.items() if k not in ("id", "prompt", "messages", "continuations", "adapter")
                  and k not in RESERVED}
         _check_columns(check, extra)
         continuations = continuations_field(check, row.get("continuations"), params, spelled)
@@ -239,6 +254,7 @@ class Job:
             defaults = _SCORING_DEFAULTS
         job = cls._build(check, job_id, prompt, messages, params, spelled, defaults, extra, system)
         job.continuations = continuations
+        job.adapter = _check_adapter(check, row.get("adapter"))
         return [job]
 
     @classmethod

@@ -26,6 +26,10 @@ def _model_options(f):
     f = click.option("--trust-remote-code", is_flag=True, envvar="BATCHGEN_TRUST_REMOTE_CODE",
                      help="Run the Python code that comes with the model (off unless asked; "
                           "BATCHGEN_TRUST_REMOTE_CODE=1 turns it on too): only for models you trust.")(f)
+    f = click.option("--adapter", "adapters", multiple=True, envvar="BATCHGEN_ADAPTER", metavar="NAME=PATH|PATH",
+                     help="A PEFT LoRA adapter directory: NAME=PATH registers a name that jobs select (their "
+                          "adapter field, or an OpenAI body.model); PATH alone is the default of every job "
+                          "(repeatable; BATCHGEN_ADAPTER holds them space-separated).")(f)
     return f
 
 
@@ -183,7 +187,7 @@ def main() -> None:
               help="CPU threads [default: OMP_NUM_THREADS, else the cores this process may use "
                    "(affinity and cgroup quota)].")
 @_window_options
-def process(inputs, output, model, trust_remote_code, device, dtype, max_batch_tokens, min_shared_tokens,
+def process(inputs, output, model, trust_remote_code, adapters, device, dtype, max_batch_tokens, min_shared_tokens,
             output_format, overwrite, on_error, shard, commit_every, engine, address, workers, gpus_per_worker,
             progress_every, threads, window_jobs, window_tokens, dataset, split, prompt_template, system, **gen):
     """Generate completions for every job in INPUTS and write them to OUTPUT in input order.
@@ -206,7 +210,8 @@ def process(inputs, output, model, trust_remote_code, device, dtype, max_batch_t
                          output_format=output_format, overwrite=overwrite, prompt_template=prompt_template,
                          system=system, dataset=dataset, split=split, trust_remote_code=trust_remote_code,
                          on_error=on_error, shard=shard, commit_every=commit_every, threads=threads,
-                         window_jobs=window_jobs, window_tokens=window_tokens, engine=engine)
+                         window_jobs=window_jobs, window_tokens=window_tokens, engine=engine,
+                         adapters=tuple(adapters))
     if engine == "ray":
         from pipeline.run.ray_runner import process_ray
 
@@ -244,7 +249,7 @@ def process(inputs, output, model, trust_remote_code, device, dtype, max_batch_t
 @click.option("--top", type=click.IntRange(min=0), default=10, show_default=True, help="How many groups to list.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @_window_options
-def plan(inputs, model, trust_remote_code, dataset, split, prompt_template, system, min_shared_tokens,
+def plan(inputs, model, trust_remote_code, adapters, dataset, split, prompt_template, system, min_shared_tokens,
          max_batch_tokens, top, as_json, window_jobs, window_tokens, **gen):
     """Show how INPUTS share prefixes and the predicted prefill saving (tokenizer only, no model)."""
     from pipeline.run.planning import describe
@@ -252,7 +257,7 @@ def plan(inputs, model, trust_remote_code, dataset, split, prompt_template, syst
     report = _guard(describe, list(inputs), _guard(_defaults, gen), model=model, dataset=dataset, split=split,
                     prompt_template=prompt_template, system=system, min_shared_tokens=min_shared_tokens,
                     max_batch_tokens=max_batch_tokens, top=top, trust_remote_code=trust_remote_code,
-                    window_jobs=window_jobs, window_tokens=window_tokens)
+                    window_jobs=window_jobs, window_tokens=window_tokens, adapters=tuple(adapters))
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
@@ -262,11 +267,16 @@ def plan(inputs, model, trust_remote_code, dataset, split, prompt_template, syst
     click.echo(f"prompt tokens: {report['prompt_tokens']}   prefill tokens: {report['prefill_tokens']}   "
                f"cached tokens: {report['cached_tokens']}   saving: {report['prefill_saving']:.1%}   "
                f"(radix-tree bound: {report['lower_bound']})")
+    for a in report.get("adapters", []):  # groups never span adapters: each has its own
+        click.echo(f"adapter {a['adapter'] if a['adapter'] is not None else '(base model)'}: {a['jobs']} jobs   "
+                   f"groups: {a['groups']}   prompt tokens: {a['prompt_tokens']}")
     if report["top_groups"]:
         click.echo("top groups (jobs x shared prefix tokens):")
         for g in report["top_groups"]:
+            where = f"   adapter: {g['adapter'] if g['adapter'] is not None else '(base model)'}" \
+                if "adapter" in g else ""
             click.echo(f"  {g['jobs']:>7} jobs x {g['prefix_tokens']:>6} tokens   nested prefixes: {g['nested']}"
-                       f"   e.g. {g['example']!r}")
+                       f"{where}   e.g. {g['example']!r}")
 
 
 @main.command(epilog="\b\nExample:\n  batchgen validate data/*.jsonl")
@@ -275,18 +285,18 @@ def plan(inputs, model, trust_remote_code, dataset, split, prompt_template, syst
 @_generation_options
 @_output_format_option
 @_engine_option
-def validate(inputs, model, trust_remote_code, dataset, split, prompt_template, system, output_format, engine,
-             **gen):
+def validate(inputs, model, trust_remote_code, adapters, dataset, split, prompt_template, system, output_format,
+             engine, **gen):
     """Check every job in INPUTS exactly as `process` does before it generates (rows, carried
-    columns, tokenization and the model's context window; the tokenizer and config only, no
-    weights) and report every problem with its file:line. Pass the --output-format and --engine
+    columns, tokenization and the model's context window, LoRA adapters; the tokenizer, the
+    config and the adapters' headers only, no weights) and report every problem with its file:line. Pass the --output-format and --engine
     that `process` will run with: they refuse jobs of their own (a scoring job under openai or ray)."""
     from pipeline.run.preflight import check_inputs
     from pipeline.run.options import RunOptions
 
     options = RunOptions(model=model, defaults=_guard(_defaults, gen), prompt_template=prompt_template, system=system,
                          dataset=dataset, split=split, trust_remote_code=trust_remote_code,
-                         output_format=output_format, engine=engine)
+                         output_format=output_format, engine=engine, adapters=tuple(adapters))
     checked = _guard(check_inputs, list(inputs), options, purpose="validate")
     for line in checked.invalid.lines():
         click.echo(line)

@@ -13,6 +13,9 @@ installs (pipeline/lm_eval_plugin.py), and the `batchgen-lm-eval` command (lm-ev
 line, run after that import) needs none. Both take every `lm_eval` option:
 
     lm_eval --model batchgen --model_args pretrained=DIR,dtype=float32 --tasks TASK --include_path TASKS_DIR
+
+`peft=ADAPTER_DIR` runs every request through a PEFT LoRA adapter on the base model, as the hf
+backend's `peft=` does (there it is merged into a copy; here it is applied beside the base weights).
 """
 from __future__ import annotations
 
@@ -48,7 +51,7 @@ class BatchgenLM(TemplateLM):
                  max_batch_tokens: int = MAX_BATCH_TOKENS, min_shared_tokens: int = MIN_SHARED_TOKENS,
                  max_length: int | None = None,
                  trust_remote_code: bool = False, add_bos_token: bool | None = None, batch_size: Any = None,
-                 threads: int | None = None, **unused: Any) -> None:
+                 threads: int | None = None, peft: str | None = None, **unused: Any) -> None:
         super().__init__()
         from pipeline.engine.engine import Engine
         from pipeline.model.kernels import set_threads
@@ -67,6 +70,12 @@ class BatchgenLM(TemplateLM):
         self.tok = Tokenizer.load(source, trust_remote_code=bool(trust_remote_code))
         self.engine = Engine.for_model(model, self.tok.eos_token_ids, min_shared_tokens=int(min_shared_tokens),
                                        max_batch_tokens=int(max_batch_tokens))
+        self.adapter = 0  # every request's adapter index: 1 with `peft`, else the base model
+        if peft:
+            from pipeline.model.adapter_files import inspect_adapter
+
+            self.engine.model.set_adapters([inspect_adapter(peft, self.engine.model.config)])
+            self.adapter = 1
         self.add_bos_token = None if add_bos_token is None else str(add_bos_token).lower() in ("1", "true", "yes")
         self._max_length = int(max_length) if max_length else (context_window(model.config) or 2048)
         config = _generation_config(source, model)
@@ -130,7 +139,8 @@ class BatchgenLM(TemplateLM):
             task = getattr(request, "task_name", None)
             until, params = generation(gen_kwargs, f"task {task}" if task else "generate_until", self.gen_defaults)
             ids = self.tok_encode(context)[-(self.max_length - params.max_new_tokens) :]
-            reqs.append(Request(i, ids or [self.prefix_token_id], params, stop=self.tok.stop_check(until)))
+            reqs.append(Request(i, ids or [self.prefix_token_id], params, stop=self.tok.stop_check(until),
+                                adapter=self.adapter))
             stops.append(until)
         out = [""] * len(reqs)
         for c in self.engine.run(reqs):
@@ -147,7 +157,8 @@ class BatchgenLM(TemplateLM):
         reqs = []
         for i, (ctx, cont) in enumerate(pairs):
             full = (ctx + cont)[-(self.max_length + 1) :]
-            reqs.append(Request(i, full, SamplingParams(max_new_tokens=0), score_from=len(full) - len(cont)))
+            reqs.append(Request(i, full, SamplingParams(max_new_tokens=0), score_from=len(full) - len(cont),
+                                adapter=self.adapter))
         out: list[Any] = [None] * len(reqs)
         for c in self.engine.run(reqs):
             if c.error:

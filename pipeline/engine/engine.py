@@ -52,7 +52,7 @@ class Engine:
 
     def plan(self, requests: Sequence[Request]) -> Plan:
         tree, shapes = tree_of((r.key, r.prompt_ids[: r.shared_len], r.fed_len, r.params.max_new_tokens,
-                                r.params.n) for r in requests)
+                                r.params.n, r.adapter) for r in requests)
         return plan(tree, shapes, min_shared_tokens=self.min_shared_tokens, max_batch_tokens=self.max_batch_tokens,
                     cascade=self.cascade)
 

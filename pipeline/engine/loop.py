@@ -163,8 +163,8 @@ class Pass:
                 static: StaticDecode | None) -> tuple[Step, Wanted]:
         """This step: a token per decoding row, then suffix chunks, oldest fill first, up to
         step_tokens tokens and SCORED_ROWS scored positions in all; and the logits it wants."""
-        decode = [Decode(r.slot, r.row.anchored, self.prefixes[r.row.anchor].kv if r.row.anchor is not None else None)
-                  for r in running]
+        decode = [Decode(r.slot, r.row.anchored, self.prefixes[r.row.anchor].kv if r.row.anchor is not None else None,
+                         adapter=r.request.adapter) for r in running]
         if static is not None and not filling:  # a decode step: token i is slot i's
             step = static.build(decode, [r.tokens[-1] for r in running])
             return step, Wanted(len(running), keep=[r.slot for r in running])
@@ -180,7 +180,8 @@ class Pass:
             if n <= 0:
                 continue
             anchor = self.prefixes[f.row.anchor].kv if f.row.anchor is not None else None
-            seg = Segment(0, 0, kv.k, kv.v, f.slots[0], kv.lens[f.slots[0]], f.row.anchored, anchor)
+            seg = Segment(0, 0, kv.k, kv.v, f.slots[0], kv.lens[f.slots[0]], f.row.anchored, anchor,
+                          adapter=f.request.adapter)
             chunks.append((seg, f.suffix[f.fed : f.fed + n]))
             scoring.append((f, seg, start, scored))
             budget, room = budget - n, room - len(scored)
@@ -327,8 +328,9 @@ class Pass:
                     scored = range(scored.start, scored.start + room)
                 if n <= 0:
                     break
-                ids = self.requests[p.key].prompt_ids[at[pid] : at[pid] + n]
-                chunks.append((pid, Segment(0, 0, kv.k, kv.v, 0, at[pid], 0), ids, scored))
+                owner = self.requests[p.key]  # a request below it: its tokens, and its adapter (the tree's key)
+                ids = owner.prompt_ids[at[pid] : at[pid] + n]
+                chunks.append((pid, Segment(0, 0, kv.k, kv.v, 0, at[pid], 0, adapter=owner.adapter), ids, scored))
                 budget, room = budget - n, room - len(scored)
             step = build([], [], [(seg, ids) for _, seg, ids, _ in chunks], None, self.device)
             keep = [seg.t0 + q - seg.offset for _, seg, _, scored in chunks for q in scored]

@@ -2,6 +2,11 @@
 
 Pure Python, no torch. The scheduling policy walks it; the prefixes it picks to cache live in a
 run's `PrefixCache` (prefix_cache.py), which counts their readers.
+
+A sequence's key is its LoRA adapter plus its token ids: the keys and values of a prefix depend on
+the adapter, so sequences of different adapters share nothing. Adapter a > 0 has its own root, a
+child of the tree's root with no tokens (depth 0, never cached), under the key -a (token ids are
+never negative); the base model's sequences hang from the root itself, as without adapters.
 """
 from __future__ import annotations
 
@@ -49,11 +54,23 @@ class PrefixTree:
     def __len__(self) -> int:
         return self.root.size
 
-    def insert(self, key: Hashable, seq: Sequence[int], weight: int = 1) -> Node:
-        """Add a sequence; `weight`: the rows it stands for (n samples of one prompt share its tokens)."""
+    def _root_of(self, adapter: int) -> Node:
+        """Where the sequences of `adapter` start: the root (the base model), or the adapter's own."""
+        if not adapter:
+            return self.root
+        top = self.root.children.get(-adapter)
+        if top is None:
+            top = self.root.children[-adapter] = Node(tokens=[], depth=0, parent=self.root)
+        return top
+
+    def insert(self, key: Hashable, seq: Sequence[int], weight: int = 1, adapter: int = 0) -> Node:
+        """Add a sequence; `weight`: the rows it stands for (n samples of one prompt share its
+        tokens); `adapter`: its adapter's index (0: the base model)."""
         if key in self._end:
             raise KeyError(f"sequence {key!r} is already in the tree")
-        node, i = self.root, 0
+        node, i = self._root_of(adapter), 0
+        if node is not self.root:
+            self.root.size += weight
         node.size += weight
         while i < len(seq):
             child = node.children.get(seq[i])
@@ -71,15 +88,15 @@ class PrefixTree:
         self._end[key] = self._last = node
         return node
 
-    def insert_next(self, key: Hashable, seq: Sequence[int], common: int, weight: int = 1) -> Node:
+    def insert_next(self, key: Hashable, seq: Sequence[int], common: int, weight: int = 1, adapter: int = 0) -> Node:
         """Add a sequence that shares exactly `common` tokens with the one inserted just before it
         and no more with any earlier one (sequences in sorted order, with their longest-common-
         prefix array): no token is compared, and the tree is the one `insert` builds from the same
         sequences in the same order, node for node and child for child."""
         if key in self._end:
             raise KeyError(f"sequence {key!r} is already in the tree")
-        node = self._last if common > 0 else self.root
-        while node.parent is not None and node.start >= common:  # up to the edge that holds token `common`
+        node = self._last if common > 0 else self._root_of(adapter)
+        while node.depth > 0 and node.start >= common:  # up to the edge that holds token `common`
             node = node.parent
         if node.depth > common:
             node = self._split(node, common - node.start)

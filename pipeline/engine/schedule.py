@@ -87,30 +87,29 @@ class Plan:
                 + sum(self.shapes[r.key].prompt_len - r.cached for r in self.rows))
 
 
-def tree_of(jobs: Iterable[tuple[Hashable, Sequence[int], int, int, int]]) -> tuple[PrefixTree, dict[Hashable, JobShape]]:
-    """The tree the engine plans over, from (key, shareable ids, prompt length, max new tokens, n)
-    per job: the ids a shared prefix may hold are the prompt minus its last token (whose logits
-    start generation), or less for a request that runs less (`types.shared_length`); weighted by
-    the job's samples."""
+def tree_of(jobs: Iterable[tuple]) -> tuple[PrefixTree, dict[Hashable, JobShape]]:
+    """The tree the engine plans over, from (key, shareable ids, prompt length, max new tokens, n
+    [, adapter]) per job: the ids a shared prefix may hold are the prompt minus its last token
+    (whose logits start generation), or less for a request that runs less (`types.shared_length`);
+    weighted by the job's samples; under its adapter's root (0, the default: the base model)."""
     tree, shapes = PrefixTree(), {}
-    for key, shared, prompt_len, max_new, n in jobs:
+    for key, shared, prompt_len, max_new, n, *adapter in jobs:
         if not prompt_len:
             raise ValueError(f"request {key!r} has an empty prompt")
-        tree.insert(key, shared, weight=n)
+        tree.insert(key, shared, weight=n, adapter=adapter[0] if adapter else 0)
         shapes[key] = JobShape(prompt_len, max_new, n)
     return tree, shapes
 
 
-def tree_of_sorted(jobs: Iterable[tuple[Hashable, Sequence[int], int, int, int]]
-                   ) -> tuple[PrefixTree, dict[Hashable, JobShape]]:
+def tree_of_sorted(jobs: Iterable[tuple]) -> tuple[PrefixTree, dict[Hashable, JobShape]]:
     """`tree_of` for jobs in sorted order, each with the LCP of its sequence (prompt minus last
-    token) with the one before it (`prefix_index`): the same tree as `tree_of` in that order, built
-    without comparing tokens."""
+    token) with the one before it (`prefix_index`; 0 where the adapter changes) [and its
+    adapter]: the same tree as `tree_of` in that order, built without comparing tokens."""
     tree, shapes = PrefixTree(), {}
-    for key, ids, max_new, n, common in jobs:
+    for key, ids, max_new, n, common, *adapter in jobs:
         if not ids:
             raise ValueError(f"request {key!r} has an empty prompt")
-        tree.insert_next(key, ids[:-1], common, weight=n)
+        tree.insert_next(key, ids[:-1], common, weight=n, adapter=adapter[0] if adapter else 0)
         shapes[key] = JobShape(len(ids), max_new, n)
     return tree, shapes
 

@@ -10,7 +10,9 @@ the edge there if it must, and hangs its own leaf last). Here the tree is kept a
 and the plan is `schedule.plan`'s walk on them, step for step: the same cached prefixes, rows in
 the same order with the same anchors, the same batches and prefill (tests/engine/test_sortedplan.py
 compares the two on random job sets). A job of several requests (continuations, rolling windows)
-has them all end at its node, in order, each a row, as the engine's tree has them.
+has them all end at its node, in order, each a row, as the engine's tree has them. Jobs of a LoRA
+adapter hang from that adapter's own root (a node of depth 0 below the root, never cached), as in
+the engine's tree (`PrefixTree`); in sorted order they come after the base model's, by adapter.
 """
 from __future__ import annotations
 
@@ -37,14 +39,15 @@ class WindowPlan:
 def plan_sorted(lengths: Sequence[int], held: Sequence[int], weights: Sequence[int], first: Sequence[int],
                 shapes: RequestShape, *, min_shared_tokens: int = MIN_SHARED_TOKENS,
                 max_batch_tokens: int = MAX_BATCH_TOKENS,
-                cascade: bool = True, max_slots: int = 256) -> WindowPlan:
+                cascade: bool = True, max_slots: int = 256, adapters: Sequence[int] | None = None) -> WindowPlan:
     """The plan of jobs in sorted order: their key lengths, the LCP of each one's sequence (key
-    minus its last token) with the one before (`held`; the first is ignored), the rows at each
-    one's node (`weights`: its requests' samples), and its requests (`first`: where each job's
-    start in `shapes`, lists of each request's numbers); options as `schedule.plan`'s."""
+    minus its last token) with the one before (`held`; the first is ignored; 0 where the adapter
+    changes), the rows at each one's node (`weights`: its requests' samples), and its requests
+    (`first`: where each job's start in `shapes`, lists of each request's numbers), and each one's
+    adapter (None: all the base model's); options as `schedule.plan`'s."""
     if len(lengths) and min(lengths) == 0:
         raise ValueError(f"request {list(lengths).index(0)!r} has an empty prompt")
-    depth, parent, children, keys, own = _tree(lengths, held, weights)
+    depth, parent, children, keys, own = _tree(lengths, held, weights, adapters)
     depths = np.asarray(depth, dtype=np.int64)
     size = _sizes(depths, np.asarray(parent, dtype=np.int64), np.asarray(own, dtype=np.int64))
     cached = (size >= 2) & (depths >= max(1, min_shared_tokens))
@@ -63,7 +66,7 @@ def plan_sorted(lengths: Sequence[int], held: Sequence[int], weights: Sequence[i
     while stack:
         v, above = pop()
         if v < 0:
-            ending = [keys[c][0] for c in reversed(children[~v]) if size[c] == 1]  # ties: last child first
+            ending = [keys[c][0] for c in reversed(children[~v]) if size[c] == 1 and depth[c]]  # ties: last first
         else:
             if cached[v]:
                 prefixes.append((_first_job(v, children, keys), depth[above] if above >= 0 else 0, depth[v]))
@@ -74,7 +77,7 @@ def plan_sorted(lengths: Sequence[int], held: Sequence[int], weights: Sequence[i
             if len(below) == 1:
                 push([(below[0], above)])
             elif below:  # heaviest first: pushed lightest first (stable: equal sizes in child order)
-                heavy = [c for c in below if size[c] > 1]
+                heavy = [c for c in below if size[c] > 1 or not depth[c]]  # (an adapter's root is no leaf)
                 if len(heavy) < len(below):
                     push([(~v, above)])
                 push([(c, above) for c in sorted(heavy, key=by_size)])
@@ -93,18 +96,31 @@ def plan_sorted(lengths: Sequence[int], held: Sequence[int], weights: Sequence[i
     return WindowPlan(prefixes, row_jobs, batches, prefill)
 
 
-def _tree(lengths: Sequence[int], held: Sequence[int], weights: Sequence[int]):
-    """`PrefixTree.insert_next` for each job in turn, on lists (node 0 is the root): each node's
-    depth, parent, children in order, jobs ending there and their samples."""
+def _tree(lengths: Sequence[int], held: Sequence[int], weights: Sequence[int], adapters: Sequence[int] | None = None):
+    """`PrefixTree.insert_next` for each job in turn, on lists (node 0 is the root, and each
+    adapter's root a child of it of depth 0): each node's depth, parent, children in order, jobs
+    ending there and their samples."""
     depth, parent, children, keys, own = [0], [-1], [[]], [[]], [0]
     path = [0]  # root .. the node where the last sequence ended: each the last child of the one before
     climb, step = path.pop, path.append
     new_depth, new_parent, new_children, new_keys, new_own = (depth.append, parent.append, children.append,
                                                               keys.append, own.append)
+    top, last = 1, 0  # the path's first node a job may climb back to (an adapter's root: 2); its adapter
     for job, (length, common, weight) in enumerate(zip(lengths, held, weights)):
         if not job:
             common = 0
-        while len(path) > 1 and depth[path[-2]] >= common:  # up to the edge that holds token `common`
+        if adapters is not None and adapters[job] != last:  # the next adapter's root, below the root
+            last, common = adapters[job], 0
+            children[0].append(len(depth))
+            del path[1:]
+            step(len(depth))
+            new_depth(0)
+            new_parent(0)
+            new_children([])
+            new_keys([])
+            new_own(0)
+            top = 2
+        while len(path) > top and depth[path[-2]] >= common:  # up to the edge that holds token `common`
             climb()
         node = path[-1]
         if depth[node] > common:  # split its edge: the middle node takes its place, last of its parent

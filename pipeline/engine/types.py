@@ -57,6 +57,10 @@ class Request:
     # at most this many prompt tokens in a shared prefix (None: as many as `shared_length` allows):
     # a job's requests (its continuations, its rolling windows) all stop at one node of the tree
     shareable: int | None = None
+    # the LoRA adapter it runs with: an index into the forward's adapters (`Forward.set_adapters`),
+    # 0 the base model. A prefix's keys and values depend on it: requests share prefixes only
+    # with requests of the same adapter
+    adapter: int = 0
 
     @property
     def fed_len(self) -> int:

@@ -20,6 +20,7 @@ from pipeline.text.tokenize import Tokenizer, TokenizerError
 from pipeline.engine.types import Request
 
 if TYPE_CHECKING:
+    from pipeline.run.adapters import Adapters
     from pipeline.run.options import RunOptions
 
 
@@ -36,17 +37,20 @@ class Loaded:
 
 
 def checked_rows(jobs: dict[int, Job], invalid: dict[int, InvalidRow], hint: pa.Schema | None,
-                 options: RunOptions) -> tuple[dict[int, Job], dict[int, InvalidRow], pa.Schema]:
+                 options: RunOptions, adapters: Adapters | None = None
+                 ) -> tuple[dict[int, Job], dict[int, InvalidRow], pa.Schema]:
     """Rows read in memory and the types of typed inputs: the rows whose carried columns cannot
-    be written move to `invalid`; and the result schema."""
+    be written, or whose adapter cannot run, move to `invalid`; and the result schema."""
     extra_schema = infer_extra_schema((j.extra for j in jobs.values()), hint)
     for order, bad in check_extras(jobs, extra_schema).items():
         invalid[order] = bad
         del jobs[order]
     created = options.output_format == "openai"  # each request's completion time, kept in the rows
     refuses = refusal(options)
-    if refuses is not None:
-        for order, bad in refused(jobs, refuses).items():
+    for check in (refuses, adapters.check if adapters is not None else None):
+        if check is None:
+            continue
+        for order, bad in refused(jobs, check).items():
             invalid[order] = bad
             del jobs[order]
     outputs = set().union(*(outputs_of(j) for j in jobs.values()))
@@ -54,18 +58,19 @@ def checked_rows(jobs: dict[int, Job], invalid: dict[int, InvalidRow], hint: pa.
 
 
 def tokenized(jobs: dict[int, Job], invalid: dict[int, InvalidRow], schema: pa.Schema, tokenizer: Tokenizer,
-              config: Any, options: RunOptions) -> Loaded:
-    """Checked rows made requests with the model's tokenizer and config; what cannot run joins
-    `invalid`."""
+              config: Any, options: RunOptions, adapters: Adapters | None = None) -> Loaded:
+    """Checked rows (their adapters resolved by `adapters`) made requests with the model's
+    tokenizer and config; what cannot run joins `invalid`."""
     check_default_constraint(tokenizer, options)
     requests, expected, bad = to_requests(jobs, tokenizer, context_window(config), options.defaults.seed,
-                                          vocab_size(config))
+                                          vocab_size(config), adapters)
     invalid.update(bad)
     return Loaded(jobs, dict(sorted(invalid.items())), requests, expected, schema, tokenizer)
 
 
 def to_requests(jobs: Mapping[int, Job], tokenizer: Tokenizer, window: int | None, run_seed: int | None,
-                vocab: int | None = None) -> tuple[list[Request], dict[int, int], dict[int, InvalidRow]]:
+                vocab: int | None = None, adapters: Adapters | None = None
+                ) -> tuple[list[Request], dict[int, int], dict[int, InvalidRow]]:
     """Tokenize the jobs in one batch (keyed by input position): their requests, the completions
     that finish each, and the jobs that cannot run as error rows, never a crash."""
     requests: list[Request] = []
@@ -73,7 +78,8 @@ def to_requests(jobs: Mapping[int, Job], tokenizer: Tokenizer, window: int | Non
     invalid: dict[int, InvalidRow] = {}
     for (order, job), tokens in zip(jobs.items(), tokenize_jobs(tokenizer, list(jobs.values()))):
         made = InvalidRow(job.location, job.id, str(tokens)) if isinstance(tokens, TokenizerError) \
-            else make_requests(order, job, tokens, tokenizer, window, run_seed, vocab)
+            else make_requests(order, job, tokens, tokenizer, window, run_seed, vocab,
+                               adapters.index_of(job) if adapters is not None else 0)
         if isinstance(made, InvalidRow):
             invalid[order] = made
         else:

@@ -31,6 +31,7 @@ from pipeline.run.prefix_index import pack_keys
 from pipeline.text.tokenize import Tokenizer
 
 if TYPE_CHECKING:
+    from pipeline.run.adapters import Adapters
     from pipeline.run.options import RunOptions
 
 CHUNK_ROWS = 8192  # rows read, checked and tokenized together
@@ -45,7 +46,8 @@ class Rows:
     against the column types of typed inputs here, per chunk: a column whose type is inferred
     from the values holds every one of them by construction."""
 
-    def __init__(self, inputs: list[str], options: RunOptions, columnar: bool = False) -> None:
+    def __init__(self, inputs: list[str], options: RunOptions, columnar: bool = False,
+                 adapters: Adapters | None = None) -> None:
         read = functools.partial(read_chunks, inputs, options.defaults, dataset=options.dataset, split=options.split,
                                  prompt_template=options.prompt_template, system=options.system, size=CHUNK_ROWS)
         self.items = read()  # checks the inputs and the template first, as read_jobs does
@@ -53,6 +55,11 @@ class Rows:
         if self.hint is not None:  # carried values are checked against typed inputs' columns as Jobs
             self.items = read(carried=False)
         self.template = plain_template(options.defaults)
+        # each job's adapter is resolved and checked as its row is (pipeline/run/adapters.py); a
+        # plain row names none: it runs the default
+        self.adapters = adapters
+        if adapters is not None:
+            adapters.check(self.template)
         self.columnar = columnar
         self.extras = ExtraSchema(self.hint)
         self.all_int_ids = True
@@ -81,6 +88,10 @@ class Rows:
             for order, problem in refused(jobs, self.refusal).items():
                 bad.append((order, problem))
                 del jobs[order]
+        if self.adapters is not None:
+            for order, problem in refused(jobs, self.adapters.check).items():
+                bad.append((order, problem))
+                del jobs[order]
         self.all_int_ids = self.all_int_ids and all(isinstance(j.id, int) for j in jobs.values()) \
             and all(isinstance(i, int) for rows in plain for i in rows.ids)
         for j in jobs.values():
@@ -105,10 +116,11 @@ def _extras_in_order(jobs: dict[int, Job], plain: list[PlainRows]) -> list[Mappi
     return [extra for _, extra in items]
 
 
-def read_checked(inputs: list[str], options: RunOptions) -> tuple[dict[int, Job], dict[int, InvalidRow], pa.Schema]:
+def read_checked(inputs: list[str], options: RunOptions, adapters: Adapters | None = None
+                 ) -> tuple[dict[int, Job], dict[int, InvalidRow], pa.Schema]:
     """Every row at once (the Ray driver's and the Python API's input): the jobs, the rows whose
-    carried columns cannot be written, and the result schema."""
-    rows = Rows(inputs, options)
+    carried columns cannot be written or whose adapter cannot run, and the result schema."""
+    rows = Rows(inputs, options, adapters=adapters)
     jobs: dict[int, Job] = {}
     invalid: dict[int, InvalidRow] = {}
     for chunk, bad, _ in rows.chunks():

@@ -41,12 +41,21 @@ class RunOptions:
     threads: int | None = None  # torch threads; None: one per core this process may use
     window_jobs: int = WINDOW_JOBS  # jobs per engine call (whole prefix groups; see windows.py) ...
     window_tokens: int = WINDOW_TOKENS  # ... and their prompt tokens
+    # LoRA adapters: `--adapter` values, NAME=PATH (a name jobs select) or PATH (every job's default);
+    # resolved and checked by pipeline/run/adapters.py
+    adapters: tuple[str, ...] = ()
 
 
-def run_settings(options: RunOptions, model_name: str, precision: dict[str, str]) -> dict[str, Any]:
+def run_settings(options: RunOptions, model_name: str, precision: dict[str, str],
+                 adapters: dict[str, str] | None = None) -> dict[str, Any]:
     """What decides the outputs' content: finished work is resumed only under the same settings.
     `precision` is the resolved device type and dtype (what `auto` means depends on the checkpoint
-    and the machine, so resumed work must not be judged by the option). Batch sizes do not count."""
-    return {"model": model_name, **precision, "defaults": asdict(options.defaults),
-            "prompt_template": options.prompt_template, "system": options.system, "shard": options.shard,
-            "output_format": options.output_format}
+    and the machine, so resumed work must not be judged by the option). Batch sizes do not count.
+    `adapters`: each adapter label the jobs use, with its adapter's content digest (a retrained
+    checkpoint in the same place is another adapter); the jobs' digest holds which job runs which."""
+    settings = {"model": model_name, **precision, "defaults": asdict(options.defaults),
+                "prompt_template": options.prompt_template, "system": options.system, "shard": options.shard,
+                "output_format": options.output_format}
+    if adapters:  # (the settings of runs without adapters stay what they were)
+        settings["adapters"] = dict(sorted(adapters.items()))
+    return settings

@@ -34,28 +34,31 @@ def describe(inputs: Sequence[str], defaults: GenerationDefaults, *, model: str 
              system: str | None = None, min_shared_tokens: int = MIN_SHARED_TOKENS,
              max_batch_tokens: int = MAX_BATCH_TOKENS,
              top: int = 10, trust_remote_code: bool = False, window_jobs: int = WINDOW_JOBS,
-             window_tokens: int = WINDOW_TOKENS) -> dict[str, Any]:
+             window_tokens: int = WINDOW_TOKENS, adapters: tuple[str, ...] = ()) -> dict[str, Any]:
     from pipeline.run.preflight import check_inputs
     from pipeline.run.options import RunOptions
 
     options = RunOptions(model=model, defaults=defaults, dataset=dataset, split=split, prompt_template=prompt_template,
-                         system=system, trust_remote_code=trust_remote_code)
+                         system=system, trust_remote_code=trust_remote_code, adapters=adapters)
     checked = check_inputs(list(inputs), options, purpose="plan")
     return summarize(checked.index, invalid=len(checked.invalid), min_shared_tokens=min_shared_tokens,
                      max_batch_tokens=max_batch_tokens, top=top, decode=checked.tokenizer.decode,
-                     window_jobs=window_jobs, window_tokens=window_tokens)
+                     window_jobs=window_jobs, window_tokens=window_tokens, labels=checked.adapters.labels())
 
 
 def summarize(index: PrefixIndex, *, invalid: int = 0, min_shared_tokens: int = MIN_SHARED_TOKENS,
               max_batch_tokens: int = MAX_BATCH_TOKENS,
               top: int = 10, decode=None, window_jobs: int = WINDOW_JOBS, window_tokens: int = WINDOW_TOKENS,
-              reference: bool = False) -> dict[str, Any]:
+              reference: bool = False, labels: dict[int, str | None] | None = None) -> dict[str, Any]:
     """Pure: the plan's numbers for the indexed prompts: the engine runs exactly this plan (the
     same prefixes, rows and batches), whatever lengths the outputs turn out to have. Each window
     is planned from the index's numbers (`sortedplan`); `reference`: with the engine's own
-    scheduler on the tree of the window's prompts instead (slow: for tests)."""
+    scheduler on the tree of the window's prompts instead (slow: for tests). With adapters (the
+    index's), groups are per adapter (`labels`: what each adapter index is called), and the
+    report lists each adapter's jobs, groups and prompt tokens."""
     positions = np.arange(len(index))
     jobs, held = index.subset(positions)
+    adapter = index.adapters[jobs] if index.adapters is not None else None  # by position
     lengths, weights = index.lengths[jobs], index.weights[jobs]
     first, shapes = index.requests_of(jobs)
     groups = units(held, lengths, weights, min_shared_tokens)
@@ -69,10 +72,12 @@ def summarize(index: PrefixIndex, *, invalid: int = 0, min_shared_tokens: int = 
     for a, b in cuts:
         # the window's requests, numbered from 0
         mine = first[a : b + 1] - first[a], RequestShape(*(c[first[a] : first[b]] for c in shapes))
+        kind = adapter[a:b] if adapter is not None else None
         if reference:
-            work = _reference_window(index, positions[a:b], held[a:b], *mine, min_shared_tokens, max_batch_tokens)
+            work = _reference_window(index, positions[a:b], held[a:b], *mine, min_shared_tokens, max_batch_tokens,
+                                     kind)
         else:
-            work = _window(lengths[a:b], held[a:b], weights[a:b], *mine, min_shared_tokens, max_batch_tokens)
+            work = _window(lengths[a:b], held[a:b], weights[a:b], *mine, min_shared_tokens, max_batch_tokens, kind)
         shared += len(work.prefixes)
         batches += len(work.batches)
         prefill += work.prefill_tokens
@@ -89,7 +94,25 @@ def summarize(index: PrefixIndex, *, invalid: int = 0, min_shared_tokens: int = 
         ids = index.head(int(groups.starts[k]), min(int(groups.depth[k]), 24))
         return decode(ids) if decode else str(ids)
 
-    return {
+    names = labels or {}
+
+    def group(k: int) -> dict[str, Any]:
+        out = {"jobs": int(size[k]), "prefix_tokens": int(groups.depth[k]),
+               "nested": int(prefixes_in[k] - spans[k]), "example": example(k)}
+        if adapter is not None:
+            i = int(adapter[groups.starts[k]])
+            out["adapter"] = names.get(i, str(i) if i else None)
+        return out
+
+    per_adapter = []
+    if adapter is not None:
+        tokens = index.prompt_tokens(jobs)
+        for i in np.unique(adapter).tolist():
+            mine = adapter == i
+            per_adapter.append({"adapter": names.get(i, str(i) if i else None), "jobs": int(mine.sum()),
+                                "groups": int((groups.grouped & mine[groups.starts]).sum()),
+                                "prompt_tokens": int(tokens[mine].sum())})
+    report = {
         "jobs": len(index) + invalid,
         "invalid": invalid,
         "groups": int(groups.grouped.sum()),
@@ -102,16 +125,15 @@ def summarize(index: PrefixIndex, *, invalid: int = 0, min_shared_tokens: int = 
         "cached_tokens": cached,
         "lower_bound": index.lower_bound(),
         "prefill_saving": 1 - prefill / prompt_tokens if prompt_tokens else 0.0,
-        "top_groups": [
-            {"jobs": int(size[k]), "prefix_tokens": int(groups.depth[k]),
-             "nested": int(prefixes_in[k] - spans[k]), "example": example(k)}
-            for k in ranked
-        ],
+        "top_groups": [group(k) for k in ranked],
     }
+    if per_adapter:
+        report["adapters"] = per_adapter
+    return report
 
 
 def _window(lengths: np.ndarray, held: np.ndarray, weights: np.ndarray, first: np.ndarray, shapes: RequestShape,
-            min_shared_tokens: int, max_batch_tokens: int) -> WindowPlan:
+            min_shared_tokens: int, max_batch_tokens: int, adapters: np.ndarray | None = None) -> WindowPlan:
     # a window's plan is millions of small lists and tuples, none in a cycle (refcounts free them):
     # without the collector's passes over the whole heap they trigger, it takes half the time
     enabled = gc.isenabled()
@@ -119,20 +141,23 @@ def _window(lengths: np.ndarray, held: np.ndarray, weights: np.ndarray, first: n
     try:
         return plan_sorted(lengths.tolist(), held.tolist(), weights.tolist(), first.tolist(),
                            RequestShape(*(c.tolist() for c in shapes)), min_shared_tokens=min_shared_tokens,
-                           max_batch_tokens=max_batch_tokens)
+                           max_batch_tokens=max_batch_tokens,
+                           adapters=adapters.tolist() if adapters is not None else None)
     finally:
         if enabled:
             gc.enable()
 
 
 def _reference_window(index: PrefixIndex, positions: np.ndarray, held: np.ndarray, first: np.ndarray,
-                      shapes: RequestShape, min_shared_tokens: int, max_batch_tokens: int) -> WindowPlan:
+                      shapes: RequestShape, min_shared_tokens: int, max_batch_tokens: int,
+                      adapters: np.ndarray | None = None) -> WindowPlan:
     """A window planned as the engine plans it: `schedule.plan` on the tree `Engine.plan` builds
     from the window's requests, each keyed by its number and holding its key but the last token."""
     keys = [ids for _, ids in index.prompts(positions)]
     owner = np.repeat(np.arange(len(keys)), np.diff(first)).tolist()
     fed, max_new, n = shapes.fed.tolist(), shapes.max_new_tokens.tolist(), shapes.n.tolist()
-    tree, jobs = tree_of((r, keys[j][:-1], fed[r], max_new[r], n[r]) for r, j in enumerate(owner))
+    kind = adapters.tolist() if adapters is not None else [0] * len(keys)
+    tree, jobs = tree_of((r, keys[j][:-1], fed[r], max_new[r], n[r], kind[j]) for r, j in enumerate(owner))
     work = plan(tree, jobs, min_shared_tokens=min_shared_tokens, max_batch_tokens=max_batch_tokens)
     rows = [r.key for r in work.rows]
     return WindowPlan([(owner[p.key], p.start, p.end) for p in work.prefixes.values()],

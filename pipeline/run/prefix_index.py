@@ -16,6 +16,11 @@ that sequence's LCP with its predecessor is min(LCP, either length - 1), and it 
 largest LCP with any earlier prompt, so inserting in this order needs no comparison at all
 (`PrefixTree.insert_next`). The same holds for any subsequence (a window, a shard, the jobs not
 yet done), with the LCP of non-neighbours the minimum over the gap.
+
+Jobs of different LoRA adapters share nothing (a prefix's keys and values depend on the adapter):
+with adapters, the order is by adapter first, then by key, and a job's LCP with a neighbour of
+another adapter is 0. Everything built on the LCPs (the engine's trees, windows, groups, shards,
+`cached_tokens`, `batchgen plan`) then keeps adapters apart by itself.
 """
 from __future__ import annotations
 
@@ -74,17 +79,21 @@ class _Run:
             yield key, job
 
 
-def _front_code(items: Iterator[tuple[bytes, int]], width: int) -> _Run:
+def _front_code(items: Iterator[tuple[bytes, int]], width: int, adapters: array.array | None = None) -> _Run:
     """(key, job) pairs in sorted order as a run. Two big-endian keys share the tokens before their
     first differing byte, which the highest set bit of their XOR (as ints) marks: found in C,
     without a loop over tokens. It is tried past the LCP before it first: neighbours in sorted
-    order mostly share at least that much (one memcmp), and then only the rest is converted."""
+    order mostly share at least that much (one memcmp), and then only the rest is converted.
+    `adapters` (by job): a job of another adapter than the one before it shares nothing with it."""
     jobs, lcps, ends = array.array("q"), array.array("l"), array.array("q")
     add_job, add_lcp, add_end = jobs.append, lcps.append, ends.append
     tails = bytearray()
     prev = b""
     hint = 0  # bytes the previous key shared with its predecessor
+    last = None  # the previous job's adapter
     for key, job in items:
+        if adapters is not None and adapters[job] != last:
+            last, prev, hint = adapters[job], b"", 0  # as if it were the first key
         n = min(len(prev), len(key))
         if hint > n:
             hint = n - n % width
@@ -113,18 +122,25 @@ class IndexBuilder:
         self._runs: list[_Run] = []
         self._lengths = array.array("l")
         self._weights = array.array("l")
+        self._adapters: array.array | None = None  # per job, once some job has one (else all 0)
         self._requests = array.array("l")  # per job: how many
         self._shapes = [array.array("l") for _ in RequestShape._fields]  # per request: each field
 
     def __len__(self) -> int:
         return len(self._lengths)
 
-    def add(self, keys: Sequence[Sequence[int]], requests: Sequence[Sequence[RequestShape]]) -> None:
-        self.add_keys(pack_keys(keys, self.width), requests)
+    def add(self, keys: Sequence[Sequence[int]], requests: Sequence[Sequence[RequestShape]],
+            adapters: Sequence[int] | None = None) -> None:
+        self.add_keys(pack_keys(keys, self.width), requests, adapters)
 
-    def add_keys(self, keys: Sequence[bytes], requests: Sequence[Sequence[RequestShape]]) -> None:
+    def add_keys(self, keys: Sequence[bytes], requests: Sequence[Sequence[RequestShape]],
+                 adapters: Sequence[int] | None = None) -> None:
         """Keys as `pack_keys` gives them (packed where they were tokenized, a batch at a time),
-        and each job's requests (`expand.index_entry`)."""
+        each job's requests (`expand.index_entry`) and its adapter (None: all the base model's)."""
+        if adapters is not None and self._adapters is None and any(adapters):
+            self._adapters = array.array("l", bytes(len(self._lengths) * array.array("l").itemsize))
+        if self._adapters is not None:
+            self._adapters.extend(adapters if adapters is not None else [0] * len(keys))
         self._keys.extend(keys)
         shift = self.width.bit_length() - 1
         self._lengths.extend(len(k) >> shift for k in keys)
@@ -138,9 +154,12 @@ class IndexBuilder:
 
     def _seal(self) -> None:
         first = len(self._lengths) - len(self._keys)
-        keys = self._keys
-        order = sorted(range(len(keys)), key=keys.__getitem__)  # stable: equal keys keep input order
-        self._runs.append(_front_code(((keys[i], first + i) for i in order), self.width))
+        keys, adapters = self._keys, self._adapters
+        if adapters is None:
+            order = sorted(range(len(keys)), key=keys.__getitem__)  # stable: equal keys keep input order
+        else:  # by adapter, then key
+            order = sorted(range(len(keys)), key=lambda i: (adapters[first + i], keys[i]))
+        self._runs.append(_front_code(((keys[i], first + i) for i in order), self.width, adapters))
         self._keys = []
 
     def build(self) -> "PrefixIndex":
@@ -149,8 +168,12 @@ class IndexBuilder:
         runs, self._runs = self._runs, []
         if len(runs) == 1:
             merged = runs[0]
-        else:  # ties compare job numbers: input order, as in one stable sort
+        elif self._adapters is None:  # ties compare job numbers: input order, as in one stable sort
             merged = _front_code(heapq.merge(*(r.keys(self.width) for r in runs)), self.width)
+        else:
+            adapters = self._adapters
+            merged = _front_code(heapq.merge(*(r.keys(self.width) for r in runs),
+                                             key=lambda kj: (adapters[kj[1]], kj)), self.width, adapters)
         del runs
         tails = np.frombuffer(merged.tails, dtype=self.dtype).astype(self.dtype.newbyteorder("="))
         ends = np.frombuffer(merged.ends, dtype=np.int64) // self.width
@@ -160,7 +183,8 @@ class IndexBuilder:
         return PrefixIndex(np.asarray(merged.jobs, dtype=np.int32), np.asarray(merged.lcp, dtype=np.int32),
                            tails, ends, np.asarray(self._lengths, dtype=np.int32),
                            np.asarray(self._weights, dtype=np.int32), first,
-                           RequestShape(*(np.asarray(c, dtype=np.int32) for c in self._shapes)))
+                           RequestShape(*(np.asarray(c, dtype=np.int32) for c in self._shapes)),
+                           np.asarray(self._adapters, dtype=np.int32) if self._adapters is not None else None)
 
 
 @dataclass
@@ -177,11 +201,13 @@ class PrefixIndex:
     weights: np.ndarray  # job -> rows at its node of the tree (its requests' samples)
     first: np.ndarray  # job -> its first request (and first[-1]: all requests)
     shapes: RequestShape  # each field an array: request -> its value
+    adapters: np.ndarray | None = None  # job -> its adapter's index (None: every job the base model's)
 
     @classmethod
     def of(cls, prompts: Sequence[Sequence[int]], weights: Sequence[int] | None = None,
            max_new: Sequence[int] | None = None, vocab_size: int = 1 << 32, run_jobs: int = RUN_JOBS,
-           requests: Sequence[Sequence[RequestShape]] | None = None) -> "PrefixIndex":
+           requests: Sequence[Sequence[RequestShape]] | None = None,
+           adapters: Sequence[int] | None = None) -> "PrefixIndex":
         """Keys and their jobs' requests; without `requests`, each key a generating job's prompt
         with `weights` samples (1) of `max_new` tokens (1)."""
         if requests is None:
@@ -189,7 +215,7 @@ class PrefixIndex:
             news = max_new if max_new is not None else [1] * len(prompts)
             requests = [[RequestShape(len(p), fed_length(len(p), m, None), m, n)] for p, n, m in zip(prompts, ns, news)]
         b = IndexBuilder(vocab_size, run_jobs)
-        b.add(prompts, requests)
+        b.add(prompts, requests, adapters)
         return b.build()
 
     def __len__(self) -> int:

@@ -30,6 +30,7 @@ import pyarrow as pa
 from jobs import InvalidRow, Job, JobError
 from jobs.errors import OptionError, option
 from jobs.chunks import PlainRows
+from pipeline.run.adapters import Adapters
 from pipeline.run.inputrows import PlainCheck, Rows, tokenize_plain
 from pipeline.run.jobstore import JobSpool, Problems
 from pipeline.run.overlap import check_apart
@@ -62,6 +63,7 @@ class Checked:
     # refused elements of OpenAI list prompts: their request's custom_id, their element (errors are per request)
     custom_ids: dict[int, tuple[str, int]]
     window: int | None = None  # the model's context window: a long prompt is scored in windows of it
+    adapters: Adapters | None = None  # the run's adapters: each job's is resolved and checked
 
     def close(self) -> None:
         if self.spool is not None:
@@ -149,10 +151,11 @@ def check_inputs(inputs: list[str], options: RunOptions, purpose: str = "process
     tokenizer = Tokenizer.load(source, trust_remote_code=options.trust_remote_code, without_torch=light)
     check_default_constraint(tokenizer, options)
     # `process` keeps every job (on disk, for the engine): its rows all become Jobs here
-    rows = Rows(list(inputs), options, columnar=purpose != "process")
+    adapters = Adapters.of(options.adapters, config)  # a bad default or --adapter value fails here
+    rows = Rows(list(inputs), options, columnar=purpose != "process", adapters=adapters)
     refused = rows.refusal(rows.template) if rows.refusal is not None else None
     plain = PlainCheck(rows.template, window, generation_error(rows.template, tokenizer, vocab), refused)
-    keep = _Keep(tokenizer, window, vocab, plain,
+    keep = _Keep(tokenizer, window, vocab, plain, adapters,
                  IndexBuilder(tokenizer.vocab_size) if purpose != "validate" else None,
                  JobSpool() if purpose == "process" else None, JobDigest() if purpose == "process" else None)
     try:
@@ -172,7 +175,7 @@ def check_inputs(inputs: list[str], options: RunOptions, purpose: str = "process
     index, digest = keep.index, keep.digest
     return Checked(rows.total, keep.invalid, np.frombuffer(keep.orders, dtype=np.int64),
                    index.build() if index is not None else None, keep.spool, rows.schema(), tokenizer,
-                   digest.hexdigest() if digest is not None else None, keep.custom_ids, window)
+                   digest.hexdigest() if digest is not None else None, keep.custom_ids, window, adapters)
 
 
 class _Keep:
@@ -180,8 +183,11 @@ class _Keep:
     (jobs are numbered in input order), and per purpose the prompt index, the spool, the digest."""
 
     def __init__(self, tokenizer: Tokenizer, window: int | None, vocab: int | None, plain: PlainCheck,
-                 index: IndexBuilder | None, spool: JobSpool | None, digest: JobDigest | None) -> None:
+                 adapters: Adapters, index: IndexBuilder | None, spool: JobSpool | None,
+                 digest: JobDigest | None) -> None:
         self.tokenizer, self.window, self.vocab, self.plain = tokenizer, window, vocab, plain
+        self.adapters = adapters
+        self.plain_adapter = adapters.index_of(plain.template)  # plain rows run the default
         self.index, self.spool, self.digest = index, spool, digest
         self.invalid = Problems()
         self.orders = array.array("q")
@@ -209,11 +215,12 @@ class _Keep:
             bad.append((order, problem))
             if job.prompt_index is not None:
                 self.custom_ids[order] = (job.custom_id, job.prompt_index)
-        # kept jobs as columns: input positions, then (for the index) keys and requests
+        # kept jobs as columns: input positions, then (for the index) keys, requests and adapters
         columns: list[list] = [[o for o, _, _ in kept]]
         if self.index is not None:  # the requests process will run (a scoring job's keyed by its context)
             entries = [index_entry(j, t, self.window) for _, j, t in kept]
-            columns += [pack_keys([key for key, _ in entries], self.index.width), [shapes for _, shapes in entries]]
+            columns += [pack_keys([key for key, _ in entries], self.index.width), [shapes for _, shapes in entries],
+                        [self.adapters.index_of(j) for _, j, _ in kept]]
         for rows, (lengths, index) in zip(plain, counted):
             refused = self.plain.problems(rows, lengths)
             bad += [(rows.orders[k], problem) for k, problem in refused.items()]
@@ -222,6 +229,7 @@ class _Keep:
             if self.index is not None:
                 columns[1] += [index[0][k] for k in ok] if refused else index[0]
                 columns[2] += [index[1][k] for k in ok] if refused else index[1]
+                columns[3] += [self.plain_adapter] * len(ok)
         if kept and plain:  # both kinds in one chunk: back to input order
             by_order = sorted(range(len(columns[0])), key=columns[0].__getitem__)
             columns = [[c[i] for i in by_order] for c in columns]
@@ -242,6 +250,8 @@ class JobDigest:
 
     def add(self, order: int, job: Job) -> None:
         item = [order, job.id, job.prompt, job.messages, job.extra, job.generation(), job.custom_id, job.prompt_index]
+        if job.adapter is not None:  # (the digests of job sets without adapters stay what they were)
+            item.append(job.adapter)
         self._hash.update(json.dumps(item, sort_keys=True, default=str).encode() + b"\n")
 
     def hexdigest(self) -> str:
@@ -281,12 +291,12 @@ def vocab_size(config: Any) -> int | None:
 
 
 def make_requests(order: int, job: Job, tokens: JobTokens, tokenizer: Tokenizer, window: int | None,
-                  run_seed: int | None, vocab: int | None = None) -> list[Request] | InvalidRow:
-    """A job's requests (pipeline/text/expand.py), or why it cannot run."""
+                  run_seed: int | None, vocab: int | None = None, adapter: int = 0) -> list[Request] | InvalidRow:
+    """A job's requests (pipeline/text/expand.py), with its adapter's index, or why it cannot run."""
     problem = token_problem(job, tokens, window) or generation_error(job, tokenizer, vocab)
     if problem is not None:
         return problem
-    return job_requests(order, job, tokens, tokenizer, window, job_seed(run_seed, job))
+    return job_requests(order, job, tokens, tokenizer, window, job_seed(run_seed, job), adapter)
 
 
 def check_default_constraint(tokenizer: Tokenizer, options: RunOptions) -> None:

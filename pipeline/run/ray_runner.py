@@ -37,15 +37,18 @@ _WORK_KEY = b"batchgen_work"  # a part's engine work, in its Parquet metadata
 UNSHARED_BUCKETS = 64  # jobs that share no prefix are spread over this many groups
 
 
-def group_keys(prompts: dict[int, list[int]], min_shared_tokens: int, workers: int) -> dict[int, str]:
-    """Each job's group: its top shared prefix (`windows.units`), or a bucket of unshared jobs."""
+def group_keys(prompts: dict[int, list[int]], min_shared_tokens: int, workers: int,
+               adapters: dict[int, int] | None = None) -> dict[int, str]:
+    """Each job's group: its top shared prefix (`windows.units`; of its adapter's jobs, by the
+    adapter index in `adapters`), or a bucket of unshared jobs."""
     import numpy as np
 
     from pipeline.run.prefix_index import PrefixIndex
     from pipeline.run.windows import units
 
     orders = list(prompts)
-    index = PrefixIndex.of([prompts[o] for o in orders])
+    index = PrefixIndex.of([prompts[o] for o in orders],
+                           adapters=[adapters.get(o, 0) for o in orders] if adapters else None)
     jobs, held = index.subset(np.arange(len(index)))
     found = units(held, index.lengths[jobs], index.weights[jobs], min_shared_tokens)
     keys = {}
@@ -82,7 +85,7 @@ class _Generate:
     """A Ray actor: loads the model once, runs whole prefix groups, writes each as a part."""
 
     def __init__(self, model: str | None, device: str, dtype: str, options: RunOptions, jobs_blob: bytes,
-                 out_dir: str, schema_blob: bytes, trust_remote_code: bool) -> None:
+                 out_dir: str, schema_blob: bytes, trust_remote_code: bool, adapters: Any = None) -> None:
         import pickle
 
         from pipeline.model.hf import as_forward
@@ -91,6 +94,9 @@ class _Generate:
 
         loaded, source = load_model(model, device, dtype, trust_remote_code)
         self.model = as_forward(loaded)
+        self.adapters = adapters  # the driver's: every job's adapter resolved and checked
+        if adapters is not None and adapters.infos:
+            self.model.set_adapters(adapters.infos)
         self.tok = Tokenizer.load(source, trust_remote_code=trust_remote_code)
         self.options, self.out_dir = options, out_dir
         self.jobs = pickle.loads(jobs_blob)
@@ -106,7 +112,8 @@ class _Generate:
         orders = sorted(ids)
         mine = {o: self.jobs[o] for o in orders}
         # the driver checked every job: each one here makes a request
-        by_job = {o: make_requests(o, mine[o], JobTokens(ids[o]), self.tok, None, self.options.defaults.seed)
+        by_job = {o: make_requests(o, mine[o], JobTokens(ids[o]), self.tok, None, self.options.defaults.seed,
+                                   adapter=self.adapters.index_of(mine[o]) if self.adapters is not None else 0)
                   for o in orders}
         requests = [r for o in orders for r in by_job[o]]
         engine = Engine.for_model(self.model, self.tok.eos_token_ids, min_shared_tokens=self.options.min_shared_tokens,
@@ -149,9 +156,13 @@ def process_ray(inputs: Sequence[str], out_dir: str, options: RunOptions, *, add
     if os.path.isfile(out_dir):
         raise JobError(f"{out_dir}: --engine ray writes a directory of parts; give a directory path")
     os.makedirs(out_dir, exist_ok=True)
-    jobs, invalid, schema = read_checked(list(inputs), options)
-    schema = schema.append(pa.field(ORDER, pa.int64()))
+    from pipeline.model.load import load_config
+    from pipeline.run.adapters import Adapters
+
     source = options.model if options.model is not None else str(default_model_path())
+    adapters = Adapters.of(options.adapters, load_config(options.model, options.trust_remote_code))
+    jobs, invalid, schema = read_checked(list(inputs), options, adapters)
+    schema = schema.append(pa.field(ORDER, pa.int64()))
     model_name = options.model or DEFAULT_MODEL
 
     started_ray = not ray.is_initialized()
@@ -165,7 +176,8 @@ def process_ray(inputs: Sequence[str], out_dir: str, options: RunOptions, *, add
     try:
         # where the actors run, `auto` resolves to their device: ask a task with their resources
         probe = ray.remote(num_cpus=0, num_gpus=gpus_per_worker or 0)(resolve_precision)
-        settings = run_settings(options, model_name, ray.get(probe.remote(options.device, options.dtype, options.model)))
+        settings = run_settings(options, model_name, ray.get(probe.remote(options.device, options.dtype, options.model)),
+                                adapters.digests())
         claim(out_dir, job_set_key(job_digest(jobs), settings), settings, options.overwrite)
         done = done_orders(out_dir)
         todo = [{"order": o, "prompt": j.prompt or "", "messages": json.dumps(j.messages) if j.messages else ""}
@@ -188,7 +200,7 @@ def process_ray(inputs: Sequence[str], out_dir: str, options: RunOptions, *, add
                     ids[o] = x
                 else:
                     invalid[o] = bad
-            keys = group_keys(ids, options.min_shared_tokens, workers)
+            keys = group_keys(ids, options.min_shared_tokens, workers, {o: adapters.index_of(jobs[o]) for o in ids})
             table = pa.table({"order": list(ids), "ids": [json.dumps(ids[o]) for o in ids],
                               "group": [keys[o] for o in ids]})
             (ray.data.from_arrow(table)
@@ -197,7 +209,8 @@ def process_ray(inputs: Sequence[str], out_dir: str, options: RunOptions, *, add
                          num_cpus=0 if gpus_per_worker else 0.5, num_gpus=gpus_per_worker or None,
                          fn_constructor_args=(options.model, options.device, options.dtype, options,
                                               pickle.dumps({o: jobs[o] for o in ids}), out_dir,
-                                              schema.serialize().to_pybytes(), options.trust_remote_code))
+                                              schema.serialize().to_pybytes(), options.trust_remote_code,
+                                              adapters))
              .take_all())
     finally:
         if started_ray:

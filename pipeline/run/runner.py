@@ -63,7 +63,8 @@ def process(inputs: Sequence[str], output: str, options: RunOptions,
             mine = _mine(checked, options, shard)
             report_invalid = shard is None or shard[0] == 0  # rows that cannot run: shard 0 reports them
             model_name = options.model or DEFAULT_MODEL
-            settings = run_settings(options, model_name, resolve_precision(options.device, options.dtype, options.model))
+            settings = run_settings(options, model_name, resolve_precision(options.device, options.dtype, options.model),
+                                    checked.adapters.digests())
             job_set = job_set_key(checked.digest, settings)
             key = f"{job_set}:{options.shard}"
             # refused before the model loads; checked again under the output's lock
@@ -73,6 +74,8 @@ def process(inputs: Sequence[str], output: str, options: RunOptions,
             set_threads(options.threads)
             bound_kernel_caches()
             model = as_forward(load_model(options.model, options.device, options.dtype, options.trust_remote_code)[0])
+            if checked.adapters.infos:  # every adapter the jobs use, loaded once (index i + 1: infos[i])
+                model.set_adapters(checked.adapters.infos)
 
             stop.defer()  # writing starts: a signal now stops between steps, after committing
             store = None
@@ -216,7 +219,8 @@ class _Run:
                 order, job = int(checked.orders[number]), records[number]
                 jobs[order] = job
                 mine = job_requests(order, job, tokens.get(number) or JobTokens(ids), checked.tokenizer,
-                                    checked.window, job_seed(options.defaults.seed, job))
+                                    checked.window, job_seed(options.defaults.seed, job),
+                                    checked.adapters.index_of(job))
                 want[order] = completions_expected(mine)
                 cached[order] = int(reuse[number])
                 requests += mine

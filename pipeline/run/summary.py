@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping
 
 import pyarrow as pa
@@ -35,6 +35,9 @@ class JobCounts:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    # completed jobs per LoRA adapter (the output's `adapter` column; "" the base model), when
+    # some job of the output ran one
+    adapter_jobs: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def of(cls, results: pa.Table, failed: int) -> "JobCounts":
@@ -57,13 +60,29 @@ class JobCounts:
         self.prompt_tokens += total(first, "prompt_tokens")
         self.cached_tokens += total(first, "cached_tokens")
         self.completion_tokens += total(results, "completion_tokens")
+        if "adapter" in results.column_names and first.num_rows:
+            for label, n in zip(*_value_counts(first["adapter"])):
+                self.adapter_jobs[label] = self.adapter_jobs.get(label, 0) + n
 
     def add_failed(self, failed: int) -> None:
         self.jobs += failed
         self.failed += failed
 
 
-COUNTERS = tuple(f.name for f in fields(JobCounts)) + tuple(WORK_COUNTERS)
+def _value_counts(column: pa.ChunkedArray) -> tuple[list[str], list[int]]:
+    counts = pc.value_counts(pc.fill_null(column, ""))
+    return counts.field("values").to_pylist(), counts.field("counts").to_pylist()
+
+
+def add_adapter_jobs(*counts: Mapping[str, int]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in counts:
+        for label, n in (c or {}).items():
+            out[label] = out.get(label, 0) + int(n)
+    return dict(sorted(out.items()))
+
+
+COUNTERS = tuple(f.name for f in fields(JobCounts) if f.name != "adapter_jobs") + tuple(WORK_COUNTERS)
 
 
 def work_of(stats: RunStats) -> dict[str, int]:
@@ -76,8 +95,12 @@ def add_work(*works: Mapping[str, int]) -> dict[str, int]:
 
 def summarize(counts: JobCounts, work: Mapping[str, int], wall: float) -> dict[str, Any]:
     """The counters and the rates derived from them (also what `merge` recomputes)."""
+    out = asdict(counts)
+    adapter_jobs = add_adapter_jobs(out.pop("adapter_jobs"))
+    if adapter_jobs:  # (only where some job ran an adapter)
+        out["adapter_jobs"] = adapter_jobs
     return {
-        **asdict(counts),
+        **out,
         **add_work(work),
         # prefill work of all runs over the prompts of the output: a resume that redid work saves less
         "prefill_saving": round(1 - work.get("prefill_tokens", 0) / counts.prompt_tokens, 4)
@@ -128,7 +151,9 @@ def used(**counts: int) -> str | None:
 def merged(summaries: list[Mapping[str, Any]]) -> dict[str, Any]:
     """Shard summaries joined: counters summed, rates recomputed; every other field is the first
     shard's (model, versions, options and job set are the same for all shards of one command)."""
-    counts = JobCounts(**{f.name: sum(int(s.get(f.name, 0) or 0) for s in summaries) for f in fields(JobCounts)})
+    counts = JobCounts(**{f.name: sum(int(s.get(f.name, 0) or 0) for s in summaries) for f in fields(JobCounts)
+                          if f.name != "adapter_jobs"},
+                       adapter_jobs=add_adapter_jobs(*(s.get("adapter_jobs") for s in summaries)))
     wall = max(float(s.get("wall_seconds", 0) or 0) for s in summaries)  # shards run side by side
     out = dict(summaries[0])
     out.update(summarize(counts, add_work(*summaries), wall))

@@ -110,10 +110,13 @@ def sampling_params(job: Job, seed: int) -> SamplingParams:
 
 
 def job_requests(order: int, job: Job, tokens: JobTokens, tokenizer: Tokenizer, window: int | None,
-                 seed: int) -> list[Request]:
+                 seed: int, adapter: int = 0) -> list[Request]:
     """The requests of a checked job (`token_problem` and the generation checks passed); `seed`
-    is the job's (its own, or the one the run gives it)."""
+    is the job's (its own, or the one the run gives it); `adapter` the index of its adapter
+    (pipeline/run/adapters.py; 0: the base model)."""
     requests = token_requests(order, job, tokens, window, seed)
+    for r in requests:
+        r.adapter = adapter
     if tokens.pairs is None and job.max_new_tokens:  # a generating job: how its samples stop
         request = requests[0]
         request.stop = tokenizer.stop_check(job.stop)

@@ -22,7 +22,8 @@ def result_rows(job: Job, completions: list[Completion], tokenizer: Tokenizer) -
     """A finished job's rows: one per sample; one for a job that generates nothing (a scoring job,
     a prompt scored alone), whose token counts sum over its requests (continuations, windows)."""
     if job.is_scoring or job.max_new_tokens == 0:
-        return [{**job.extra, "id": job.id, "prompt_index": job.prompt_index, "sample_index": 0, "completion": "",
+        return [{**job.extra, "id": job.id, "prompt_index": job.prompt_index, "adapter": job.adapter,
+                 "sample_index": 0, "completion": "",
                  "finish_reason": completions[0].finish_reason,
                  "prompt_tokens": sum(c.prompt_tokens for c in completions),
                  "cached_tokens": sum(c.cached_tokens for c in completions), "completion_tokens": 0,
@@ -35,6 +36,7 @@ def result_rows(job: Job, completions: list[Completion], tokenizer: Tokenizer) -
             **job.extra,
             "id": job.id,
             "prompt_index": job.prompt_index,
+            "adapter": job.adapter,
             "sample_index": c.sample_index,
             "completion": text,
             "finish_reason": "stop" if stopped else c.finish_reason,

@@ -191,3 +191,34 @@ def test_the_command_line_runs_offline_with_the_default_model(tmp_path, tasks):
     a, b = [float(x) for x in per_request({"samples": {"batchgen_mc": samples}})], per_request(hf)
     assert len(a) == len(b) == 8 * 4
     assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+
+
+def test_a_peft_adapter_scores_and_generates_as_the_hf_backend_on_its_merged_model(model_dir, tmp_path):
+    """`peft=ADAPTER_DIR`: the loglikelihoods and greedy text of the hf backend on PEFT's merged
+    model. (The hf backend's own `peft=` is no reference here: it resizes the model's embeddings to
+    the tokenizer's length, which changes the tiny model's vocabulary.)"""
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.registry import get_model
+
+    import pipeline.evalharness  # noqa: F401
+    from tests.helpers.tiny_adapters import make_adapter, merged
+    from tests.helpers.tiny_models import make_model
+    from tests.helpers.tiny_tokenizer import make_tokenizer
+
+    adapter = make_adapter(make_model("llama"), tmp_path / "adapter", rank=8, seed=3)
+    merged(make_model("llama"), adapter).save_pretrained(tmp_path / "merged")
+    make_tokenizer().save_pretrained(tmp_path / "merged")
+    hf = get_model("hf").create_from_arg_string(f"pretrained={tmp_path / 'merged'},dtype=float32,max_length=48,"
+                                                "device=cpu", {"batch_size": 4})
+    bg = get_model("batchgen").create_from_arg_string(f"pretrained={model_dir},dtype=float32,max_length=48,"
+                                                      f"peft={adapter}", {})
+    plain = get_model("batchgen").create_from_arg_string(f"pretrained={model_dir},dtype=float32,max_length=48", {})
+    texts = ["the river runs long and cold by the quiet town " * 4, "a short one"]
+    rolling = [Instance("loglikelihood_rolling", {}, (t,), i) for i, t in enumerate(texts)]
+    a, b = bg.loglikelihood_rolling(rolling), hf.loglikelihood_rolling(rolling)
+    assert all(abs(x - y) < 1e-4 for x, y in zip(a, b))
+    assert all(abs(x - y) > 1e-2 for x, y in zip(a, plain.loglikelihood_rolling(rolling)))  # the adapter counts
+    pairs = [Instance("loglikelihood", {}, ("Q: what is it? A:", " a river"), 0)]
+    assert abs(bg.loglikelihood(pairs)[0][0] - hf.loglikelihood(pairs)[0][0]) < 1e-4
+    gen = [Instance("generate_until", {}, ("Q: what is it? A:", {"until": ["\n", "Q:"], "max_gen_toks": 8}), 0)]
+    assert bg.generate_until(gen) == hf.generate_until(gen)

@@ -105,3 +105,53 @@ def test_a_prompts_head_comes_back_from_the_tails(prompts, data):
     position = data.draw(st.integers(0, len(prompts) - 1))
     n = data.draw(st.integers(0, 16))
     assert index.head(position, n) == prompts[int(index.order[position])][:n]
+
+
+@SETTINGS
+@given(PROMPTS, st.data(), st.integers(0, 5), st.sampled_from([16, 40, 100, 65536]), st.booleans(),
+       st.sampled_from([2, 256]))
+def test_with_adapters_the_plan_from_numbers_is_the_schedulers_plan(prompts, data, min_shared, budget, cascade,
+                                                                    max_slots):
+    """Jobs of adapters 0-3 over the same prompts: sorted by adapter, they share nothing across
+    adapters (LCP 0 there), and the plan from numbers is the engine's on its tree of adapter roots."""
+    ns, max_new = jobs_of(prompts, data)
+    adapters = data.draw(st.lists(st.integers(0, 3), min_size=len(prompts), max_size=len(prompts)))
+    index = PrefixIndex.of(prompts, ns, max_new, vocab_size=300, run_jobs=7, adapters=adapters)
+    jobs, held = index.subset(np.arange(len(index)))
+    jobs = jobs.tolist()
+    assert [adapters[j] for j in jobs] == sorted(adapters)
+    for i in range(1, len(jobs)):  # what two neighbours share: nothing across adapters
+        a, b = prompts[jobs[i - 1]][:-1], prompts[jobs[i]][:-1]
+        common = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
+        assert held[i] == (common if adapters[jobs[i - 1]] == adapters[jobs[i]] else 0)
+    tree, shapes = tree_of_sorted((i, prompts[j], max_new[j], ns[j], h if i else 0, adapters[j])
+                                  for i, (j, h) in enumerate(zip(jobs, held.tolist())))
+    # the same tree as inserting with token comparisons, each sequence under its adapter's root
+    compared, _ = tree_of((i, prompts[j][:-1], len(prompts[j]), max_new[j], ns[j], adapters[j])
+                          for i, j in enumerate(jobs))
+    assert [(n.depth, len(n.tokens), n.size, n.keys) for n in tree.nodes()] == \
+        [(n.depth, len(n.tokens), n.size, n.keys) for n in compared.nodes()]
+    want = plan(tree, shapes, min_shared_tokens=min_shared, max_batch_tokens=budget, cascade=cascade,
+                max_slots=max_slots)
+    for p in want.prefixes.values():  # a cached prefix is read by rows of its own adapter only
+        readers = {adapters[jobs[r.key]] for r in want.rows if r.prefix == p.id}
+        assert readers <= {adapters[jobs[p.key]]}
+    shapes = RequestShape([len(prompts[j]) for j in jobs], [len(prompts[j]) for j in jobs], [max_new[j] for j in jobs],
+                          [ns[j] for j in jobs])
+    got = plan_sorted([len(prompts[j]) for j in jobs], held.tolist(), [ns[j] for j in jobs], list(range(len(jobs) + 1)),
+                      shapes, min_shared_tokens=min_shared, max_batch_tokens=budget, cascade=cascade,
+                      max_slots=max_slots, adapters=[adapters[j] for j in jobs])
+    assert got.prefixes == [(p.key, p.start, p.end) for p in want.prefixes.values()]
+    keys = [r.key for r in want.rows]
+    assert got.rows == [k for i, k in enumerate(keys) if not i or keys[i - 1] != k]
+    assert got.batches == want.batches
+    assert got.prefill_tokens == want.prefill_tokens()
+    kw = dict(min_shared_tokens=min_shared, max_batch_tokens=budget, window_jobs=3, window_tokens=40)
+    report = summarize(index, **kw)
+    assert report == summarize(index, reference=True, **kw)
+    if not any(adapters):  # only the base model: the report has no adapters (and the index none)
+        assert "adapters" not in report and index.adapters is None
+        return
+    assert sum(a["jobs"] for a in report["adapters"]) == len(prompts)
+    assert {a["adapter"] for a in report["adapters"]} == {str(a) if a else None for a in adapters}
+    assert sum(a["groups"] for a in report["adapters"]) == report["groups"]

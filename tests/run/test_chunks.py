@@ -183,8 +183,8 @@ def checked(paths, model_dir, purpose, fast, monkeypatch, **defaults):
 
     real = inputrows.Rows.__init__
     with monkeypatch.context() as patch:  # columnar=False: every row a Job, as `process` has them
-        patch.setattr(inputrows.Rows, "__init__", lambda self, inputs, options, columnar=False:
-                      real(self, inputs, options, columnar and fast))
+        patch.setattr(inputrows.Rows, "__init__", lambda self, inputs, options, columnar=False, adapters=None:
+                      real(self, inputs, options, columnar and fast, adapters))
         return preflight.check_inputs(paths, RunOptions(model=str(model_dir), defaults=GenerationDefaults(**defaults)),
                                       purpose=purpose)
 

@@ -44,13 +44,25 @@ def test_a_tokenizer_without_chat_template_fails_only_the_chat_jobs():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command", ["validate", "plan"])
-def test_validate_and_plan_never_import_torch(tmp_path, model_dir, command):
+@pytest.mark.parametrize("adapters", [False, True])
+def test_validate_and_plan_never_import_torch(tmp_path, model_dir, command, adapters):
+    """Also with adapters (a registered one, a bad one, one by path): checked from their files."""
     src = tmp_path / "jobs.jsonl"
-    src.write_text("".join(json.dumps({"prompt": f"Shared words for all of them. Job {i}"}) + "\n" for i in range(5)))
-    code = ("import sys; sys.argv = ['batchgen', %r, %r, '--model', %r]\n"
+    rows = [{"prompt": f"Shared words for all of them. Job {i}"} for i in range(5)]
+    flags = []
+    if adapters:
+        from tests.helpers.tiny_adapters import make_adapter
+        from tests.helpers.tiny_models import make_model
+
+        good = make_adapter(make_model("llama"), tmp_path / "good", rank=2)
+        rows[1]["adapter"], rows[2]["adapter"], rows[3]["adapter"] = "a", str(good), str(tmp_path / "none")
+        flags = ["--adapter", f"a={good}"]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code = ("import sys; sys.argv = ['batchgen', %r, %r, '--model', %r, *%r]\n"
             "from pipeline.cli import main\n"  # the script's own exit (os._exit) would skip the check below
             "try:\n    main()\n"
-            "except SystemExit as e:\n    assert not e.code, e.code\n"
-            "assert 'torch' not in sys.modules, 'torch was imported'\nprint('ok')") % (command, str(src), str(model_dir))
+            "except SystemExit as e:\n    assert not e.code or %r, e.code\n"  # validate: 1 for the bad one
+            "assert 'torch' not in sys.modules, 'torch was imported'\nprint('ok')") % (
+                command, str(src), str(model_dir), flags, adapters and command == "validate")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
