@@ -19,7 +19,8 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from pipeline.errors import BatchgenError
-from pipeline.model.load import _own_decoder_config, load_model, model_source, resolve_device
+from pipeline.model import load
+from pipeline.model.load import _own_decoder_config, model_source, resolve_device
 
 # While both threads run, the reading thread hands the GIL to the loading thread this often
 # (Python's default is 5 ms): each of the loader's torch ops needs the GIL back to return, and
@@ -40,7 +41,7 @@ class ModelAhead:
             self._interval = sys.getswitchinterval()
             sys.setswitchinterval(min(self._interval, _SWITCH_INTERVAL))
             pool = ThreadPoolExecutor(1, thread_name_prefix="batchgen-load")
-            self._future = pool.submit(load_model, *self._args)
+            self._future = pool.submit(load.load_model, *self._args)
             pool.shutdown(wait=False)  # the thread ends with its one task
 
     @property
@@ -51,7 +52,7 @@ class ModelAhead:
     def result(self) -> tuple[Any, str]:
         """`load_model`'s result (or its error)."""
         if self._future is None:
-            return load_model(*self._args)
+            return load.load_model(*self._args)
         try:
             return self._future.result()
         finally:
