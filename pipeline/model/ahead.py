@@ -22,9 +22,10 @@ from pipeline.errors import BatchgenError
 from pipeline.model import load
 from pipeline.model.load import _own_decoder_config, model_source, resolve_device
 
-# While both threads run, the reading thread hands the GIL to the loading thread this often
-# (Python's default is 5 ms): each of the loader's torch ops needs the GIL back to return, and
-# waiting the default at each of its few hundred ops would serialize the two again.
+# While the model loads, a thread holding the GIL hands it on this often (Python's default is
+# 5 ms): each of the loader's torch ops needs the GIL back to return, and waiting the default at
+# each of its few hundred ops would serialize the two threads again. Back to the default as soon
+# as the model is loaded (reading a big input goes on for long after).
 _SWITCH_INTERVAL = 0.0005
 
 
@@ -36,12 +37,11 @@ class ModelAhead:
                  trust_remote_code: bool = False) -> None:
         self._args = (name_or_path, device, dtype, trust_remote_code)
         self._future: Future | None = None
-        self._interval: float | None = None
+        self._interval = sys.getswitchinterval()
         if _own_decoder_on_cpu(name_or_path, device):
-            self._interval = sys.getswitchinterval()
             sys.setswitchinterval(min(self._interval, _SWITCH_INTERVAL))
             pool = ThreadPoolExecutor(1, thread_name_prefix="batchgen-load")
-            self._future = pool.submit(load.load_model, *self._args)
+            self._future = pool.submit(self._load)
             pool.shutdown(wait=False)  # the thread ends with its one task
 
     @property
@@ -53,10 +53,7 @@ class ModelAhead:
         """`load_model`'s result (or its error)."""
         if self._future is None:
             return load.load_model(*self._args)
-        try:
-            return self._future.result()
-        finally:
-            self._restore()
+        return self._future.result()
 
     def discard(self) -> None:
         """Waits until a loading thread is done and drops what it loaded (a run that stops
@@ -64,12 +61,12 @@ class ModelAhead:
         if self._future is not None:
             wait([self._future])
             self._future = None
-            self._restore()
 
-    def _restore(self) -> None:
-        if self._interval is not None:
+    def _load(self) -> tuple[Any, str]:
+        try:
+            return load.load_model(*self._args)
+        finally:
             sys.setswitchinterval(self._interval)
-            self._interval = None
 
 
 def _own_decoder_on_cpu(name_or_path: str | None, device: str) -> bool:
