@@ -47,8 +47,10 @@ if TYPE_CHECKING:
 def process(inputs: Sequence[str], output: str, options: RunOptions,
             progress: Callable[[Progress], None] | None = None) -> dict[str, Any]:
     """Run every valid job of `inputs`; write `output`, its errors file and its summary."""
+    from pipeline.model.ahead import ModelAhead
     from pipeline.model.hf import as_forward
-    from pipeline.model.load import DEFAULT_MODEL, load_model, resolve_precision
+    from pipeline.model.kernels import set_threads
+    from pipeline.model.load import DEFAULT_MODEL, resolve_precision
     from pipeline.run.parts import PartStore, job_set_key, may_resume, read_manifest
     from pipeline.run.sharding import parse_shard
 
@@ -58,7 +60,15 @@ def process(inputs: Sequence[str], output: str, options: RunOptions,
         shard = parse_shard(options.shard)
         check_options(options)
         check_output(output, options.output_format, options.overwrite, inputs)
-        checked = check_inputs(list(inputs), options)
+        set_threads(options.threads)
+        bound_kernel_caches()
+        # the weights load on a worker thread while the jobs are read and tokenized (ahead.py)
+        model_ahead = ModelAhead(options.model, options.device, options.dtype, options.trust_remote_code)
+        try:
+            checked = check_inputs(list(inputs), options)
+        except BaseException:
+            model_ahead.discard()
+            raise
         try:
             mine = _mine(checked, options, shard)
             report_invalid = shard is None or shard[0] == 0  # rows that cannot run: shard 0 reports them
@@ -67,13 +77,9 @@ def process(inputs: Sequence[str], output: str, options: RunOptions,
                                     checked.adapters.digests())
             job_set = job_set_key(checked.digest, settings)
             key = f"{job_set}:{options.shard}"
-            # refused before the model loads; checked again under the output's lock
+            # refused before the run takes the model; checked again under the output's lock
             may_resume(output + ".parts", read_manifest(output + ".parts"), key, options.overwrite)
-            from pipeline.model.kernels import set_threads
-
-            set_threads(options.threads)
-            bound_kernel_caches()
-            model = as_forward(load_model(options.model, options.device, options.dtype, options.trust_remote_code)[0])
+            model = as_forward(model_ahead.result()[0])
             if checked.adapters.infos:  # every adapter the jobs use, loaded once (index i + 1: infos[i])
                 model.set_adapters(checked.adapters.infos)
 
@@ -95,6 +101,7 @@ def process(inputs: Sequence[str], output: str, options: RunOptions,
                 if store is not None:
                     store.close()
         finally:
+            model_ahead.discard()  # a run refused before it took the model: no loading thread left
             checked.close()
 
 

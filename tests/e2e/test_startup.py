@@ -14,7 +14,10 @@ from pipeline.engine.sampling import warp
 
 pytestmark = pytest.mark.slow
 
-NOT_IMPORTED = ("transformers", "pandas", "huggingface_hub", "datasets", "ray")
+NOT_IMPORTED = ("transformers", "pandas", "huggingface_hub", "datasets", "ray", "peft", "llguidance", "jsonschema",
+                "lm_eval", "sympy", "scipy")
+# torch's parts that `import torch` leaves out, which only compiling or building extensions imports
+TORCH_NOT_IMPORTED = ("torch._dynamo", "torch._inductor", "torch.utils.cpp_extension", "torch.onnx")
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.8, 0, 1.0), (1.3, 5, 1.0), (0.7, 0, 0.9), (1.0, 3, 0.5),
@@ -34,7 +37,8 @@ def test_warp_is_transformers_warpers(temperature, top_k, top_p):
 
 def test_a_cli_run_imports_neither_transformers_nor_pandas(tmp_path, model_dir):
     """The first run of a model directory loads its tokenizer through transformers and records it
-    (pipeline/text/fast_tokenizer.py); the next imports neither, and writes the same output."""
+    (pipeline/text/fast_tokenizer.py); the next imports neither (nor any other package a run of
+    the decoder does not need, nor more of torch than `import torch`), and writes the same output."""
     import transformers
 
     src = tmp_path / "jobs.jsonl"
@@ -51,11 +55,13 @@ def test_a_cli_run_imports_neither_transformers_nor_pandas(tmp_path, model_dir):
                                "--model", str(model_dir), "--max-new-tokens", "5", "--device", "cpu"],
                               capture_output=True, text=True, env=env, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
+        modules = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time")}
         # packages whose submodules were imported (a package refused at its name alone shows there too)
-        imported = {name.split(".")[0] for name in (line.split("|")[-1].strip() for line in proc.stderr.splitlines()
-                                                    if line.startswith("import time")) if "." in name}
+        imported = {name.split(".")[0] for name in modules if "." in name}
         assert ("transformers" in imported) if run == 0 else not imported & set(NOT_IMPORTED), \
             sorted(imported & set(NOT_IMPORTED))
+        assert run == 0 or "torch" in modules and not modules & set(TORCH_NOT_IMPORTED), \
+            sorted(modules & set(TORCH_NOT_IMPORTED))
         summary = json.loads(out.with_name(out.name + ".summary.json").read_text())
         assert summary["versions"]["transformers"] == transformers.__version__
         outputs.append(pq.read_table(out).to_pylist())
