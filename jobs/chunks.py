@@ -169,7 +169,9 @@ def _jsonl(path: str, state: RecordJobs, out: _Chunker, carried: bool) -> Iterat
                         extra = None
                         if job_id is not None and len(record) > 1 + ("id" in record):
                             extra = _carried(record)
-                            if extra is None:
+                            # a nested value: the reference's parse must take the line too (its limits hold)
+                            if extra is None or (any(type(v) is list or type(v) is dict for v in extra.values())
+                                                 and type(_parse_line(raw)) is not dict):
                                 job_id = None
                         if job_id is not None:
                             if extra:
@@ -187,13 +189,10 @@ def _jsonl(path: str, state: RecordJobs, out: _Chunker, carried: bool) -> Iterat
                                 rows = PlainRows(path)
                                 out.plain.append(rows)
                             continue
-                    else:
-                        record = None
+                    record = None  # the reference parses the line itself: its rules and messages
                 elif not raw.strip():
                     continue
-                if record is None:  # the parse as the reference makes it, error messages included
-                    record = _parse_line(raw)
-                for chunk in out.add(state.of(Location(path, line=line_no), record)):
+                for chunk in out.add(state.of(Location(path, line=line_no), _parse_line(raw))):
                     yield chunk
                     if not out.plain or out.plain[-1] is not rows:
                         rows = PlainRows(path)
