@@ -5,8 +5,8 @@ Only runs whose every row holds a prompt and at most an id are taken here (any o
 float or a bool id, ... : the caller reads the lines one by one). What Arrow's reader (RapidJSON)
 takes differently from json.loads makes it fail or makes a column of another type, and either
 sends the lines back to the caller: a key given twice ("specified twice"), a lone surrogate
-escape, NaN or Infinity and integers past int64 (a float column), a string that looks like a date
-(a timestamp column). Arrow also takes what a JSON Lines reader must not: two objects on one
+escape, NaN or Infinity and integers past int64 (a float column), a string id that looks like a
+date (a timestamp column). Arrow also takes what a JSON Lines reader must not: two objects on one
 line, an object over several lines, blank lines. The caller hands in only lines that start with
 `{`, and a run is taken only where Arrow made exactly one row per line: in a run whose values are
 strings and numbers, no object can go on past its line's end, so then each row is its line's
@@ -23,16 +23,9 @@ import io
 import re
 from dataclasses import dataclass
 
-import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.json as pj
 
-# every character str.isspace() holds true (tests/run/test_bulkjson.py checks it against Python's)
-SPACES = "\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f \x85\xa0\u1680" + "".join(map(chr, range(0x2000, 0x200b))) + \
-    "\u2028\u2029\u202f\u205f\u3000"
-# a prompt holding one character outside SPACES is not blank (RE2 syntax)
-_NOT_BLANK = "[^" + "".join(f"\\x{{{ord(c):x}}}" for c in SPACES) + "]"
 # the prompt is a string, so no date-like prompt becomes a timestamp; the id's type is inferred
 _PARSE = pj.ParseOptions(explicit_schema=pa.schema([("prompt", pa.string())]), unexpected_field_behavior="infer")
 _ID_TYPES = (pa.int64(), pa.string(), pa.null())
@@ -41,12 +34,12 @@ _ERROR_ROW = re.compile(r" in row (\d+)$")
 
 @dataclass
 class Columns:
-    """A run's rows: ids (None: the row's default id), prompts, and which rows are plain as they
-    stand (the rest: read alone)."""
+    """A run's rows: ids (None: the row's default id), prompts, and the rows that may not be
+    plain as they stand (read alone), by index."""
 
     ids: list[int | str | None]
     prompts: list[str | None]
-    plain: np.ndarray
+    alone: list[int]
 
 
 def plain_columns(block: bytes, lines: int) -> Columns | int | None:
@@ -65,16 +58,16 @@ def plain_columns(block: bytes, lines: int) -> Columns | int | None:
     ids = table.column("id") if "id" in table.column_names else None
     if prompt.type != pa.string() or ids is not None and ids.type not in _ID_TYPES:
         return None
-    # empty, blank or missing: alone (Kleene logic: a null, where the prompt is missing, and false is false)
-    plain = pc.and_kleene(pc.match_substring_regex(prompt, _NOT_BLANK), pc.is_valid(prompt))
-    if ids is not None and ids.type == pa.string():  # an empty string id: alone (a null one is no id)
-        plain = pc.and_kleene(plain, pc.or_kleene(pc.is_null(ids), pc.greater(pc.binary_length(ids), 0)))
     try:
         prompts = prompt.to_pylist()
         id_list = ids.to_pylist() if ids is not None else [None] * lines
     except UnicodeDecodeError:  # not UTF-8: the reference path words it, line by line
         return None
-    return Columns(id_list, prompts, plain.to_numpy())
+    alone: list[int] = []
+    # no prompt, an empty or a blank one (str.isspace: the reference's own test), an empty id: alone
+    if None in prompts or "" in prompts or any(map(str.isspace, filter(None, prompts))) or "" in id_list:
+        alone = [k for k, (p, i) in enumerate(zip(prompts, id_list)) if not p or p.isspace() or i == ""]
+    return Columns(id_list, prompts, alone)
 
 
-__all__ = ["Columns", "SPACES", "plain_columns"]
+__all__ = ["Columns", "plain_columns"]

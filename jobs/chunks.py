@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any, Iterable, Iterator, Sequence
 
-import numpy as np
 import pyarrow as pa
 
 from .bulkjson import Columns, plain_columns
@@ -224,7 +223,7 @@ class _Lines:
             if isinstance(found, Columns):
                 yield from self._columns(found, lines, i, first)
                 return
-            if found is None or not 0 < found < j - i:  # no row to split at: the lines alone
+            if found is None or not 0 <= found < j - i:  # no row to split at: the lines alone
                 break
             yield from self._runs(lines, i, i + found, first)  # the run before the refused row
             yield from self.one_by_one(lines[i + found:i + found + 1], first + i + found)
@@ -232,10 +231,9 @@ class _Lines:
         yield from self.one_by_one(lines[i:j], first + i)
 
     def _columns(self, found: Columns, lines: list[bytes], i: int, first: int) -> Iterator[Chunk]:
-        """A run's rows in order: plain ones in columns, the others (and any run repeating an id) alone."""
-        alone = np.flatnonzero(~found.plain).tolist() + [len(found.ids)]
+        """A run's rows in order: plain ones in columns, the others alone."""
         k = 0
-        for end in alone:
+        for end in found.alone + [len(found.ids)]:
             if end > k:
                 yield from self._plain(found.ids[k:end], found.prompts[k:end], lines, i + k, first)
             if end < len(found.ids):

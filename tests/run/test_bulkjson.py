@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import gzip
 import json
-import sys
 
-import pyarrow as pa
-import pyarrow.compute as pc
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -120,11 +117,3 @@ def test_a_read_error_stops_where_the_reference_stops(tmp_path):
             read()
         messages.append(str(e.value))
     assert messages[0] == messages[1] and "read failed after line" in messages[0]
-
-
-def test_spaces_are_what_python_calls_whitespace():
-    everything = [chr(c) for c in range(sys.maxunicode + 1) if not 0xD800 <= c <= 0xDFFF]
-    assert set(bulkjson.SPACES) == {c for c in everything if c.isspace()}
-    # the blank check's pattern: a one-character prompt matches exactly where it is not a space
-    matched = pc.match_substring_regex(pa.array(everything), bulkjson._NOT_BLANK).to_pylist()
-    assert [c for c, m in zip(everything, matched) if not m] == [c for c in everything if c.isspace()]
