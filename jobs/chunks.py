@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import islice, repeat
 from typing import Any, Iterable, Iterator, Sequence
 
 import pyarrow as pa
@@ -161,11 +161,9 @@ def _jsonl(path: str, state: RecordJobs, out: _Chunker, carried: bool) -> Iterat
             failed: Exception | None = None
             while failed is None:
                 batch: list[bytes] = []
-                try:  # a read error: the lines read before it are taken first, as the reference takes them
-                    for raw in f:
-                        batch.append(raw)
-                        if len(batch) == _BULK_LINES:
-                            break
+                # a read error: the lines read before it are taken first, as the reference takes them
+                try:  # (list.extend keeps what the iterator gave before it raised)
+                    batch.extend(islice(f, _BULK_LINES))
                 except (OSError, EOFError, pa.ArrowException) as e:
                     failed = e
                 if line_no == 0 and batch and batch[0].startswith(_BOM):
