@@ -4,18 +4,20 @@ A million-row input is mostly rows like ``{"id": 17, "prompt": "...", "subject":
 prompt, at most an id, and maybe columns to carry through to the output. Through the reference
 path (``readers.read_jobs``: json.loads, a Location, then ``Job.from_record`` with every field
 check) such a row costs 10-25 us of Python. It can fail only a few checks, so here they run in
-line: the line is parsed by json's own C scanner (what json.loads runs, without its Python
-layers), then the id's type and range, lone surrogates (in any string or key), a blank prompt,
-an id used before, and that every other field is a plain column (no generation parameter,
-nothing batchgen reads or refuses) are checked. The row stays in columns (``PlainRows``: line
-numbers, ids, prompts, carried columns), with no Job or Location object, until a caller asks
-for one (``PlainRows.job``).
+bulk or in line. Runs of lines holding only a prompt and an id are parsed by Arrow's JSON reader
+and checked as columns (jobs/bulkjson.py says where its parse and json.loads part ways, and how
+such lines are sent back); any other line is parsed by json's own C scanner (what json.loads
+runs, without its Python layers), then the id's type and range, lone surrogates (in any string
+or key), a blank prompt, an id used before, and that every other field is a plain column (no
+generation parameter, nothing batchgen reads or refuses) are checked. The row stays in columns
+(``PlainRows``: line numbers, ids, prompts, carried columns), with no Job or Location object,
+until a caller asks for one (``PlainRows.job``).
 
 Every other row, and every row this path is unsure of (a parse error, a field the reference
 reads, a float id, a surrogate, a value nested deeper than `_NESTING` ...), goes through the
 reference path's own per-record step (``readers.RecordJobs``), which numbers the records and
 keeps the ids seen for both paths: the jobs, errors and messages are those of read_jobs
-(tests/test_chunks.py compares the two). The
+(tests/run/test_chunks.py and tests/run/test_bulkjson.py compare the two). The
 fast path runs only where a plain row means one job whatever the options: no --prompt-template,
 no --system; Parquet and datasets inputs take the per-record path.
 """
@@ -23,10 +25,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from itertools import islice, repeat
 from typing import Any, Iterable, Iterator, Sequence
 
 import pyarrow as pa
 
+from .bulkjson import Columns, plain_columns
 from .errors import JobError, Location
 from . import readers
 from .readers import RecordJobs, _json_array_records, _parse_line, resolve_sources
@@ -41,6 +45,10 @@ _BOM = b"\xef\xbb\xbf"
 # holding one takes the reference path; any other field is a column carried through as it is
 _NOT_CARRIED = RESERVED | frozenset(JOB_KEYS) | frozenset(RESERVED_COLUMNS) | {"body"}
 _NESTING = 32  # carried values nested deeper go to the reference path (its checks recurse)
+_BULK_LINES = 2048  # lines read and handed to Arrow's reader together (a refused row costs a second parse of
+# the lines before it: not many)
+_BULK_MIN = 16  # a shorter run of lines is read one by one (Arrow's call costs more than it saves)
+_ARROW_TRIES = 16  # Arrow calls per batch of lines; then the rest are read one by one (many odd rows)
 
 
 @dataclass
@@ -140,7 +148,7 @@ def _chunks(sources: list, state: RecordJobs, out: _Chunker, fast: bool, carried
 
 
 def _jsonl(path: str, state: RecordJobs, out: _Chunker, carried: bool) -> Iterator[Chunk]:
-    """_jsonl_records' lines (the same BOM, blank-line and read-error rules), plain rows in line."""
+    """_jsonl_records' lines (the same BOM, blank-line and read-error rules), plain rows in bulk."""
     line_no = 0
     try:
         with readers._open_binary(path) as f:
@@ -149,58 +157,170 @@ def _jsonl(path: str, state: RecordJobs, out: _Chunker, carried: bool) -> Iterat
                 for location, record in _json_array_records(path, f):
                     yield from out.add(state.of(location, record))
                 return
-            rows = PlainRows(path)
-            out.plain.append(rows)
-            seen = state.seen
-            for line_no, raw in enumerate(f, start=1):
-                if line_no == 1 and raw.startswith(_BOM):
-                    raw = raw[3:]  # UTF-8 BOM written by some Windows editors
-                record: Any = None
-                if raw[:1] == b"{":
-                    try:
-                        text = raw.decode("utf-8")
-                        record, end = _SCAN(text, 0)
-                        if text[end:].strip(" \t\n\r"):  # more after the object: the reference words it
-                            record = None
-                    except Exception:  # noqa: BLE001 - any failure: the reference path parses it again
-                        record = None
-                    if type(record) is dict:
-                        job_id = _plain_id(record, state.number, seen, carried)
-                        extra = None
-                        if job_id is not None and len(record) > 1 + ("id" in record):
-                            extra = _carried(record)
-                            if extra is None:
-                                job_id = None
-                        if job_id is not None:
-                            if extra:
-                                rows.extras[len(rows.ids)] = extra
-                            state.number += 1
-                            seen.add(str(job_id))
-                            rows.orders.append(out.order)
-                            rows.lines.append(line_no)
-                            rows.ids.append(job_id)
-                            rows.prompts.append(record["prompt"])
-                            out.order += 1
-                            out.count += 1
-                            if out.count >= out.size:
-                                yield out.take()
-                                rows = PlainRows(path)
-                                out.plain.append(rows)
-                            continue
-                    else:
-                        record = None
-                elif not raw.strip():
-                    continue
-                if record is None:  # the parse as the reference makes it, error messages included
-                    record = _parse_line(raw)
-                for chunk in out.add(state.of(Location(path, line=line_no), record)):
-                    yield chunk
-                    if not out.plain or out.plain[-1] is not rows:
-                        rows = PlainRows(path)
-                        out.plain.append(rows)
+            lines = _Lines(path, state, out, carried)
+            failed: Exception | None = None
+            while failed is None:
+                batch: list[bytes] = []
+                # a read error: the lines read before it are taken first, as the reference takes them
+                try:  # (list.extend keeps what the iterator gave before it raised)
+                    batch.extend(islice(f, _BULK_LINES))
+                except (OSError, EOFError, pa.ArrowException) as e:
+                    failed = e
+                if line_no == 0 and batch and batch[0].startswith(_BOM):
+                    batch[0] = batch[0][3:]  # UTF-8 BOM written by some Windows editors
+                line_no += len(batch)
+                yield from lines.bulk(batch, line_no - len(batch) + 1)
+                if len(batch) < _BULK_LINES:
+                    break
+            if failed is not None:
+                raise failed
     except (OSError, EOFError, pa.ArrowException) as e:
         # Truncated gzip/zstd or an I/O error: later lines are gone, so stop loudly.
         raise JobError(f"{path}: read failed after line {line_no}: {e}") from None
+
+
+class _Lines:
+    """One JSON Lines file's lines into chunks: runs of plain rows through Arrow's reader
+    (jobs/bulkjson.py), every other line alone (`one_by_one`: json's scanner, else the reference's
+    parse), in input order."""
+
+    def __init__(self, path: str, state: RecordJobs, out: _Chunker, carried: bool) -> None:
+        self.path, self.state, self.out, self.carried = path, state, out, carried
+        self.rows = self._new_rows()
+        self.tries = _ARROW_TRIES
+
+    def _new_rows(self) -> PlainRows:
+        rows = PlainRows(self.path)
+        self.out.plain.append(rows)
+        return rows
+
+    def _taken(self) -> Chunk:
+        chunk = self.out.take()
+        self.rows = self._new_rows()
+        return chunk
+
+    def bulk(self, lines: list[bytes], first: int) -> Iterator[Chunk]:
+        """`lines`: lines `first`, `first` + 1, ... of the file."""
+        self.tries = _ARROW_TRIES
+        if sum(map(bytes.startswith, lines, repeat(b"{"))) == len(lines):  # each line starts an object
+            yield from self._runs(lines, 0, len(lines), first)
+            return
+        i = 0
+        for j, raw in enumerate(lines):  # blank lines, malformed ones: alone, between runs
+            if raw[:1] != b"{":
+                yield from self._runs(lines, i, j, first)
+                yield from self.one_by_one(lines[j:j + 1], first + j)
+                i = j + 1
+        yield from self._runs(lines, i, len(lines), first)
+
+    def _runs(self, lines: list[bytes], i: int, j: int, first: int) -> Iterator[Chunk]:
+        """Lines i..j (each starting with `{`) through Arrow, split where it names a row it refuses."""
+        while j - i >= _BULK_MIN and self.tries:
+            self.tries -= 1
+            found = plain_columns(b"".join(lines[i:j]), j - i)
+            if isinstance(found, Columns):
+                yield from self._columns(found, lines, i, first)
+                return
+            if found is None or not 0 <= found < j - i:  # no row to split at: the lines alone
+                break
+            yield from self._runs(lines, i, i + found, first)  # the run before the refused row
+            yield from self.one_by_one(lines[i + found:i + found + 1], first + i + found)
+            i += found + 1
+        yield from self.one_by_one(lines[i:j], first + i)
+
+    def _columns(self, found: Columns, lines: list[bytes], i: int, first: int) -> Iterator[Chunk]:
+        """A run's rows in order: plain ones in columns, the others alone."""
+        k = 0
+        for end in found.alone + [len(found.ids)]:
+            if end > k:
+                yield from self._plain(found.ids[k:end], found.prompts[k:end], lines, i + k, first)
+            if end < len(found.ids):
+                yield from self.one_by_one(lines[i + end:i + end + 1], first + i + end)
+            k = end + 1
+
+    def _plain(self, ids: list, prompts: list, lines: list[bytes], i: int, first: int) -> Iterator[Chunk]:
+        """Rows that are plain jobs as they stand, but for their ids: in columns up to an id used
+        before, which is read alone (the reference words it), and so on."""
+        state = self.state
+        while ids:
+            number = state.number
+            if None in ids:  # no id (or null): the record number is the id
+                ids = [number + k if v is None else v for k, v in enumerate(ids)]
+            keys = list(map(str, ids))
+            cut = len(keys)
+            if len(set(keys)) < cut or not state.seen.isdisjoint(keys):
+                seen, run = state.seen, set()
+                cut = next(k for k, key in enumerate(keys) if key in seen or key in run or run.add(key))
+            state.seen.update(keys[:cut])
+            state.number += cut
+            yield from self._columns_of(ids[:cut], prompts[:cut], first + i)
+            if cut == len(keys):
+                return
+            yield from self.one_by_one(lines[i + cut:i + cut + 1], first + i + cut)
+            ids, prompts, i = ids[cut + 1:], prompts[cut + 1:], i + cut + 1
+
+    def _columns_of(self, ids: list, prompts: list, line: int) -> Iterator[Chunk]:
+        out = self.out
+        at = 0
+        while at < len(ids):
+            take = min(len(ids) - at, out.size - out.count)
+            rows = self.rows
+            rows.orders.extend(range(out.order, out.order + take))
+            rows.lines.extend(range(line + at, line + at + take))
+            rows.ids.extend(ids[at:at + take])
+            rows.prompts.extend(prompts[at:at + take])
+            out.order += take
+            out.count += take
+            at += take
+            if out.count >= out.size:
+                yield self._taken()
+
+    def one_by_one(self, lines: list[bytes], first: int) -> Iterator[Chunk]:
+        """Each line parsed by json's scanner and checked in line (rows carrying columns, say), or
+        by the reference path."""
+        path, state, out, carried = self.path, self.state, self.out, self.carried
+        rows, seen = self.rows, state.seen
+        for line_no, raw in enumerate(lines, start=first):
+            record: Any = None
+            if raw[:1] == b"{":
+                try:
+                    text = raw.decode("utf-8")
+                    record, end = _SCAN(text, 0)
+                    if text[end:].strip(" \t\n\r"):  # more after the object: the reference words it
+                        record = None
+                except Exception:  # noqa: BLE001 - any failure: the reference path parses it again
+                    record = None
+                if type(record) is dict:
+                    job_id = _plain_id(record, state.number, seen, carried)
+                    extra = None
+                    if job_id is not None and len(record) > 1 + ("id" in record):
+                        extra = _carried(record)
+                        # a nested value: the reference's parse must take the line too (its limits hold)
+                        if extra is None or (any(type(v) is list or type(v) is dict for v in extra.values())
+                                             and type(_parse_line(raw)) is not dict):
+                            job_id = None
+                    if job_id is not None:
+                        if extra:
+                            rows.extras[len(rows.ids)] = extra
+                        state.number += 1
+                        seen.add(str(job_id))
+                        rows.orders.append(out.order)
+                        rows.lines.append(line_no)
+                        rows.ids.append(job_id)
+                        rows.prompts.append(record["prompt"])
+                        out.order += 1
+                        out.count += 1
+                        if out.count >= out.size:
+                            yield self._taken()
+                            rows = self.rows
+                        continue
+                record = None  # the reference parses the line itself: its rules and messages
+            elif not raw.strip():
+                continue
+            for chunk in out.add(state.of(Location(path, line=line_no), _parse_line(raw))):
+                yield chunk
+                if not out.plain or out.plain[-1] is not rows:
+                    rows = self.rows = self._new_rows()
 
 
 def _plain_id(row: dict, default_id: int, seen: set[str], carried: bool = False) -> int | str | None:

@@ -116,6 +116,25 @@ def test_rows_carrying_columns_are_what_read_jobs_yields(tmp_path, lines):
     assert got == want and repr(got) == repr(want)
 
 
+def test_a_nested_carried_value_is_parsed_by_the_reference_too(tmp_path, monkeypatch):
+    """Where the reference parse refuses a line (a nesting limit, say), so does the fast path: rows
+    with nested carried values are read by readers._parse_line as well, so its rules carry over."""
+    from jobs import chunks, readers
+
+    real = readers._parse_line
+
+    def strict(raw):  # a stand-in for a stricter reference parse: at most 3 levels below the row
+        return "nested too deep" if raw.count(b"[") > 3 else real(raw)
+
+    monkeypatch.setattr(readers, "_parse_line", strict)
+    monkeypatch.setattr(chunks, "_parse_line", strict)
+    lines = ['{"prompt": "p%d", "m": %s}' % (d, nested(d)) for d in range(6)]
+    path = write(tmp_path / "a.jsonl", lines)
+    want = list(read_jobs([path], DEFAULTS))
+    assert [type(w).__name__ for w in want] == ["Job"] * 4 + ["InvalidRow"] * 2
+    assert items_of([path], 100)[1] == want
+
+
 def outcome(read):
     try:
         return "read", read()
