@@ -92,15 +92,19 @@ def mixed_steps(forward, adapters=(0, 1, 2, 3, 4, 1, 2), static=False):
     return [(r["adapter"], (r.get("full") or []) + r["ids"], r["logits"]) for r in rows]
 
 
-def _compare(setup, results, atol=1e-4, logprobs=False):
-    """Every logit (or log-probability) within atol of the reference's."""
+def _compare(setup, results, atol=1e-4, logprobs=False, top=None):
+    """Every logit (or log-probability) within atol of the reference's; with `top`, only at the
+    reference's `top` most likely tokens of each position (what logprobs and top_logprobs report)."""
     worst = 0.0
     norm = (lambda z: z.log_softmax(-1)) if logprobs else (lambda z: z)  # noqa: E731
     for adapter, ids, logits in results:
         with torch.inference_mode():
             want = norm(setup.references[adapter](torch.tensor([ids])).logits[0])
         for p, got in logits.items():
-            worst = max(worst, float((norm(got) - want[p]).abs().max()))
+            diff = (norm(got) - want[p]).abs()
+            if top is not None:
+                diff = diff[want[p].topk(top).indices]
+            worst = max(worst, float(diff.max()))
     assert worst < atol, worst
     return worst
 
@@ -267,7 +271,7 @@ def test_several_adapters_in_one_projection_compute_as_peft_does(setup, dtype):
 @pytest.mark.parametrize("code", ["decoder", "hf"])
 def test_the_default_model_with_random_adapters(code, tmp_path):
     """The real default model (SmolLM2-135M) with two random adapters mixed with its own rows: their
-    log-probabilities within 1e-4 (its logits reach 30 and more, and 30 layers of float32
+    reported log-probabilities within 1e-4 (its logits reach 30 and more, and 30 layers of float32
     rounding part even the base model's rows' logits from the uncached forward's by more than
     1e-4, as far as peft's merged and unmerged models' part from each other)."""
     from types import SimpleNamespace
@@ -287,7 +291,12 @@ def test_the_default_model_with_random_adapters(code, tmp_path):
                           seed=2, size=0.2)]
     forward.set_adapters([inspect_adapter(p, forward.config) for p in paths])
     setup = SimpleNamespace(references=[model] + [merged(model, p) for p in paths])
-    _compare(setup, mixed_steps(forward, adapters=(0, 1, 2, 1, 0, 2, 1)), logprobs=True)
+    results = mixed_steps(forward, adapters=(0, 1, 2, 1, 0, 2, 1))
+    # the reported log-probabilities (the 20 most likely tokens: OpenAI's top_logprobs at most) within
+    # 1e-4; the whole vocabulary's, down to its least likely tokens, where float32 rounding over 30
+    # layers reaches 1e-4 on the base model's own rows too (and moves with the GEMMs' thread count)
+    _compare(setup, results, logprobs=True, top=20)
+    _compare(setup, results, atol=5e-4, logprobs=True)
     ids = torch.tensor([_ids(20, 7)])
     with torch.inference_mode():  # what makes it able to fail: each adapter moves the logits far more
         assert all((m(ids).logits - model(ids).logits).abs().max() > 0.1 for m in setup.references[1:])
