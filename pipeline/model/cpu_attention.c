@@ -159,6 +159,33 @@ static inline __attribute__((always_inline)) const float *rows_f32(const char *h
     return tmp;
 }
 
+/* One block of W keys' scores s[j] (lanes: the tile's queries) into the running softmax: keys past
+ * the end (j >= n) and, when `causal`, keys after a lane's position `pos` get no weight; s becomes
+ * the keys' weights, the maximum `m` and the weights' `sum` move on; returns the factor the earlier
+ * keys' weighted values must be scaled by (to the new maximum). Shared by the float32 and the
+ * bfloat16 prefill tiles. */
+static inline __attribute__((always_inline)) vf fold_scores(vf *s, int n, int causal, int64_t j0, float first,
+                                                            vf pos, vf *m, vf *sum) {
+    vf top = *m;
+    for (int j = 0; j < W; j++) {
+        if (j >= n)
+            s[j] = SPLAT(-1e30f);
+        else if (causal && j0 + j > first)
+            s[j] = (vf)_mm512_mask_blend_ps(_mm512_cmp_ps_mask((__m512)SPLAT((float)(j0 + j)), (__m512)pos,
+                                                               _CMP_GT_OQ),
+                                            (__m512)s[j], _mm512_set1_ps(-1e30f));
+        top = (vf)_mm512_max_ps((__m512)top, (__m512)s[j]);
+    }
+    vf rescale = exp_neg(*m - top);
+    *m = top;
+    *sum *= rescale;
+    for (int j = 0; j < W; j++) {
+        s[j] = exp_neg(s[j] - top);
+        *sum += s[j];
+    }
+    return rescale;
+}
+
 /* The tile's lanes against keys/values [0, len) of one head; `causal`: lane l sees keys <= pos[l]. */
 static void tile_keys(Tile *t, const char *keys, const char *values, int64_t len, int causal, int bf16) {
     float first = t->pos[0];
@@ -171,23 +198,7 @@ static void tile_keys(Tile *t, const char *keys, const char *values, int64_t len
             vf qi = ld(t->qt, i * W, 0);
             for (int j = 0; j < W; j++) s[j] += qi * k[(j < n ? j : 0) * D + i];
         }
-        vf top = t->m;
-        for (int j = 0; j < W; j++) {
-            if (j >= n)
-                s[j] = SPLAT(-1e30f);
-            else if (causal && j0 + j > first)
-                s[j] = (vf)_mm512_mask_blend_ps(_mm512_cmp_ps_mask((__m512)SPLAT((float)(j0 + j)), (__m512)t->pos,
-                                                                   _CMP_GT_OQ),
-                                                (__m512)s[j], _mm512_set1_ps(-1e30f));
-            top = (vf)_mm512_max_ps((__m512)top, (__m512)s[j]);
-        }
-        vf rescale = exp_neg(t->m - top); /* earlier keys' weights, to the new maximum */
-        t->m = top;
-        t->sum *= rescale;
-        for (int j = 0; j < W; j++) {
-            s[j] = exp_neg(s[j] - top);
-            t->sum += s[j];
-        }
+        vf rescale = fold_scores(s, n, causal, j0, first, t->pos, &t->m, &t->sum);
         const float *v = rows_f32(values, j0, n, bf16, t->tmp);
         for (int c = 0; c < D / W; c++) { /* ot [16 dims][16 lanes] += values^T x weights */
             vf o[W];

@@ -78,24 +78,8 @@ static void tile_bf16_keys(TileBf *t, const uint16_t *keys, const uint16_t *valu
             for (int j = 0; j < W; j++)
                 s[j] = (vf)_mm512_dpbf16_ps((__m512)s[j], qv, (__m512bh)_mm512_set1_epi32(k[j * D / 2 + p]));
         }
-        vf top = t->m;
-        for (int j = 0; j < W; j++) {
-            s[j] *= scale;
-            if (j >= n)
-                s[j] = SPLAT(-1e30f);
-            else if (causal && j0 + j > first)
-                s[j] = (vf)_mm512_mask_blend_ps(_mm512_cmp_ps_mask((__m512)SPLAT((float)(j0 + j)), (__m512)t->pos,
-                                                                   _CMP_GT_OQ),
-                                                (__m512)s[j], _mm512_set1_ps(-1e30f));
-            top = (vf)_mm512_max_ps((__m512)top, (__m512)s[j]);
-        }
-        vf rescale = exp_neg(t->m - top); /* earlier keys' weights, to the new maximum */
-        t->m = top;
-        t->sum *= rescale;
-        for (int j = 0; j < W; j++) {
-            s[j] = exp_neg(s[j] - top);
-            t->sum += s[j];
-        }
+        for (int j = 0; j < W; j++) s[j] *= scale;
+        vf rescale = fold_scores(s, n, causal, j0, first, t->pos, &t->m, &t->sum);
         int pairs = (n + 1) / 2;
         __m512i wp[W / 2]; /* lane l: (weight of key 2p, of key 2p + 1) as bfloat16 */
         for (int p = 0; p < pairs; p++)
