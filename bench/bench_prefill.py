@@ -20,7 +20,7 @@ import torch
 from bench.bench_attention import cpu_model
 from pipeline.model import native
 
-SYSTEMS = ("float32", "bf16-widened", "bf16-dots")
+SYSTEMS = ["float32", "bf16-widened", "bf16-dots", "bf16-amx"]
 
 
 def case(dtype: torch.dtype, hq: int, hkv: int, d: int, suffixes: int, anchor: int, seed: int = 0):
@@ -56,8 +56,9 @@ def main() -> int:
     cases = {"float32": case(torch.float32, hq, hkv, d, a.suffixes, a.anchor),
              "bf16": case(torch.bfloat16, hq, hkv, d, a.suffixes, a.anchor)}
     calls = {"float32": lambda: native.prefill_attention(*cases["float32"][0]),
-             "bf16-widened": lambda: native.prefill_attention(*cases["bf16"][0], dots=False),
-             "bf16-dots": lambda: native.prefill_attention(*cases["bf16"][0], dots=True)}
+             "bf16-widened": lambda: native.prefill_attention(*cases["bf16"][0], kernel="widen"),
+             "bf16-dots": lambda: native.prefill_attention(*cases["bf16"][0], kernel="dots"),
+             "bf16-amx": lambda: native.prefill_attention(*cases["bf16"][0], kernel="amx")}
     times = {s: [] for s in SYSTEMS}
     for s in SYSTEMS:
         assert calls[s]()  # built and warm

@@ -221,14 +221,12 @@ static int amx_usable(void) {
 /* Each key head's values transposed, [D][len rounded up to 32] with zeros past len. */
 static int64_t padded(int64_t len) { return (len + 31) / 32 * 32; }
 
-static void pack_item(const void *arg, int w, void *scratch) {
-    const Decode *job = arg;
-    (void)scratch;
-    const int64_t *it = job->pack_items + 4 * w;
-    int64_t g = it[0], h = it[1], k0 = it[2], t = it[3], len = job->anc_len[t], lp = padded(len);
-    int64_t k1 = k0 + PACK < lp ? k0 + PACK : lp;
-    const int32_t *values = (const int32_t *)((const uint16_t *)job->anc_v[t] + h * len * D); /* pairs of dims */
-    uint16_t *vt = job->packed + job->packed_at[g] + h * lp * D;
+/* Keys [k0, k1) (multiples of 32, k1 <= padded(len)) of one head's values [len][D] (`src`)
+ * transposed into vt [D][padded(len)], zeros past len: the A tiles of outputs^T += values^T . weights^T.
+ * Shared by decode's anchors (`pack_item`) and prefill on AMX (cpu_amx_prefill.c). */
+static void pack_vt(const uint16_t *src, int64_t len, uint16_t *vt, int64_t k0, int64_t k1) {
+    const int32_t *values = (const int32_t *)src; /* pairs of dims */
+    int64_t lp = padded(len);
     /* 32 keys x 2 dims at a time: the pairs (dim d, d + 1) of 16 keys gathered twice, then split
      * into dim d's 32 keys (the even halves) and dim d + 1's (the odd) */
     __m512i even = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32,
@@ -247,6 +245,15 @@ static void pack_item(const void *arg, int w, void *scratch) {
             _mm512_storeu_si512(vt + (2 * p + 1) * lp + j0, _mm512_permutex2var_epi16(g0, odd, g1));
         }
     }
+}
+
+static void pack_item(const void *arg, int w, void *scratch) {
+    const Decode *job = arg;
+    (void)scratch;
+    const int64_t *it = job->pack_items + 4 * w;
+    int64_t g = it[0], h = it[1], k0 = it[2], t = it[3], len = job->anc_len[t], lp = padded(len);
+    pack_vt((const uint16_t *)job->anc_v[t] + h * len * D, len, job->packed + job->packed_at[g] + h * lp * D, k0,
+            k0 + PACK < lp ? k0 + PACK : lp);
 }
 
 enum { AL = 4 * W }; /* rows an item: four tiles of 16, so that four tiles of sums are in flight */
@@ -370,7 +377,6 @@ static void amx_item(const void *arg, int w, void *scratch) {
         dst[D] = b->m[l / W][l % W], dst[D + 1] = b->sum[l / W][l % W];
     }
 }
-#undef TDP
 #else
 enum { HAVE_AMX = 0 };
 static int amx_usable(void) { return 0; }

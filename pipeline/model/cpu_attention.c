@@ -396,8 +396,14 @@ typedef struct {
     float scale;
     float *out;
     int64_t *items; /* (segment, key head, first lane) */
-    int dots;       /* bfloat16 on the AVX-512 BF16 tile (cpu_bf16.c) where the CPU has it */
+    int kernel;     /* `PREFILL_*` */
 } Prefill;
+
+/* bfloat16 prefill: widened to float32 on the float32 tile, on AVX-512 BF16 dot products (cpu_bf16.c)
+ * where the build has them, on AMX tiles (cpu_amx_prefill.c) where the CPU has them and Linux lends them */
+enum { PREFILL_WIDEN = 0, PREFILL_DOTS = 1, PREFILL_AMX = 2 };
+
+#include "cpu_amx_prefill.c" /* amx_prefill: the prefill pass on AMX tiles */
 
 static void prefill_item(const void *arg, int w, void *scratch) {
     const Prefill *job = arg;
@@ -412,7 +418,7 @@ static void prefill_item(const void *arg, int w, void *scratch) {
     int64_t la = job->anc_k[seg] ? job->anc_len[seg] : 0, cap = job->own_cap[seg], es = job->bf16 ? 2 : 4;
     int64_t own = (job->own_index[seg] * job->hkv + h) * cap * D * es;
 #if defined(__AVX512BF16__)
-    if (job->bf16 && job->dots) {
+    if (job->bf16 && job->kernel == PREFILL_DOTS) {
         TileBf *b = scratch;
         tile_bf16_start(b, job->q, job->q_tok, job->q_head, tok, head, pos);
         if (la)
@@ -575,25 +581,33 @@ int batchgen_prefill_attention(int nseg, int hq, int hkv, int d, int bf16, const
                                int64_t q_head, const int64_t *t0, const int64_t *t1, const int64_t *own_k,
                                const int64_t *own_v, const int64_t *own_cap, const int64_t *own_index,
                                const int64_t *offset, const int64_t *anc_k, const int64_t *anc_v,
-                               const int64_t *anc_len, float scale, float *out, int threads, int dots) {
-    if (!ok(hq, hkv, d, bf16)) return 1;
+                               const int64_t *anc_len, float scale, float *out, int threads, int kernel) {
+    if (!ok(hq, hkv, d, bf16) || kernel < PREFILL_WIDEN || kernel > PREFILL_AMX) return 1;
 #if defined(__AVX512F__)
-    int items = 0;
-    for (int s = 0; s < nseg; s++) items += hkv * (int)((G * (t1[s] - t0[s]) + W - 1) / W);
+    int amx = kernel == PREFILL_AMX;
+    if (amx && !(bf16 && batchgen_amx())) return 1; /* asked for tiles this CPU or build does not have */
+    int lanes = amx ? AL : W, items = 0;
+    for (int s = 0; s < nseg; s++) items += hkv * (int)((G * (t1[s] - t0[s]) + lanes - 1) / lanes);
     int64_t *list = malloc(sizeof(int64_t) * 3 * (size_t)(items ? items : 1));
     if (!list) return 1;
     int k = 0;
     for (int s = 0; s < nseg; s++)
-        for (int64_t r = 0; r < G * (t1[s] - t0[s]); r += W)
+        for (int64_t r = 0; r < G * (t1[s] - t0[s]); r += lanes)
             for (int h = 0; h < hkv; h++, k++) list[3 * k] = s, list[3 * k + 1] = h, list[3 * k + 2] = r;
     Prefill job = {hq, hkv, bf16, q, q_tok, q_head, t0, t1, own_k, own_v, own_cap, own_index,
-                   offset, anc_k, anc_v, anc_len, scale, out, list, dots};
-    int failed = run(prefill_item, &job, items, sizeof(Tile), threads);
+                   offset, anc_k, anc_v, anc_len, scale, out, list, kernel};
+    int failed;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    if (amx)
+        failed = amx_prefill(&job, nseg, items, threads);
+    else
+#endif
+        failed = run(prefill_item, &job, items, sizeof(Tile), threads);
     free(list);
     return failed;
 #else
     return (void)nseg, (void)q, (void)q_tok, (void)q_head, (void)t0, (void)t1, (void)own_k, (void)own_v,
            (void)own_cap, (void)own_index, (void)offset, (void)anc_k, (void)anc_v, (void)anc_len, (void)scale,
-           (void)out, (void)threads, (void)dots, 1;
+           (void)out, (void)threads, (void)kernel, 1;
 #endif
 }

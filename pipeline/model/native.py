@@ -11,7 +11,8 @@ The kernels need AVX-512 (on AVX2 their 16-float vectors spill: the decode kerne
 than PyTorch's kernels, BENCHMARKS.md). Decode reads each anchor as matrix products: in AVX-512 registers (with
 AVX-512 BF16 dot products for bfloat16 where the CPU has them), or for bfloat16 on AMX tiles
 where the CPU has them (Intel since Sapphire Rapids) and Linux lends them (`amx`). bfloat16 prefill
-runs on AVX-512 BF16 dot products where the CPU runs them fast (`bf16_dots`, `cpu_bf16.c`). Without AVX-512, without a compiler, for another layout or dtype, or with
+runs on AMX tiles there too (`cpu_amx_prefill.c`), else on AVX-512 BF16 dot products where the CPU
+runs them fast (`bf16_dots`, `cpu_bf16.c`), else widened to float32 (`prefill_kernel`). Without AVX-512, without a compiler, for another layout or dtype, or with
 ``BATCHGEN_NATIVE=0``, `supports` is False and the engine reads decode attention through PyTorch's
 kernels (`pipeline.model.attention`): the same results, more slowly. `why_not` says which.
 `pipeline.model.attention.native_ok` checks both kernels against the reference once per layout.
@@ -32,7 +33,7 @@ from pipeline.model.files import cache_dir
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 # #included by SOURCE: part of the cache key too
-INCLUDED = [Path(__file__).with_name("cpu_anchors.c"), Path(__file__).with_name("cpu_bf16.c")]
+INCLUDED = [Path(__file__).with_name(n) for n in ("cpu_anchors.c", "cpu_bf16.c", "cpu_amx_prefill.c")]
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-pthread"]
 # -fopenmp: the kernel's threads are torch's (the loader shares the libgomp.so.1 torch has loaded),
 # which still spin after torch's last op; new pthreads would fight them for the cores (slower:
@@ -40,6 +41,7 @@ FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC
 THREADING = (["-fopenmp"], ["-fopenmp-simd"])
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 ANCHORS = {"tiles": 0, "matmul": 1, "matmul-avx512": 2}  # decode_attention's kernels for the anchors
+PREFILL = {"widen": 0, "dots": 1, "amx": 2}  # prefill_attention's kernels for bfloat16
 MAX_FOLD, MAX_HEAD = 8, 128
 
 _libs: dict[tuple[int, int], ctypes.CDLL | None] = {}
@@ -173,24 +175,38 @@ def bf16_dots(hq: int, hkv: int, d: int, fast_only: bool = True) -> bool:
     return bool(_lib(hq // hkv, d).batchgen_bf16_dots(int(fast_only)))
 
 
+def prefill_kernel(hq: int, hkv: int, d: int) -> str:
+    """bfloat16 prefill's kernel for this layout (`PREFILL`): AMX tiles where `amx` says, else AVX-512 BF16
+    dot products where `bf16_dots` says, else the float32 tile, the keys and values widened."""
+    key = (hq, hkv, d)
+    if key not in _prefill_kernels:
+        _prefill_kernels[key] = "amx" if amx(torch.bfloat16, hq, hkv, d) else "dots" if bf16_dots(hq, hkv, d) else "widen"
+    return _prefill_kernels[key]
+
+
+_prefill_kernels: dict[tuple[int, int, int], str] = {}
+
+
 def prefill_attention(q: torch.Tensor, hkv: int, t0: torch.Tensor, t1: torch.Tensor, own_k: torch.Tensor,
                       own_v: torch.Tensor, own_cap: torch.Tensor, own_index: torch.Tensor, offset: torch.Tensor,
                       anc_k: torch.Tensor, anc_v: torch.Tensor, anc_len: torch.Tensor, scale: float,
-                      out: torch.Tensor, dots: bool | None = None) -> bool:
+                      out: torch.Tensor, kernel: str | None = None) -> bool:
     """Runs of tokens, each continuing one sequence: segment s is tokens t0[s]..t1[s] of q (T, Hq, D)
     (last dim contiguous), whose keys sit at own indices offset[s].. of row own_index[s] of its own
     buffer (data pointers own_k/own_v of contiguous [rows, Hkv, own_cap[s], D]), already written.
     Each token reads its anchor (as in `decode_attention`) and then its own keys up to its own
-    index. Writes the segments' rows of out (T, Hq, D) float32. False if the kernel could not run.
-    bfloat16 runs on AVX-512 BF16 dot products where `bf16_dots` says (`dots` True: wherever the CPU
-    has them), its weights rounded to bfloat16 as PyTorch's kernels round them; else, or with
-    `dots=False`, widened to float32 on the float32 tile."""
+    index. Writes the segments' rows of out (T, Hq, D) float32. False if the kernel could not run
+    (also: `kernel` "amx" where `amx` says no). bfloat16 runs on `kernel` (`PREFILL`, default
+    `prefill_kernel`'s): on AMX tiles or AVX-512 BF16 dot products, the weights rounded to bfloat16 as
+    PyTorch's kernels round them, or widened to float32 on the float32 tile ("widen")."""
     hq, d = q.shape[1], q.shape[2]
     assert q.stride(2) == 1 and out.is_contiguous() and out.dtype == torch.float32 and q.dtype in DTYPES
     lib = _lib_for(q, hkv)
-    if dots is None:
-        dots = lib is not None and bool(lib.batchgen_bf16_dots(1))
-    return lib is not None and not lib.batchgen_prefill_attention(
+    if lib is None:
+        return False
+    if kernel is None:
+        kernel = prefill_kernel(hq, hkv, d) if q.dtype == torch.bfloat16 else "widen"
+    return not lib.batchgen_prefill_attention(
         t0.numel(), hq, hkv, d, DTYPES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1),
         *_ints(t0, t1, own_k, own_v, own_cap, own_index, offset, anc_k, anc_v, anc_len), scale, out.data_ptr(),
-        torch.get_num_threads(), int(dots))
+        torch.get_num_threads(), PREFILL[kernel])

@@ -143,14 +143,16 @@ def _reference(q, keys, values, anchor, last):
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype,dots", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+@pytest.mark.parametrize("dtype,kernel", [(torch.float32, "widen"), (torch.bfloat16, "widen"), (torch.bfloat16, "dots"),
+                                          (torch.bfloat16, "amx")])
 @pytest.mark.parametrize("hq,hkv,d", [(4, 2, 16), (9, 3, 64), (8, 8, 32), (8, 1, 128), (12, 2, 80), (6, 2, 48)])
 @pytest.mark.parametrize("uniform", [False, True])
-def test_prefill_kernel_equals_reference(hq, hkv, d, dtype, dots, uniform):
+def test_prefill_kernel_equals_reference(hq, hkv, d, dtype, kernel, uniform):
     """Runs of tokens: fresh suffixes in row slots (one token; 37 tokens, no anchor), a later chunk
     continuing its row's stored keys under a long anchor, and a prefix prefilled in its own buffer
-    after tokens copied from its parent; causal by own index, the rows' keys already stored. `dots`:
-    bfloat16 on AVX-512 BF16 dot products (where this CPU has them), else widened to float32.
+    after tokens copied from its parent, a second segment under the long anchor; causal by own index, the
+    rows' keys already stored. `kernel`: bfloat16 on AVX-512 BF16 dot products (where this CPU has them,
+    else widened), on AMX tiles (refused where `native.amx` says no), or widened to float32.
     `uniform`: zero queries and values of whole numbers, so every weight is exactly 1 (in bfloat16
     too) and each output the exact mean of the values it reads: a key read twice or missed shows."""
     g = torch.Generator().manual_seed(2)
@@ -161,7 +163,8 @@ def test_prefill_kernel_equals_reference(hq, hkv, d, dtype, dots, uniform):
         slots_v, prefix_v = (slots_v * 4).round(), (prefix_v * 4).round()
         anchors = [(k, (v * 4).round()) for k, v in anchors]
     # (tokens, buffer, row, first own index, anchor)
-    segments = [(1, "slots", 3, 0, 0), (37, "slots", 0, 0, None), (45, "slots", 2, 100, 1), (40, "prefix", 0, 10, None)]
+    segments = [(1, "slots", 3, 0, 0), (37, "slots", 0, 0, None), (45, "slots", 2, 100, 1), (40, "prefix", 0, 10, None),
+                (22, "slots", 1, 5, 1)]
     t = sum(n for n, *_ in segments)
     q = torch.randn(hq, t + 5, d, generator=g).to(dtype)[:, 5:].transpose(0, 1) * (0 if uniform else 1)  # (T, Hq, D), strided
     buffers = {"slots": (slots_k, slots_v), "prefix": (prefix_k, prefix_v)}
@@ -169,17 +172,22 @@ def test_prefill_kernel_equals_reference(hq, hkv, d, dtype, dots, uniform):
     starts = [sum(n for n, *_ in segments[:i]) for i in range(len(segments))]
     anc = lambda i, a: anchors[a][i].data_ptr() if a is not None else 0  # noqa: E731
     out = torch.full((t, hq, d), float("nan"))
-    assert native.prefill_attention(
+    ran = native.prefill_attention(
         q, hkv, lt(starts), lt([a + n for a, (n, *_) in zip(starts, segments)]),
         lt([buffers[b][0].data_ptr() for _, b, *_ in segments]), lt([buffers[b][1].data_ptr() for _, b, *_ in segments]),
         lt([buffers[b][0].shape[2] for _, b, *_ in segments]), lt([r for _, _, r, *_ in segments]),
         lt([o for *_, o, _ in segments]), lt([anc(0, a) for *_, a in segments]), lt([anc(1, a) for *_, a in segments]),
-        lt([anchors[a][0].shape[2] if a is not None else 0 for *_, a in segments]), d ** -0.5, out, dots=dots)
+        lt([anchors[a][0].shape[2] if a is not None else 0 for *_, a in segments]), d ** -0.5, out, kernel=kernel)
+    rounded = kernel == "amx" or kernel == "dots" and native.bf16_dots(hq, hkv, d, fast_only=False)
+    if kernel == "amx" and not native.amx(dtype, hq, hkv, d):
+        assert not ran and out.isnan().all()  # refused, nothing written
+        return
+    assert ran
     want = torch.stack([_reference(q[start + i], buffers[b][0][r : r + 1], buffers[b][1][r : r + 1],
                                    anchors[a] if a is not None else None, offset + i)
                         for start, (n, b, r, offset, a) in zip(starts, segments) for i in range(n)])
     atol = 2e-6
-    if dots and not uniform and native.bf16_dots(hq, hkv, d, fast_only=False):
+    if rounded and not uniform:
         # each weight rounded to bfloat16 (8 bits: within 2^-9 of itself), their sum not: an output
         # moves by at most 2^-9 of the largest value it reads
         atol += 2.0 ** -9 * max(x[1].abs().max().item() for x in (*buffers.values(), *anchors))
@@ -192,6 +200,15 @@ def test_bf16_dots_where_the_cpu_runs_them_fast():
     has = native.supports(torch.bfloat16, 9, 3, 64, 64) and "avx512_bf16" in native._cpu_key().split()
     assert native.bf16_dots(9, 3, 64, fast_only=False) == has
     assert native.bf16_dots(9, 3, 64) == (has and "AuthenticAMD" in open("/proc/cpuinfo").read())
+
+
+def test_prefill_kernel_follows_the_cpu():
+    """bfloat16 prefill goes to AMX tiles where decode's anchors do, else to the dot products where they
+    run fast, else widens."""
+    for hq, hkv, d in ((9, 3, 64), (6, 2, 48)):
+        want = "amx" if native.amx(torch.bfloat16, hq, hkv, d) else "dots" if native.bf16_dots(hq, hkv, d) else "widen"
+        assert native.prefill_kernel(hq, hkv, d) == want
+    assert native.prefill_kernel(6, 2, 48) != "amx"  # tiles of 32 elements
 
 
 @needs_kernel
@@ -291,19 +308,23 @@ def test_engine_on_the_anchor_kernels(dtype, monkeypatch):
 
 @needs_kernel
 @pytest.mark.parametrize("arch", ["llama", "llama_head32"])
-@pytest.mark.parametrize("dots", [True, False])
-def test_engine_bfloat16_prefill_on_each_path(arch, dots, monkeypatch):
-    """bfloat16 prefill on AVX-512 BF16 dot products (where this CPU has them) and widened to
-    float32, each forced: greedy output equals plain generate in bfloat16, or parts from it exactly
-    where the reference's own logits are tied."""
+@pytest.mark.parametrize("kernel", list(native.PREFILL))
+def test_engine_bfloat16_prefill_on_each_path(arch, kernel, monkeypatch):
+    """bfloat16 prefill on AMX tiles and on AVX-512 BF16 dot products (where this CPU has them) and
+    widened to float32, each forced: greedy output equals plain generate in bfloat16, or parts from it
+    exactly where the reference's own logits are tied."""
     from tests.engine.test_engine import _bf16_tie
 
     tok = tokenizer()
     model = make_model(arch, dtype=torch.bfloat16)
+    c = model.config
+    head = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    if kernel == "amx" and not native.amx(torch.bfloat16, c.num_attention_heads, c.num_key_value_heads, head):
+        pytest.skip("no AMX tiles for this layout here")
     reqs = edge_case_requests(tok, max_new_tokens=6)
     real, segments = native.prefill_attention, []
     monkeypatch.setattr(native, "prefill_attention",
-                        lambda *a, **kw: segments.append(a[2].numel()) or real(*a, dots=dots))
+                        lambda *a, **kw: segments.append(a[2].numel()) or real(*a, kernel=kernel))
     engine = Engine(model, eos_token_ids=[2], min_shared_tokens=4, max_batch_tokens=250)
     got = {(c.key, c.sample_index): c.token_ids for c in engine.run(reqs)}
     assert len(segments) > 2 and max(segments) > 1 and engine.stats.cascade_batches > 0  # the engine's calls
