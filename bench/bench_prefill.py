@@ -2,6 +2,7 @@
   float32       the float32 tile
   bf16-widened  bfloat16 widened to float32 on the float32 tile (what CPUs without AVX-512 BF16 run)
   bf16-dots     bfloat16 on AVX-512 BF16 dot products (`cpu_bf16.c`; where `native.bf16_dots` says)
+  bf16-amx      bfloat16 on AMX tiles (`cpu_amx_prefill.c`; where `native.amx` says)
 Suffixes of 30-400 tokens over anchors of 400 (the engine's shape on a few-shot file), SmolLM2-135M's
 heads (9 query heads, 3 key heads of 64). FLOPs: 4 x head size per (query head, key) pair a token
 reads (its anchor and its own keys up to itself). Systems take turns in one process, since this

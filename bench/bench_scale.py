@@ -6,7 +6,9 @@ plus a ~20-token suffix of random words (unique per job), and one malformed line
 the errors path runs too. With `--carried`, each job also carries two columns to the output (a
 subject and a source record), as dataset rows do. The model is a tiny random Llama with the
 tests' character-level tokenizer (tests/helpers/tiny_models.py, tests/helpers/tiny_tokenizer.py), saved to a
-temporary directory.
+temporary directory. With `--tokenizer default`, `validate` and `plan` run on the embedded default
+model instead (SmolLM2's byte-level BPE, about 4 characters a token), the prompts sized in its tokens:
+what a user's file meets.
 
 Every command runs as its own process (`python -m pipeline ...`); its peak RSS is the kernel's
 (`os.wait4`), file-backed pages included. "model" is the peak RSS of a process that only imports
@@ -97,12 +99,20 @@ def main() -> None:
     ap.add_argument("--workdir", default=None, help="where jobs, model and outputs go (default: a temp dir)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (OMP_NUM_THREADS) of every command")
     ap.add_argument("--carried", action="store_true", help="jobs carry two columns through to the output")
+    ap.add_argument("--tokenizer", choices=["tiny", "default"], default="tiny",
+                    help="the tests' character-level tokenizer (a tiny random Llama), or the embedded default model's")
     args = ap.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-scale-"))
     work.mkdir(parents=True, exist_ok=True)
-    model = work / "tiny-llama"
-    if not (model / "config.json").exists():
-        make_model(model)
+    if args.tokenizer == "default":
+        sys.path.insert(0, str(ROOT))
+        from pipeline.model.default_model import default_model_path
+
+        model, per_char, tag = default_model_path(), 0.25, "bpe-"
+    else:
+        model, per_char, tag = work / "tiny-llama", 1.0, ""
+        if not (model / "config.json").exists():
+            make_model(model)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.threads)}
     py = [sys.executable, "-m", "pipeline"]
     probe = [sys.executable, "-c", "import pipeline.engine.engine; from pipeline.model.load import load_model; "
@@ -111,9 +121,9 @@ def main() -> None:
     print(f"model loaded: peak RSS {model_rss:.0f} MB", flush=True)
     rows = []
     for n in (int(x) for x in args.sizes.split(",")):
-        src = work / f"jobs-{'carried-' if args.carried else ''}{n}.jsonl"
+        src = work / f"jobs-{tag}{'carried-' if args.carried else ''}{n}.jsonl"
         if not src.exists():
-            make_jobs(src, n, carried=args.carried)
+            make_jobs(src, n, tokens_per_char=per_char, carried=args.carried)
         for command in args.commands.split(","):
             cmd = py + [command, str(src), "--model", str(model), "--max-new-tokens", "1"]
             note = ""
