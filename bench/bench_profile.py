@@ -10,7 +10,9 @@ the rate measured for its own number of rows). Attention GFLOP
 counts what its kernel calls compute (4 x query rows x keys x head size; half of it for causal
 calls); the attention floor is those FLOPs at the GEMM rate (the linear rate at 2,048 rows): what
 attention would cost with a kernel as fast as a GEMM. A phase's wall time is set against both
-floors together.
+floors together. Decode calls also count the bytes of keys and values they must read (each row's
+own, each anchor's once): at the memory read rate measured here, a third floor, which the first
+two do not hold (a decoding row's own keys are read once per step whatever the kernel).
 
 Then it counts the kernels (ATen ops that compute; views excluded) of one decode step, dynamic
 and static (`Engine(static_decode=True)`, the shapes a CUDA graph can capture).
@@ -78,6 +80,17 @@ def linear_rate(dtype: torch.dtype, m: int, model, clock=time.perf_counter) -> f
     return flops * 5 / (clock() - t) / 1e9
 
 
+def read_bandwidth(gb: float = 1.0) -> float:
+    """GB/s of reading a buffer far larger than the caches (a sum over `gb` of float32) on the
+    process's threads: what a decode step's keys and values stream at, at best."""
+    x = torch.ones(int(gb * 1e9 / 4))
+    x.sum()
+    t = time.perf_counter()
+    for _ in range(3):
+        x.sum()
+    return 3 * gb / (time.perf_counter() - t)
+
+
 def bucket(rows: int) -> int:
     """The power of two at or above `rows`: the row counts whose linear rate is measured."""
     return 1 << max(0, (rows - 1).bit_length())
@@ -121,7 +134,7 @@ def main() -> int:
     Engine(model, eos_token_ids=[]).generate(reqs[:2])  # warm-up: kernels, probes, allocator
     engine = Engine(model, eos_token_ids=[])
     phases = defaultdict(lambda: defaultdict(float, by_rows=[]))
-    timer = {"attention": 0.0, "linear": 0.0, "attention_gflop": 0.0}
+    timer = {"attention": 0.0, "linear": 0.0, "attention_gflop": 0.0, "kv_gb": 0.0}
     real_attention, real_linear = attention.attend, torch.nn.Linear.forward
 
     def timing(fn, key):  # perf_counter around every call: light enough for a decode step's 200 linears
@@ -144,6 +157,10 @@ def main() -> int:
     def native_attend(q, own_k, own_v, slot, own_len, anc_k, anc_v, anc_len, scale, out, **kw):
         keys = int(own_len.sum()) + int(anc_len[anc_k != 0].sum())
         timer["attention_gflop"] += 4 * q.shape[1] * keys * q.shape[2] / 1e9
+        # the bytes a decode call must read at least: every row's own keys and values, each anchor's once
+        anchors = {(int(a), int(n)) for a, n in zip(anc_k.tolist(), anc_len.tolist()) if a}
+        read = int(own_len.sum()) + sum(n for _, n in anchors)
+        timer["kv_gb"] += 2 * read * own_k.shape[1] * own_k.shape[3] * own_k.element_size() / 1e9
         return real_native(q, own_k, own_v, slot, own_len, anc_k, anc_v, anc_len, scale, out,
                            **{"anchors": args.anchors, **kw})
 
@@ -173,7 +190,7 @@ def main() -> int:
 
     def forward(step, keep):
         phase = "prefill" if step.n_dec == 0 else ("decode" if step.n_dec == step.tokens else "mixed")
-        timer["attention"] = timer["linear"] = timer["attention_gflop"] = 0.0
+        timer["attention"] = timer["linear"] = timer["attention_gflop"] = timer["kv_gb"] = 0.0
         t = time.perf_counter()
         out = real_forward(step, keep)
         ph = phases[phase]
@@ -183,6 +200,7 @@ def main() -> int:
         ph["attention"] += timer["attention"]
         ph["linear_measured"] += timer["linear"]
         ph["attention_gflop"] += timer["attention_gflop"]
+        ph["kv_gb"] += timer["kv_gb"]
         flops = 2 * linear_params * step.tokens + head_flops * len(keep)
         ph["flops"] += flops
         ph["by_rows"].append((step.tokens, flops))  # each forward's floor at its own row count's rate
@@ -203,15 +221,17 @@ def main() -> int:
     # decode step of 5 rows runs its GEMMs far below the 2,048-row rate, and so would any engine
     needed = {bucket(m) for ph in phases.values() for m, _ in ph["by_rows"]} | {64, 2048}
     rates = {m: linear_rate(engine.dtype, m, model) for m in sorted(needed)}
+    bandwidth = read_bandwidth()
 
     print(f"## {args.workload}, {args.dtype}, {args.model_code}'s model code, anchors {args.anchors}, "
           f"{args.threads} threads: {len(reqs)} jobs, prefill "
           f"{engine.stats.prefill_tokens} tokens, {engine.stats.completion_tokens} new tokens, {total:.1f} s in the engine")
     print(f"linear rate here: {rates[2048]:.0f} GFLOP/s at 2048 rows (the GEMM rate of the attention floor), "
-          f"{rates[64]:.0f} at 64 rows (oneDNN)\n")
+          f"{rates[64]:.0f} at 64 rows (oneDNN); memory read {bandwidth:.1f} GB/s (the decode KV floor)\n")
     print("| phase | forwards | tokens | wall s | linear s | attention s | other s | matmul floor s | wall / floor "
-          "| attention GFLOP | attention GFLOP/s | attention floor s | wall / both floors |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| attention GFLOP | attention GFLOP/s | attention floor s | wall / both floors | decode KV read GB "
+          "| KV read floor s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     report = {"total_s": total, "rates": rates, "phases": {}}
     for name in ("prefill", "mixed", "decode"):
         ph = phases.get(name)
@@ -223,8 +243,10 @@ def main() -> int:
         print(f"| {name} | {ph['forwards']:.0f} | {ph['tokens']:.0f} | {ph['wall']:.2f} | {ph['linear_measured']:.2f} | "
               f"{ph['attention']:.2f} | {other:.2f} | {floor:.2f} | {ph['wall'] / floor:.2f} | "
               f"{ph['attention_gflop']:.0f} | {ph['attention_gflop'] / max(ph['attention'], 1e-9):.0f} | "
-              f"{attention_floor:.2f} | {ph['wall'] / (floor + attention_floor):.2f} |")
-        report["phases"][name] = {**ph, "floor_s": floor, "attention_floor_s": attention_floor}
+              f"{attention_floor:.2f} | {ph['wall'] / (floor + attention_floor):.2f} | {ph['kv_gb']:.1f} | "
+              f"{ph['kv_gb'] / bandwidth:.2f} |")
+        report["phases"][name] = {**ph, "floor_s": floor, "attention_floor_s": attention_floor,
+                                  "kv_read_floor_s": ph["kv_gb"] / bandwidth}
     report["kernels_per_decode_step"] = {mode: kernels_per_decode_step(model, reqs, mode == "static")
                                          for mode in ("dynamic", "static")}
     print(f"\nkernels per decode step (32 rows): {report['kernels_per_decode_step']}")
