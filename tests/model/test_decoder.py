@@ -128,10 +128,11 @@ def test_greedy_equals_uncached_generate(arch, kernels, tok, tmp_path, monkeypat
         assert all(got[(r.key, s)] == want for s in range(r.params.n)), f"{arch}: job {r.key}"
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama_head32"])
 def test_bfloat16_greedy_equals_bfloat16_uncached_generate(arch, tok, tmp_path):
     """As test_engine's bfloat16 test: equal, or parting exactly where the reference's own
-    bfloat16 logits are tied."""
+    bfloat16 logits are tied. llama_head32: head size 32, so prefill and decode's anchors run on
+    AMX tiles where the CPU has them."""
     model, dec = make_decoder(arch, tmp_path, dtype=torch.bfloat16)
     reqs = edge_case_requests(tok)
     engine = Engine(dec, eos_token_ids=EOS, min_shared_tokens=4, max_batch_tokens=250)
