@@ -1,7 +1,8 @@
 /* Prefill attention of cpu_attention.c in bfloat16 on AMX tiles (Intel since Sapphire Rapids; head
  * size a multiple of 32), where the AVX-512 tiles run far below the matmul rate. The matrix
- * products of decode's `amx_item` (cpu_anchors.c), with causality by own index: 64 query rows an
- * item (tokens x the query heads of one key head, four tiles of 16), KA keys at a time:
+ * products of decode's `amx_item` (`amx_scores`, `amx_outputs` in cpu_anchors.c), with causality by
+ * own index: 64 query rows an item (tokens x the query heads of one key head, four tiles of 16), KA
+ * keys at a time:
  *   scores^T [keys][rows] = keys [keys][D] (read in place) . queries^T (pairs of elements, unscaled:
  *     the products of bfloat16 are exact in float32, summed in float32, then scaled);
  *   the online softmax in float32 down vectors of 16 rows, as the AVX-512 tiles compute it
@@ -27,34 +28,10 @@ typedef struct {
 static void amx_prefill_keys(AmxPrefill *b, const uint16_t *keys, const uint16_t *vt, int64_t lp, int64_t len,
                              int causal, int nv, float scale) {
     const __m512i ilv = _mm512_load_si512(ILV);
-#define QT(rg, ds) (b->qt + ((rg) * (D / 2) + (ds) * 16) * 2 * W)
 #define PT(rg, ks) (b->pt + ((rg) * (KA / 2) + (ks) * 16) * 2 * W)
     for (int64_t c0 = 0; c0 < len; c0 += KA) {
-        int n = len - c0 < KA ? (int)(len - c0) : KA, blocks = (n + W - 1) / W, pairs = (n + 31) / 32;
-        for (int kb = 0; kb < blocks; kb++) { /* tiles 0-3: scores^T of 16 keys for rows 0-15, ..., 48-63 */
-            const uint16_t *k = keys + (c0 + kb * W) * D;
-            if (c0 + kb * W + W > len) { /* past the run's end: zeros, and no read past the buffer */
-                memset(b->k, 0, sizeof b->k);
-                memcpy(b->k, k, (size_t)(len - c0 - kb * W) * D * 2);
-                k = b->k;
-            }
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int ds = 0; ds < D / 32; ds++) {
-                _tile_loadd(4, k + ds * 32, 2 * D);
-                TDP(0, 5, QT(0, ds));
-                if (nv > 1) TDP(1, 6, QT(1, ds));
-                if (nv > 2) TDP(2, 7, QT(2, ds));
-                if (nv > 3) TDP(3, 5, QT(3, ds));
-            }
-            float *dst = b->s + kb * W * AL;
-            _tile_stored(0, dst, 4 * AL);
-            if (nv > 1) _tile_stored(1, dst + W, 4 * AL);
-            if (nv > 2) _tile_stored(2, dst + 2 * W, 4 * AL);
-            if (nv > 3) _tile_stored(3, dst + 3 * W, 4 * AL);
-        }
+        int n = len - c0 < KA ? (int)(len - c0) : KA, pairs = (n + 31) / 32;
+        amx_scores(keys + c0 * D, n, b->qt, nv, b->s, b->k);
         for (int u = 0; u < nv; u++) { /* the chunk's softmax, 16 rows a vector; earlier chunks rescaled */
             float *s = b->s + W * u, first = b->pos[u][0];
             vf top = b->m[u];
@@ -80,26 +57,8 @@ static void amx_prefill_keys(AmxPrefill *b, const uint16_t *keys, const uint16_t
             if (_mm512_cmp_ps_mask((__m512)rescale, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ))
                 for (int i = 0; i < D; i++) st(b->ot + i * AL + W * u, ld(b->ot, i * AL + W * u, 0) * rescale);
         }
-        for (int db = 0; db < D / W; db++) { /* tiles 0-3: outputs^T of 16 dims for rows 0-15, ..., 48-63 */
-            float *o = b->ot + db * W * AL;
-            _tile_loadd(0, o, 4 * AL);
-            if (nv > 1) _tile_loadd(1, o + W, 4 * AL);
-            if (nv > 2) _tile_loadd(2, o + 2 * W, 4 * AL);
-            if (nv > 3) _tile_loadd(3, o + 3 * W, 4 * AL);
-            for (int ks = 0; ks < pairs; ks++) {
-                _tile_loadd(4, vt + (int64_t)db * W * lp + c0 + ks * 32, 2 * lp);
-                TDP(0, 5, PT(0, ks));
-                if (nv > 1) TDP(1, 6, PT(1, ks));
-                if (nv > 2) TDP(2, 7, PT(2, ks));
-                if (nv > 3) TDP(3, 5, PT(3, ks));
-            }
-            _tile_stored(0, o, 4 * AL);
-            if (nv > 1) _tile_stored(1, o + W, 4 * AL);
-            if (nv > 2) _tile_stored(2, o + 2 * W, 4 * AL);
-            if (nv > 3) _tile_stored(3, o + 3 * W, 4 * AL);
-        }
+        amx_outputs(b->ot, vt, lp, c0, pairs, b->pt, nv, 1, 0);
     }
-#undef QT
 #undef PT
 }
 

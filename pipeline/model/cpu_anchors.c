@@ -268,12 +268,85 @@ typedef struct {
     vf m[4], sum[4];
 } Amx;
 
-/* Tile `c` += tile 4 (A) x the B tile at `src` (64-byte rows), loaded into tile `b`. */
-#define TDP(c, b, src)                 \
-    do {                               \
-        _tile_loadd(b, src, 64);       \
-        _tile_dpbf16ps(c, 4, b);       \
-    } while (0)
+
+/* The two matrix products on tiles, each as 2 x 2 blocks: four tiles of sums (0-3), two A tiles (4,
+ * 5) and two B tiles (6, 7) loaded per step, each used twice, and no tile reloaded while the product
+ * before reads it (one A and four B tiles a step waited on the tile the last product read). Shared
+ * by decode's anchors (`amx_item`) and prefill (cpu_amx_prefill.c). */
+
+/* s [key][AL] = scores^T of keys [n][D] (read in place, whole blocks of 16; the last block, when
+ * partial, through `pad` [W][D]) for the `nv` tiles of 16 rows of queries^T `qt` (`QT` layout). */
+static void amx_scores(const uint16_t *keys, int n, const uint16_t *qt, int nv, float *s, uint16_t *pad) {
+    int blocks = (n + W - 1) / W;
+    for (int kb = 0; kb < blocks; kb += 2) {
+        const uint16_t *k0 = keys + (int64_t)kb * W * D, *k1 = k0 + W * D;
+        int two = kb + 1 < blocks;
+        if ((kb + 1) * W > n) { /* past the end: zeros, and no read past the buffer */
+            memset(pad, 0, sizeof(uint16_t) * W * D);
+            memcpy(pad, k0, sizeof(uint16_t) * (size_t)(n - kb * W) * D);
+            k0 = pad;
+        } else if (two && (kb + 2) * W > n) {
+            memset(pad, 0, sizeof(uint16_t) * W * D);
+            memcpy(pad, k1, sizeof(uint16_t) * (size_t)(n - (kb + 1) * W) * D);
+            k1 = pad;
+        }
+        for (int u = 0; u < nv; u += 2) {
+            int pair = u + 1 < nv;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int ds = 0; ds < D / 32; ds++) {
+                _tile_loadd(4, k0 + ds * 32, 2 * D);
+                _tile_loadd(6, qt + (u * (D / 2) + ds * 16) * 2 * W, 64);
+                if (two) _tile_loadd(5, k1 + ds * 32, 2 * D);
+                if (pair) _tile_loadd(7, qt + ((u + 1) * (D / 2) + ds * 16) * 2 * W, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                if (pair) _tile_dpbf16ps(1, 4, 7);
+                if (two) _tile_dpbf16ps(2, 5, 6);
+                if (two && pair) _tile_dpbf16ps(3, 5, 7);
+            }
+            float *dst = s + (int64_t)kb * W * AL + W * u;
+            _tile_stored(0, dst, 4 * AL);
+            if (pair) _tile_stored(1, dst + W, 4 * AL);
+            if (two) _tile_stored(2, dst + W * AL, 4 * AL);
+            if (two && pair) _tile_stored(3, dst + W * AL + W, 4 * AL);
+        }
+    }
+}
+
+/* ot [D][AL] += values^T (vt [D][lp], keys c0 .. c0 + 32 pairs) . weights^T for the `nv` row tiles
+ * (`pt` in the `PT` layout; `parts` of them, `part` apart, each added). */
+static void amx_outputs(float *ot, const uint16_t *vt, int64_t lp, int64_t c0, int pairs, const uint16_t *pt,
+                        int nv, int parts, int64_t part) {
+    for (int db = 0; db < D / W; db += 2) { /* D a multiple of 32: pairs of 16 dims */
+        for (int u = 0; u < nv; u += 2) {
+            int pair = u + 1 < nv;
+            float *o0 = ot + (int64_t)db * W * AL + W * u, *o1 = o0 + W * AL;
+            _tile_loadd(0, o0, 4 * AL);
+            if (pair) _tile_loadd(1, o0 + W, 4 * AL);
+            _tile_loadd(2, o1, 4 * AL);
+            if (pair) _tile_loadd(3, o1 + W, 4 * AL);
+            for (int ks = 0; ks < pairs; ks++) {
+                _tile_loadd(4, vt + (int64_t)db * W * lp + c0 + ks * 32, 2 * lp);
+                _tile_loadd(5, vt + (int64_t)(db + 1) * W * lp + c0 + ks * 32, 2 * lp);
+                for (int p = 0; p < parts; p++) {
+                    const uint16_t *b = pt + p * part + (u * (KA / 2) + ks * 16) * 2 * W;
+                    _tile_loadd(6, b, 64);
+                    if (pair) _tile_loadd(7, b + KA / 2 * 2 * W, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    if (pair) _tile_dpbf16ps(1, 4, 7);
+                    _tile_dpbf16ps(2, 5, 6);
+                    if (pair) _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            _tile_stored(0, o0, 4 * AL);
+            if (pair) _tile_stored(1, o0 + W, 4 * AL);
+            _tile_stored(2, o1, 4 * AL);
+            if (pair) _tile_stored(3, o1 + W, 4 * AL);
+        }
+    }
+}
 
 static void amx_item(const void *arg, int w, void *scratch) {
     const Decode *job = arg;
@@ -294,34 +367,10 @@ static void amx_item(const void *arg, int w, void *scratch) {
     TileConfig cfg = {.palette = 1};
     for (int i = 0; i < 8; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;
     _tile_loadconfig(&cfg);
-#define QT(rg, ds) (b->qt + ((rg) * (D / 2) + (ds) * 16) * 2 * W)
 #define PT(rg, ks) (b->pt + ((rg) * (KA / 2) + (ks) * 16) * 2 * W)
     for (int64_t c0 = j0; c0 < j1; c0 += KA) {
-        int n = j1 - c0 < KA ? (int)(j1 - c0) : KA, blocks = (n + W - 1) / W, pairs = (n + 31) / 32;
-        for (int kb = 0; kb < blocks; kb++) { /* tiles 0-3: scores^T of 16 keys for rows 0-15, ..., 48-63 */
-            const uint16_t *k = keys + (c0 + kb * W) * D;
-            if (c0 + kb * W + W > j1) { /* past the slice's end: zeros, and no read past the anchor */
-                memset(b->k, 0, sizeof b->k);
-                memcpy(b->k, k, (size_t)(j1 - c0 - kb * W) * D * 2);
-                k = b->k;
-            }
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int ds = 0; ds < D / 32; ds++) {
-                _tile_loadd(4, k + ds * 32, 2 * D);
-                TDP(0, 5, QT(0, ds));
-                if (nv > 1) TDP(1, 6, QT(1, ds));
-                if (nv > 2) TDP(2, 7, QT(2, ds));
-                if (nv > 3) TDP(3, 5, QT(3, ds));
-            }
-            float *dst = b->s + kb * W * AL;
-            _tile_stored(0, dst, 4 * AL);
-            if (nv > 1) _tile_stored(1, dst + W, 4 * AL);
-            if (nv > 2) _tile_stored(2, dst + 2 * W, 4 * AL);
-            if (nv > 3) _tile_stored(3, dst + 3 * W, 4 * AL);
-        }
+        int n = j1 - c0 < KA ? (int)(j1 - c0) : KA, pairs = (n + 31) / 32;
+        amx_scores(keys + c0 * D, n, b->qt, nv, b->s, b->k);
         for (int u = 0; u < nv; u++) { /* the chunk's softmax, 16 rows a vector; earlier chunks rescaled */
             const float *s = b->s + W * u;
             vf top = b->m[u] * (1.0f / job->scale); /* the maximum unscaled (scale > 0) */
@@ -347,28 +396,8 @@ static void amx_item(const void *arg, int w, void *scratch) {
             if (_mm512_cmp_ps_mask((__m512)rescale, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ))
                 for (int i = 0; i < D; i++) st(b->ot + i * AL + W * u, ld(b->ot, i * AL + W * u, 0) * rescale);
         }
-        for (int db = 0; db < D / W; db++) { /* tiles 0-3: outputs^T of 16 dims for rows 0-15, ..., 48-63 */
-            float *o = b->ot + db * W * AL;
-            _tile_loadd(0, o, 4 * AL);
-            if (nv > 1) _tile_loadd(1, o + W, 4 * AL);
-            if (nv > 2) _tile_loadd(2, o + 2 * W, 4 * AL);
-            if (nv > 3) _tile_loadd(3, o + 3 * W, 4 * AL);
-            for (int ks = 0; ks < pairs; ks++) {
-                _tile_loadd(4, vt + (int64_t)db * W * lp + c0 + ks * 32, 2 * lp);
-                for (int part = 0; part < 2; part++) {
-                    TDP(0, 5, PT(0, ks) + part * KA * AL);
-                    if (nv > 1) TDP(1, 6, PT(1, ks) + part * KA * AL);
-                    if (nv > 2) TDP(2, 7, PT(2, ks) + part * KA * AL);
-                    if (nv > 3) TDP(3, 5, PT(3, ks) + part * KA * AL);
-                }
-            }
-            _tile_stored(0, o, 4 * AL);
-            if (nv > 1) _tile_stored(1, o + W, 4 * AL);
-            if (nv > 2) _tile_stored(2, o + 2 * W, 4 * AL);
-            if (nv > 3) _tile_stored(3, o + 3 * W, 4 * AL);
-        }
+        amx_outputs(b->ot, vt, lp, c0, pairs, b->pt, nv, 2, KA * AL);
     }
-#undef QT
 #undef PT
     _tile_release();
     for (int l = 0; l < real; l++) {
