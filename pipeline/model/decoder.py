@@ -126,38 +126,42 @@ class Decoder:
             q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]  # (T, H*, D) views
             if layer.q_norm is not None:
                 q, k = self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)
-                q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            else:  # queries and keys sit side by side: one pass rotates both
-                qk = _rotate(qkv[:, : hq + hkv], cos, sin)
-                q, k = qk[:, :hq], qk[:, hq:]
+                _rotate_(q, cos, sin)
+                _rotate_(k, cos, sin)
+            else:  # queries and keys sit side by side: one pass rotates both, in qkv
+                _rotate_(qkv[:, : hq + hkv], cos, sin)
             out = attention.attend(step, i, q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                    self.scale, windows[i])  # (T, Hq, D) float32
             out = out.to(self.dtype).view(t, hq * d)
             o = layer.o(out)  # (T, H)
             if ad is not None:
                 self.adapters.apply(i, "o", out, o, ad)
-            x = x + o
+            x += o  # x is this forward's own buffer (the embedding's output, then the sums)
             h = self._norm(x, layer.post_norm)
             if ad is None:
-                x = x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
+                x += layer.down(F.silu(layer.gate(h), inplace=True).mul_(layer.up(h)))
                 continue
             gate, up = layer.gate(h), layer.up(h)  # (T, I) each
             self.adapters.apply(i, "gate", h, gate, ad)
             self.adapters.apply(i, "up", h, up, ad)
-            mid = F.silu(gate) * up
+            mid = F.silu(gate, inplace=True).mul_(up)
             down = layer.down(mid)  # (T, H)
             self.adapters.apply(i, "down", mid, down, ad)
-            x = x + down
+            x += down
         if not keep.numel():  # a prefix being prefilled: no logits wanted
             return x.new_empty(0, self.config.vocab_size, dtype=torch.float32)
         x = self._norm(x.index_select(0, keep), self.norm)  # (N, H): the norm is per token
         return self.lm_head(x).float()  # (N, V)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """transformers' RMSNorm: in float32, cast back, then scaled."""
+        """transformers' RMSNorm: in float32, cast back, then scaled; the same operations, in
+        place where a buffer is this call's own (the weight's product commutes)."""
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
-        return weight * xf.to(x.dtype)
+        sq = xf.pow(2)
+        rs = sq.mean(-1, keepdim=True).add_(self.config.rms_norm_eps).rsqrt_()
+        if x.dtype == torch.float32:  # xf is x, never written: the squares' buffer takes the product
+            return torch.mul(xf, rs, out=sq).mul_(weight)
+        return xf.mul_(rs).to(x.dtype).mul_(weight)
 
     def _rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin (T, 1, D) at these positions, from a table grown on demand and
@@ -177,11 +181,15 @@ class Decoder:
         return self._cos[pos][:, None], self._sin[pos][:, None]
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """transformers' `x * cos + rotate_half(x) * sin`, x (T, H, D): the same products and sum."""
-    out = x * cos
-    out += x.roll(x.shape[-1] // 2, dims=-1) * sin
-    return out
+def _rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """x = transformers' `x * cos + rotate_half(x) * sin` in place, x (T, H, D): the same products
+    and sum. `sin` has its first half negated, so rotate_half(x) * sin is x's halves swapped times
+    it, written by two products into one buffer (no rolled copy of x)."""
+    half = x.shape[-1] // 2
+    turned = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    torch.mul(x[..., half:], sin[..., :half], out=turned[..., :half])
+    torch.mul(x[..., :half], sin[..., half:], out=turned[..., half:])
+    x.mul_(cos).add_(turned)
 
 
 def _fused(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> Linear:
