@@ -1,9 +1,11 @@
 """Text <-> token ids, in the only modules that load a tokenizer (this one and `pipeline.text.fast_tokenizer`):
 the engine sees ids only.
 
-Prompts are tokenized whole, exactly as plain generation would (default special tokens for
-text, the chat template with a generation prompt for messages); grouping happens later on these
-ids, never on strings, since a prefix tokenized alone can end in different tokens.
+Prompts get the ids of tokenizing them whole, exactly as plain generation would (default special
+tokens for text, the chat template with a generation prompt for messages); grouping happens later
+on these ids, never on strings, since a prefix tokenized alone can end in different tokens. Only
+where a cut is proven not to change them (`pipeline.text.prefix_tokens`) is a shared text prefix
+tokenized once for the texts that start with it.
 """
 from __future__ import annotations
 
@@ -222,7 +224,8 @@ class Tokenizer:
         """Each text's token count, as `self.hf(text, add_special_tokens=special)` gives it; with
         `keep`, each batch's ids are handed to it, so that ids are held a batch at a time (a
         million prompts' ids as Python lists would take GBs). Without it no id list is made: the
-        counts come from the encodings themselves."""
+        counts come from the encodings themselves. Texts sharing a prefix get its ids from one
+        tokenization of it, where the tokenizer has stable cuts (`_shared_prefixes`)."""
         lengths: list[int] = []
         if not texts:
             return lengths
