@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import threading
 from array import array
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
@@ -187,12 +188,14 @@ class PrefixTokens:
         self._cache: OrderedDict[str, array] = OrderedDict()
         self._chars = self._ids = 0
         self._seen: dict[int, None] = {}
+        self._lock = threading.Lock()  # the cache is one Tokenizer's, which threads may share
 
     def encode(self, backend: Any, texts: Sequence[str], special: bool, want_ids: bool
                ) -> tuple[list[int], list[list[int]] | None]:
         """Each text's token count, and with `want_ids` its ids: what
         `backend.encode_batch_fast(texts, add_special_tokens=special)` gives."""
-        found = self._lookup(backend, texts)
+        with self._lock:
+            found = self._lookup(backend, texts)
         cut = [k for k, f in enumerate(found) if f is not None]
         whole = [k for k, f in enumerate(found) if f is None]
         rests = backend.encode_batch_fast([texts[k][found[k][0]:] for k in cut], add_special_tokens=False)

@@ -230,3 +230,17 @@ def test_process_gives_the_same_results_with_and_without_shared_prefixes(tmp_pat
         run(["process", str(src), "-o", str(out), "--max-new-tokens", "3", "--device", "cpu"], model_dir)
         tables.append(pq.read_table(out, columns=["id", "completion", "prompt_tokens", "cached_tokens"]).to_pylist())
     assert tables[0] == tables[1] and len(tables[0]) == 41
+
+
+def test_the_cache_stays_bounded_and_exact_as_prefixes_come_and_go(monkeypatch):
+    import pipeline.text.prefix_tokens as prefix_tokens
+
+    monkeypatch.setattr(prefix_tokens, "_MAX_PREFIXES", 8)
+    monkeypatch.setattr(prefix_tokens, "_MAX_IDS", 400)
+    backend = BACKENDS["metaspace-first"]
+    reuse = PrefixTokens(cut_rule(backend), step=16)
+    for g in range(30):  # each group's prefix shared by its batch, then never again
+        texts = [f"group {g} shares these words, then {i} of its own" for i in range(5)]
+        assert reuse.encode(backend, texts, True, True)[1] == _plain(backend, texts, True)
+        assert len(reuse._cache) <= 8 and reuse._ids == sum(map(len, reuse._cache.values())) <= 400
+    assert reuse._cache  # prefixes were kept (the newest)
