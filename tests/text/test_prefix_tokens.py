@@ -16,6 +16,7 @@ from tests.helpers.tiny_tokenizer import make_tokenizer
 # contractions, symbols, non-ASCII letters, emoji, added tokens' text (with a space, with rstrip)
 PIECES = ["a", "b", "the", "Hello", "word", " ", "  ", "   ", "\t", "\n", "\n\n", " \n", "1", "23", "4567", ".",
           ",", "!?", "-", "'", "'s", "'t", "'re", "'ll", "don't", "Ü", "ñ", "é", "日本", "Ωμέγα", "😀", "👍🏽", "▁",
+          "\u00a0", "\r\n", "\u3000", "\x1c", "’", "'S",
           "<|im_start|>", "<|im_end|>", "<s>", "</s>", "<", ">", "my name", "<r>"]
 TEXT = st.lists(st.sampled_from(PIECES), max_size=24).map("".join)
 SHARED = st.lists(TEXT, min_size=1, max_size=3).flatmap(
