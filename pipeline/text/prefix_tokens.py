@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import os
 import threading
 from array import array
 from collections import Counter, OrderedDict
@@ -70,7 +71,7 @@ class CutRule:
         if c <= 0 or c >= len(text) or text[c] != " " or text[c - 1].isspace():
             return False
         # an occurrence overlapping T[c-1:c+1] lies within T[c-len:c+len]
-        return not any(text.find(g, max(0, c - len(g)), c + len(g)) >= 0 for g in self.guarded)
+        return not self.guarded or not any(text.find(g, max(0, c - len(g)), c + len(g)) >= 0 for g in self.guarded)
 
     def cut_from(self, text: str, start: int) -> int:
         """The first stable cut at or after `start`, or -1."""
@@ -181,11 +182,15 @@ def _spaced(length: int, step: int) -> list[int]:
 class PrefixTokens:
     """Batches of texts tokenized through the ids of their shared prefixes, cut at stable cuts:
     a prefix shared by two texts of a batch, or met in an earlier one, is tokenized once and
-    kept (an LRU bounded in prefixes, characters and ids); each text's rest is tokenized alone."""
+    kept (an LRU bounded in prefixes, characters and ids); each text's rest is tokenized alone.
+    Candidate cuts are few (`_targets`); a prefix several texts share is taken to the last stable
+    cut they have in common, and found again from the candidate cut it extends."""
 
     def __init__(self, rule: CutRule, step: int = STEP) -> None:
         self.rule, self.step = rule, step
-        self._cache: OrderedDict[str, array] = OrderedDict()
+        # prefix -> its ids, and the hash of the candidate prefix it extends (None: it is one)
+        self._cache: OrderedDict[str, tuple[array, int | None]] = OrderedDict()
+        self._longer: dict[int, list[str]] = {}  # candidate prefix's hash -> cached prefixes extending it
         self._chars = self._ids = 0
         self._seen: dict[int, None] = {}
         self._lock = threading.Lock()  # the cache is one Tokenizer's, which threads may share
@@ -216,10 +221,10 @@ class PrefixTokens:
         return counts, ids
 
     def _lookup(self, backend: Any, texts: Sequence[str]) -> list[tuple[int, array] | None]:
-        """Per text, the longest cut whose prefix is cached (tokenizing now the prefixes worth it),
-        with the prefix's ids; None: tokenize it whole."""
+        """Per text, the longest cached prefix it starts with, ending at a stable cut of it
+        (tokenizing now the prefixes worth it), with the prefix's ids; None: tokenize it whole."""
         found: list[tuple[int, array] | None] = [None] * len(texts)
-        cache, misses = self._cache, []
+        cache, longer, stable, misses = self._cache, self._longer, self.rule.stable, []
         for k, text in enumerate(texts):
             keys, last = [], len(text)
             for target in reversed(_targets(len(text), self.step)):  # longest first
@@ -228,19 +233,26 @@ class PrefixTokens:
                     continue
                 last = c
                 key = text[:c]
-                ids = cache.get(key)
-                if ids is not None:
-                    cache.move_to_end(key)
-                    found[k] = (c, ids)
+                # a longer prefix ends where this text may go on otherwise: its cut must be stable here too
+                hit = next((p for p in longer.get(hash(key), ()) if text.startswith(p) and stable(text, len(p))),
+                           key if key in cache else None)
+                if hit is not None:
+                    cache.move_to_end(hit)
+                    found[k] = (len(hit), cache[hit][0])
                     break
                 keys.append(key)
             else:
                 if keys:
                     misses.append((k, keys))
-        if not misses:
-            return found
-        # a missed prefix is worth tokenizing when another text of this batch has it too, or an
-        # earlier batch's did: the longest such of each text
+        if misses:
+            self._tokenize_shared(backend, texts, misses, found)
+        return found
+
+    def _tokenize_shared(self, backend: Any, texts: Sequence[str], misses: list[tuple[int, list[str]]],
+                         found: list[tuple[int, array] | None]) -> None:
+        """A missed prefix is worth tokenizing when another text of this batch has it too, or an
+        earlier batch's did: the longest such of each text, taken on to the last stable cut that
+        the batch's texts having it share."""
         counts = Counter(key for _, keys in misses for key in keys)
         seen, chosen = self._seen, {}
         for k, keys in misses:
@@ -251,21 +263,45 @@ class PrefixTokens:
             seen.update(dict.fromkeys(map(hash, keys)))
         if len(seen) > _MAX_SEEN:  # the newer half stays
             self._seen = dict.fromkeys(list(seen)[len(seen) // 2:])
-        if chosen:
-            prefixes = list(chosen)
-            for key, e in zip(prefixes, backend.encode_batch_fast(prefixes, add_special_tokens=False)):
-                ids = array("I", e.ids)
-                self._put(key, ids)
-                for k in chosen[key]:
-                    found[k] = (len(key), ids)
-        return found
+        prefixes: dict[str, tuple[str, list[int]]] = {}  # prefix -> the candidate it extends, its texts
+        for key, ks in chosen.items():
+            prefix = self._extended(key, [texts[k] for k in ks])
+            prefixes.setdefault(prefix, (key, []))[1].extend(ks)
+        new = [p for p in prefixes if p not in self._cache]
+        for prefix, e in zip(new, backend.encode_batch_fast(new, add_special_tokens=False)):
+            self._put(prefix, array("I", e.ids), prefixes[prefix][0])
+        for prefix, (_, ks) in prefixes.items():
+            entry = self._cache.get(prefix)
+            ids = entry[0] if entry is not None else array("I", backend.encode(prefix, add_special_tokens=False).ids)
+            for k in ks:
+                found[k] = (len(prefix), ids)
 
-    def _put(self, key: str, ids: array) -> None:
-        self._cache[key] = ids
-        self._chars += len(key)
+    def _extended(self, key: str, group: list[str]) -> str:
+        """`key` taken on to the last cut stable in every text of `group` (all start with `key`)
+        before their common prefix ends; `key` itself for a group of one."""
+        if len(group) < 2:
+            return key
+        end = len(os.path.commonprefix([min(group), max(group)]))  # the common prefix of all
+        text = group[0]
+        c = text.rfind(" ", len(key) + 1, end)
+        while c > len(key) and not all(self.rule.stable(t, c) for t in group):
+            c = text.rfind(" ", len(key) + 1, c)
+        return text[:c] if c > len(key) else key
+
+    def _put(self, prefix: str, ids: array, candidate: str) -> None:
+        base = None if prefix == candidate else hash(candidate)
+        self._cache[prefix] = (ids, base)
+        if base is not None:
+            self._longer.setdefault(base, []).append(prefix)
+        self._chars += len(prefix)
         self._ids += len(ids)
         while self._cache and (len(self._cache) > _MAX_PREFIXES or self._chars > _MAX_CHARS or
                                self._ids > _MAX_IDS):
-            old, old_ids = self._cache.popitem(last=False)
+            old, (old_ids, old_base) = self._cache.popitem(last=False)
             self._chars -= len(old)
             self._ids -= len(old_ids)
+            if old_base is not None:  # what found it goes with it
+                extending = self._longer[old_base]
+                extending.remove(old)
+                if not extending:
+                    del self._longer[old_base]

@@ -243,5 +243,20 @@ def test_the_cache_stays_bounded_and_exact_as_prefixes_come_and_go(monkeypatch):
     for g in range(30):  # each group's prefix shared by its batch, then never again
         texts = [f"group {g} shares these words, then {i} of its own" for i in range(5)]
         assert reuse.encode(backend, texts, True, True)[1] == _plain(backend, texts, True)
-        assert len(reuse._cache) <= 8 and reuse._ids == sum(map(len, reuse._cache.values())) <= 400
+        assert len(reuse._cache) <= 8 and reuse._ids == sum(len(ids) for ids, _ in reuse._cache.values()) <= 400
+        assert sorted(p for ps in reuse._longer.values() for p in ps) == sorted(p for p, (_, b) in reuse._cache.items() if b is not None)
     assert reuse._cache  # prefixes were kept (the newest)
+
+
+@pytest.mark.parametrize("name", ["metaspace-first", "byte-level"])
+def test_a_longer_shared_prefix_is_taken_only_where_its_cut_is_stable_in_the_text(name):
+    """Two texts make "... th" a cached prefix (their common part ends in " e"); a later text
+    starting with it goes on "the": there the prefix ends inside a word, and is not taken."""
+    backend = BACKENDS[name]
+    reuse = PrefixTokens(cut_rule(backend), step=4)
+    batches = [["a long shared start, th e1", "a long shared start, th e2"],
+               ["a long shared start, the end", "a long shared start, th e3"]]
+    for texts in batches:
+        for special in (True, False):
+            assert reuse.encode(backend, texts, special, True)[1] == _plain(backend, texts, special)
+    assert "a long shared start, th" in reuse._cache
