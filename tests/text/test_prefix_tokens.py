@@ -31,8 +31,9 @@ def _byte_level(prefix_space: bool, template: bool) -> RustTokenizer:
     tok = RustTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=prefix_space, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                        show_progress=False))
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
     tok.add_special_tokens(["<s>", "</s>", "<|im_start|>", "<|im_end|>"])
     tok.add_tokens(["my name", AddedToken("<r>", rstrip=True)])
     if template:
@@ -244,7 +245,8 @@ def test_the_cache_stays_bounded_and_exact_as_prefixes_come_and_go(monkeypatch):
         texts = [f"group {g} shares these words, then {i} of its own" for i in range(5)]
         assert reuse.encode(backend, texts, True, True)[1] == _plain(backend, texts, True)
         assert len(reuse._cache) <= 8 and reuse._ids == sum(len(ids) for ids, _ in reuse._cache.values()) <= 400
-        assert sorted(p for ps in reuse._longer.values() for p in ps) == sorted(p for p, (_, b) in reuse._cache.items() if b is not None)
+        extending = sorted(p for p, (_, base) in reuse._cache.items() if base is not None)
+        assert sorted(p for ps in reuse._longer.values() for p in ps) == extending  # none found but cached
     assert reuse._cache  # prefixes were kept (the newest)
 
 
