@@ -1,14 +1,17 @@
 """Text <-> token ids, in the only modules that load a tokenizer (this one and `pipeline.text.fast_tokenizer`):
 the engine sees ids only.
 
-Prompts are tokenized whole, exactly as plain generation would (default special tokens for
-text, the chat template with a generation prompt for messages); grouping happens later on these
-ids, never on strings, since a prefix tokenized alone can end in different tokens.
+Prompts get the ids of tokenizing them whole, exactly as plain generation would (default special
+tokens for text, the chat template with a generation prompt for messages); grouping happens later
+on these ids, never on strings, since a prefix tokenized alone can end in different tokens. Only
+where a cut is proven not to change them (`pipeline.text.prefix_tokens`) is a shared text prefix
+tokenized once for the texts that start with it.
 """
 from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import sys
 from contextlib import contextmanager
@@ -19,6 +22,7 @@ from typing import Any, Callable, Iterator, Sequence
 from pipeline.errors import BatchgenError
 from pipeline.engine.types import StopCheck
 from pipeline.text.fast_tokenizer import StandIn, load as load_known, remember
+from pipeline.text.prefix_tokens import PrefixTokens, cut_rule
 
 
 _ENCODE_BATCH = 1024  # texts per call of the Rust batch encoder
@@ -92,6 +96,7 @@ class Tokenizer:
         self._source: tuple[str, bool, bool] | None = None  # where `load` found the stand-in's directory
         self._grammars = None
         self._piece_bytes: dict[int, bytes] = {}  # token_bytes' answers (at most the vocabulary)
+        self._prefixes: PrefixTokens | bool | None = None  # shared prefixes' ids; False: no stable cuts
 
     @property
     def hf(self) -> Any:
@@ -219,16 +224,21 @@ class Tokenizer:
         """Each text's token count, as `self.hf(text, add_special_tokens=special)` gives it; with
         `keep`, each batch's ids are handed to it, so that ids are held a batch at a time (a
         million prompts' ids as Python lists would take GBs). Without it no id list is made: the
-        counts come from the encodings themselves."""
+        counts come from the encodings themselves. Texts sharing a prefix get its ids from one
+        tokenization of it, where the tokenizer has stable cuts (`_shared_prefixes`)."""
         lengths: list[int] = []
         if not texts:
             return lengths
         backend = self._fast_backend()
+        prefixes = self._shared_prefixes(backend)
         for start in range(0, len(texts), _ENCODE_BATCH):  # an Encoding holds much more than its ids: few at once
             batch = list(texts[start : start + _ENCODE_BATCH])
             if backend is None:
                 ids = [list(self._tok(t, add_special_tokens=special)["input_ids"]) for t in batch]
                 lengths += map(len, ids)
+            elif prefixes is not None:  # the same ids, shared text prefixes tokenized once
+                counts, ids = prefixes.encode(backend, batch, special, keep is not None)
+                lengths += counts
             else:
                 encodings = backend.encode_batch_fast(batch, add_special_tokens=special)
                 lengths += map(len, encodings)
@@ -237,6 +247,16 @@ class Tokenizer:
             if keep is not None:
                 keep(ids)
         return lengths
+
+    def _shared_prefixes(self, backend: Any) -> PrefixTokens | None:
+        """Where this tokenizer has proven stable cuts (`pipeline.text.prefix_tokens`), what tokenizes
+        shared text prefixes once; None where it has none, or with BATCHGEN_PREFIX_TOKENS=0."""
+        if backend is None or os.environ.get("BATCHGEN_PREFIX_TOKENS", "1") == "0" or backend.encode_special_tokens:
+            return None
+        if self._prefixes is None:
+            rule = cut_rule(backend)
+            self._prefixes = PrefixTokens(rule) if rule is not None else False
+        return self._prefixes or None
 
     def _fast_backend(self) -> Any:
         """The Rust tokenizer, set up as `self.hf(...)` sets it for one text; None for a slow one."""
