@@ -161,15 +161,8 @@ class Step:
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """New keys/values (H, T, D) of this layer into their buffers."""
         if self.store_slots.numel():
-            kb = self.kv.k[layer]  # (slots, H, cap, D), as the values' buffer
-            h, cap = kb.shape[1], kb.shape[2]
-            # each (token, head) one row of the buffers seen as (slots * H * cap, D): index_copy_ copies
-            # whole rows, where indexing (slot, :, own index) went element by element
-            rows = ((self.store_slots[:, None] * h + torch.arange(h, device=kb.device)[None]) * cap
-                    + self.store_at[:, None]).view(-1)  # (N * H,)
-            for buf, x in ((kb, k), (self.kv.v[layer], v)):
-                src = x.transpose(0, 1)[self.store_tokens].reshape(-1, buf.shape[3])  # (N * H, D)
-                buf.view(-1, buf.shape[3]).index_copy_(0, rows, src)
+            self.kv.k[layer][self.store_slots, :, self.store_at] = k[:, self.store_tokens].transpose(0, 1)
+            self.kv.v[layer][self.store_slots, :, self.store_at] = v[:, self.store_tokens].transpose(0, 1)
         for s in self.continuing:
             if self.kv is None or s.k is not self.kv.k:  # a prefix being prefilled: its own buffer
                 s.k[layer][s.index, :, s.offset : s.offset + s.t1 - s.t0] = k[:, s.t0 : s.t1]
