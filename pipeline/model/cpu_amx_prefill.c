@@ -92,18 +92,13 @@ static void amx_prefill_item(const void *arg, int w, void *scratch) {
         int64_t r = r0 + l < rows ? r0 + l : rows - 1;
         tok[l] = t0 + r / G, head[l] = h * G + r % G, pos[l] = (float)(off + r / G);
     }
-    const int32_t *q32 = job->q;
-    for (int l = 0; l < W * nv; l++) /* qt[rg][pair][row in rg] = (q[2 pair], q[2 pair + 1]) */
-        for (int i = 0; i < D / 2; i++)
-            ((int32_t *)b->qt)[((l / W) * (D / 2) + i) * W + l % W] = q32[(tok[l] * job->q_tok + head[l] * job->q_head) / 2 + i];
+    amx_queries(b->qt, job->q, job->q_tok, job->q_head, tok, head, W * nv);
     for (int u = 0; u < 4; u++) {
         memcpy(&b->pos[u], pos + W * u, sizeof b->pos[u]);
         b->m[u] = SPLAT(-1e30f), b->sum[u] = SPLAT(0.0f);
     }
     memset(b->ot, 0, sizeof b->ot);
-    TileConfig cfg = {.palette = 1};
-    for (int i = 0; i < 8; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;
-    _tile_loadconfig(&cfg);
+    amx_configure();
     int64_t la = job->anc_k[seg] ? job->anc_len[seg] : 0, cap = job->own_cap[seg], lo = padded(own_end(job, seg));
     if (la)
         amx_prefill_keys(b, (const uint16_t *)job->anc_k[seg] + h * la * D, p->packed + p->anc_at[seg] + h * padded(la) * D,
@@ -118,11 +113,6 @@ static void amx_prefill_item(const void *arg, int w, void *scratch) {
     }
 }
 
-static int by_pointer(const void *a, const void *b) { /* (pointer, segment) pairs */
-    const int64_t *x = a, *y = b;
-    return x[0] != y[0] ? (x[0] < y[0] ? -1 : 1) : (x[1] > y[1]) - (x[1] < y[1]);
-}
-
 /* The job's segments on AMX tiles (job->items: (segment, key head, first of AL lanes)): their values
  * transposed in one pass, then the items. 0 when every item was done. */
 static int amx_prefill(const Prefill *job, int nseg, int items, int threads) {
@@ -133,7 +123,7 @@ static int amx_prefill(const Prefill *job, int nseg, int items, int threads) {
     for (int s = 0; !failed && s < nseg; s++)
         if (job->anc_k[s]) pairs[2 * anchored] = job->anc_v[s], pairs[2 * anchored + 1] = s, anchored++;
     if (!failed) {
-        qsort(pairs, (size_t)anchored, 2 * sizeof(int64_t), by_pointer);
+        qsort(pairs, (size_t)anchored, 2 * sizeof(int64_t), by_anchor);
         for (int i = 0; i < anchored; i++) { /* one packed copy per anchor */
             int64_t s = pairs[2 * i + 1];
             if (i && pairs[2 * i] == pairs[2 * i - 2]) {

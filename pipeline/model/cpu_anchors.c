@@ -269,6 +269,23 @@ typedef struct {
 } Amx;
 
 
+/* Queries^T for the tiles (`QT` layout: [rows / 16][D/2][16][2], pairs of elements) of `lanes` rows,
+ * row l being query head head[l] of token tok[l] of q (bfloat16, strides in elements, even). */
+static void amx_queries(uint16_t *qt, const void *q, int64_t q_tok, int64_t q_head, const int64_t *tok,
+                        const int64_t *head, int lanes) {
+    const int32_t *q32 = q;
+    for (int l = 0; l < lanes; l++) /* qt[rg][pair][row in rg] = (q[2 pair], q[2 pair + 1]) */
+        for (int p = 0; p < D / 2; p++)
+            ((int32_t *)qt)[((l / W) * (D / 2) + p) * W + l % W] = q32[(tok[l] * q_tok + head[l] * q_head) / 2 + p];
+}
+
+/* Eight tiles of 16 rows of 64 bytes: the four sums, two A and two B tiles of the products below. */
+static void amx_configure(void) {
+    TileConfig cfg = {.palette = 1};
+    for (int i = 0; i < 8; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+    _tile_loadconfig(&cfg);
+}
+
 /* The two matrix products on tiles, each as 2 x 2 blocks: four tiles of sums (0-3), two A tiles (4,
  * 5) and two B tiles (6, 7) loaded per step, each used twice, and no tile reloaded while the product
  * before reads it (one A and four B tiles a step waited on the tile the last product read). Shared
@@ -354,19 +371,14 @@ static void amx_item(const void *arg, int w, void *scratch) {
     const int64_t *it = job->items + ITEM * w;
     int64_t h = it[2], slice = it[4], g = it[5], tok[AL], head[AL], j0, j1;
     int real = item_lanes(job, w, AL, tok, head), nv = (real + W - 1) / W;
-    const int32_t *q32 = job->q;
-    for (int l = 0; l < W * nv; l++) /* qt[rg][pair][row in rg] = (q[2 pair], q[2 pair + 1]) */
-        for (int p = 0; p < D / 2; p++)
-            ((int32_t *)b->qt)[((l / W) * (D / 2) + p) * W + l % W] = q32[(tok[l] * job->q_tok + head[l] * job->q_head) / 2 + p];
+    amx_queries(b->qt, job->q, job->q_tok, job->q_head, tok, head, W * nv);
     int64_t len = job->anc_len[tok[0]], lp = padded(len);
     slice_keys(job, slice, len, &j0, &j1);
     const uint16_t *keys = (const uint16_t *)job->anc_k[tok[0]] + h * len * D;
     const uint16_t *vt = job->packed + job->packed_at[g] + h * lp * D;
     memset(b->ot, 0, sizeof b->ot);
     for (int u = 0; u < 4; u++) b->m[u] = SPLAT(-1e30f), b->sum[u] = SPLAT(0.0f);
-    TileConfig cfg = {.palette = 1};
-    for (int i = 0; i < 8; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;
-    _tile_loadconfig(&cfg);
+    amx_configure();
 #define PT(rg, ks) (b->pt + ((rg) * (KA / 2) + (ks) * 16) * 2 * W)
     for (int64_t c0 = j0; c0 < j1; c0 += KA) {
         int n = j1 - c0 < KA ? (int)(j1 - c0) : KA, pairs = (n + 31) / 32;

@@ -403,6 +403,11 @@ typedef struct {
  * where the build has them, on AMX tiles (cpu_amx_prefill.c) where the CPU has them and Linux lends them */
 enum { PREFILL_WIDEN = 0, PREFILL_DOTS = 1, PREFILL_AMX = 2 };
 
+static int by_anchor(const void *a, const void *b) { /* (anchor pointer, row or segment) pairs, by anchor */
+    const int64_t *x = a, *y = b;
+    return x[0] != y[0] ? (x[0] < y[0] ? -1 : 1) : (x[1] > y[1]) - (x[1] < y[1]);
+}
+
 #include "cpu_amx_prefill.c" /* amx_prefill: the prefill pass on AMX tiles */
 
 static void prefill_item(const void *arg, int w, void *scratch) {
@@ -440,11 +445,6 @@ static void prefill_item(const void *arg, int w, void *scratch) {
         float *dst = job->out + (tok[l] * job->hq + head[l]) * D, inv = 1.0f / t->sum[l];
         for (int i = 0; i < D; i++) dst[i] = t->ot[i * W + l] * inv;
     }
-}
-
-static int by_anchor(const void *a, const void *b) { /* (anchor pointer, row) pairs */
-    const int64_t *x = a, *y = b;
-    return x[0] != y[0] ? (x[0] < y[0] ? -1 : 1) : (x[1] > y[1]) - (x[1] < y[1]);
 }
 
 /* Slices of the anchors' keys for phase A: more items than `items` when they would leave threads
