@@ -9,6 +9,9 @@ Why it exists (the measurements are in BENCHMARKS.md):
   query/key/value GEMM, rotary embeddings for queries and keys in one pass over a per-position
   table, batchgen's attention (`attention.attend`), the SiLU MLP; the linear layers run on
   weights packed once for oneDNN (`kernels.linear`).
+  After the last layer's attention, whose keys and values later tokens read, nothing but the
+  logits is wanted: its output projection and MLP run on the kept tokens' rows alone (none while
+  a shared prefix is prefilled).
 
 Which models it takes is `pipeline.model.decoder_config`'s decision (everything the forward depends on
 stated in the model's files); every other model, every other device, and `BATCHGEN_DECODER=0`
@@ -117,6 +120,7 @@ class Decoder:
         x = F.embedding(ids, self.embed)  # (T, H)
         # per adapter present, its tokens: every projection adds their updates (None: no adapter work)
         ad = self.adapters.plan(lora.check(self.adapters, step.lora)) if step.lora else None
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             h = self._norm(x, layer.input_norm)
             qkv = layer.qkv(h)  # (T, (Hq + 2 Hkv) D)
@@ -133,7 +137,11 @@ class Decoder:
             out = attention.attend(step, i, q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                    self.scale, windows[i])  # (T, Hq, D) float32
             out = out.to(self.dtype).view(t, hq * d)
-            o = layer.o(out)  # (T, H)
+            if i == last and ad is None:  # past the last attention (its keys stored) only kept rows are read
+                if not keep.numel():
+                    break
+                out, x = out.index_select(0, keep), x.index_select(0, keep)  # (N, Hq D), (N, H)
+            o = layer.o(out)  # (T, H), or (N, H) in the last layer
             if ad is not None:
                 self.adapters.apply(i, "o", out, o, ad)
             x += o  # x is this forward's own buffer (the embedding's output, then the sums)
@@ -150,7 +158,9 @@ class Decoder:
             x += down
         if not keep.numel():  # a prefix being prefilled: no logits wanted
             return x.new_empty(0, self.config.vocab_size, dtype=torch.float32)
-        x = self._norm(x.index_select(0, keep), self.norm)  # (N, H): the norm is per token
+        if ad is not None:  # with adapters every token ran the last layer (their plans index all T)
+            x = x.index_select(0, keep)
+        x = self._norm(x, self.norm)  # (N, H): the norm is per token
         return self.lm_head(x).float()  # (N, V)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
