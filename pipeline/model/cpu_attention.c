@@ -611,3 +611,5 @@ int batchgen_prefill_attention(int nseg, int hq, int hkv, int d, int bf16, const
            (void)out, (void)threads, (void)kernel, 1;
 #endif
 }
+
+#include "cpu_layer_ops.c" /* add_rms_norm, silu_mul: the decoder's elementwise passes */

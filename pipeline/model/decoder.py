@@ -8,7 +8,8 @@ Why it exists (the measurements are in BENCHMARKS.md):
   a decode step beside the weight matmuls and attention. Here a layer is one fused
   query/key/value GEMM, rotary embeddings for queries and keys in one pass over a per-position
   table, batchgen's attention (`attention.attend`), the SiLU MLP; the linear layers run on
-  weights packed once for oneDNN (`kernels.linear`).
+  weights packed once for oneDNN (`kernels.linear`); each norm, with the residual sum before it,
+  and the MLP's gate are one pass (`native.LayerOps`: PyTorch's ops to the bit) where PyTorch runs several.
   After the last layer's attention, whose keys and values later tokens read, nothing but the
   logits is wanted: its output projection and MLP run on the kept tokens' rows alone (none while
   a shared prefix is prefilled).
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 
 from pipeline.model import attention
 
-from pipeline.model import kernels
+from pipeline.model import kernels, native
 
 from pipeline.model import lora, rope
 from pipeline.model.adapter_files import AdapterInfo
@@ -86,6 +87,9 @@ class Decoder:
         self.layers = [self._layer(weights, f"model.layers.{i}.") for i in range(c.num_hidden_layers)]
         self._cos = self._sin = torch.empty(0, self.d, dtype=dtype, device=device)
         self.adapters: lora.Adapters | None = None  # `set_adapters`
+        # the norms and the MLP's gate in one pass each (None: PyTorch's ops, the reference)
+        self.ops = native.layer_ops(dtype, self.hq, self.hkv, self.d, c.hidden_size, c.intermediate_size) \
+            if device.type == "cpu" else None
         if device.type == "cpu":
             kernels.keep_freed_memory()  # activations reuse memory instead of faulting in fresh pages
 
@@ -121,8 +125,9 @@ class Decoder:
         # per adapter present, its tokens: every projection adds their updates (None: no adapter work)
         ad = self.adapters.plan(lora.check(self.adapters, step.lora)) if step.lora else None
         last = len(self.layers) - 1
+        added = None  # the last sublayer's output, still to be added to x (with the next norm)
         for i, layer in enumerate(self.layers):
-            h = self._norm(x, layer.input_norm)
+            h = self._add_norm(x, added, layer.input_norm)
             qkv = layer.qkv(h)  # (T, (Hq + 2 Hkv) D)
             if ad is not None:
                 self.adapters.apply(i, "qkv", h, qkv, ad)
@@ -144,24 +149,37 @@ class Decoder:
             o = layer.o(out)  # (T, H), or (N, H) in the last layer
             if ad is not None:
                 self.adapters.apply(i, "o", out, o, ad)
-            x += o  # x is this forward's own buffer (the embedding's output, then the sums)
-            h = self._norm(x, layer.post_norm)
+            h = self._add_norm(x, o, layer.post_norm)  # x += o: x is this forward's own buffer
             if ad is None:
-                x += layer.down(F.silu(layer.gate(h), inplace=True).mul_(layer.up(h)))
+                added = layer.down(self._gate(layer.gate(h), layer.up(h)))
                 continue
             gate, up = layer.gate(h), layer.up(h)  # (T, I) each
             self.adapters.apply(i, "gate", h, gate, ad)
             self.adapters.apply(i, "up", h, up, ad)
-            mid = F.silu(gate, inplace=True).mul_(up)
-            down = layer.down(mid)  # (T, H)
-            self.adapters.apply(i, "down", mid, down, ad)
-            x += down
+            mid = self._gate(gate, up)
+            added = layer.down(mid)  # (T, H)
+            self.adapters.apply(i, "down", mid, added, ad)
         if not keep.numel():  # a prefix being prefilled: no logits wanted
             return x.new_empty(0, self.config.vocab_size, dtype=torch.float32)
         if ad is not None:  # with adapters every token ran the last layer (their plans index all T)
-            x = x.index_select(0, keep)
-        x = self._norm(x, self.norm)  # (N, H): the norm is per token
+            x, added = x.index_select(0, keep), added.index_select(0, keep)
+        x = self._add_norm(x, added, self.norm)  # (N, H): the norm is per token
         return self.lm_head(x).float()  # (N, V)
+
+    def _add_norm(self, x: torch.Tensor, added: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+        """x += added (in place, where given), then the norm of x: one pass (`native.LayerOps`),
+        else PyTorch's ops."""
+        if self.ops is not None:
+            return self.ops.add_rms_norm(x, added, weight, self.config.rms_norm_eps)
+        if added is not None:
+            x += added
+        return self._norm(x, weight)
+
+    def _gate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up, into gate's buffer (the gate GEMM's own output)."""
+        if self.ops is not None:
+            return self.ops.silu_mul(gate, up)
+        return F.silu(gate, inplace=True).mul_(up)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """transformers' RMSNorm: in float32, cast back, then scaled; the same operations, in

@@ -1,5 +1,6 @@
 """batchgen's compiled attention kernels for CPUs (`cpu_attention.c`, which includes `cpu_anchors.c`):
-decode tokens and runs of prefill tokens, each against its anchor and its own keys in one pass.
+decode tokens and runs of prefill tokens, each against its anchor and its own keys in one pass;
+and the decoder's norms and MLP gate in one pass each (`LayerOps`, `cpu_layer_ops.c`).
 
 Built on first use with the machine's C compiler (`$CC`, else `cc`), one small library per head
 layout (query heads per key head, head size: a model has one), into batchgen's cache, keyed by
@@ -33,7 +34,8 @@ from pipeline.model.files import cache_dir
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 # #included by SOURCE: part of the cache key too
-INCLUDED = [Path(__file__).with_name(n) for n in ("cpu_anchors.c", "cpu_bf16.c", "cpu_amx_prefill.c")]
+INCLUDED = [Path(__file__).with_name(n) for n in ("cpu_anchors.c", "cpu_bf16.c", "cpu_amx_prefill.c",
+                                                                  "cpu_layer_ops.c")]
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-pthread"]
 # -fopenmp: the kernel's threads are torch's (the loader shares the libgomp.so.1 torch has loaded),
 # which still spin after torch's last op; new pthreads would fight them for the cores (slower:
@@ -87,7 +89,9 @@ def _build(fold: int, head: int) -> ctypes.CDLL:
     for f, args in ((lib.batchgen_decode_attention, [i32] * 5 + [ptr, i64, i64, ptr, ptr, i64] + [ptr] * 5
                      + [f32, ptr, i32, i32]),
                     (lib.batchgen_prefill_attention, [i32] * 5 + [ptr, i64, i64] + [ptr] * 10 + [f32, ptr, i32, i32]),
-                    (lib.batchgen_supports, [i32] * 5), (lib.batchgen_amx, []), (lib.batchgen_bf16_dots, [i32])):
+                    (lib.batchgen_supports, [i32] * 5), (lib.batchgen_amx, []), (lib.batchgen_bf16_dots, [i32]),
+                    (lib.batchgen_add_rms_norm, [i64, i64, i32, ptr, ptr, ptr, f32, ptr, i32]),
+                    (lib.batchgen_silu_mul, [i64, i64, i32, ptr, ptr, i32])):
         f.argtypes = args
         f.restype = i32
     return lib
@@ -210,3 +214,44 @@ def prefill_attention(q: torch.Tensor, hkv: int, t0: torch.Tensor, t1: torch.Ten
         t0.numel(), hq, hkv, d, DTYPES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1),
         *_ints(t0, t1, own_k, own_v, own_cap, own_index, offset, anc_k, anc_v, anc_len), scale, out.data_ptr(),
         torch.get_num_threads(), PREFILL[kernel])
+
+
+class LayerOps:
+    """The decoder's elementwise passes (`cpu_layer_ops.c`) on rows of contiguous float32 or
+    bfloat16 activations: the norm with its residual sum, and the MLP's gate. The reference is
+    PyTorch's ops (`Decoder._add_norm`, `Decoder._gate`), which run where `layer_ops` gives None."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """x += residual (if any), in place; returns transformers' RMSNorm of x times `weight`."""
+        n, h = x.shape
+        assert x.is_contiguous() and weight.is_contiguous() and weight.dtype == x.dtype and weight.numel() == h
+        assert residual is None or (residual.is_contiguous() and residual.shape == x.shape and residual.dtype == x.dtype)
+        out = torch.empty_like(x)
+        if self._lib.batchgen_add_rms_norm(n, h, DTYPES[x.dtype], x.data_ptr(),
+                                           None if residual is None else residual.data_ptr(), weight.data_ptr(),
+                                           eps, out.data_ptr(), torch.get_num_threads()):
+            raise MemoryError("batchgen's norm kernel got no scratch memory")
+        return out
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """gate = silu(gate) * up, in place; returns gate."""
+        assert gate.is_contiguous() and up.is_contiguous() and gate.shape == up.shape and gate.dtype == up.dtype
+        if self._lib.batchgen_silu_mul(gate.shape[0], gate[0].numel() if gate.shape[0] else 0, DTYPES[gate.dtype],
+                                       gate.data_ptr(), up.data_ptr(), torch.get_num_threads()):
+            raise MemoryError("batchgen's MLP kernel got no scratch memory")
+        return gate
+
+
+def layer_ops(dtype: torch.dtype, hq: int, hkv: int, d: int, hidden: int, intermediate: int) -> LayerOps | None:
+    """The elementwise passes for a decoder of this layout on this CPU (its attention kernels'
+    library), or None: where `supports` says no, for widths that are not multiples of 16, or with
+    ``BATCHGEN_LAYER_OPS=0`` (PyTorch's ops, the reference)."""
+    if os.environ.get("BATCHGEN_LAYER_OPS", "1") == "0" or hidden % 16 or intermediate % 16:
+        return None
+    if not supports(dtype, hq, hkv, d, d):
+        return None
+    return LayerOps(_lib(hq // hkv, d))

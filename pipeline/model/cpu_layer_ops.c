@@ -1,0 +1,211 @@
+/* The decoder's elementwise work between its matmuls, one pass each where PyTorch makes several:
+ *   add_rms_norm: x += r (r may be none), then out = w * rmsnorm(x), transformers' RMSNorm: the
+ *     sum of squares in float32, rs = 1 / sqrt(mean + eps), x * rs in float32, cast to the dtype,
+ *     then times the weight (PyTorch's bfloat16 product: in float32, rounded once);
+ *   silu_mul: g = silu(g) * u in place, silu in float32 cast to the dtype, then the product.
+ * PyTorch runs the norm as six ops in bfloat16 (widen, square, mean, scale, narrow, weight), each a
+ * pass over the activations, and the MLP's gate as two. Here each row is read once and written
+ * once, and to the bit as PyTorch computes it: the squares summed in ATen's order
+ * (`sum_squares`), silu's exp as SLEEF's (`sleef_exp`); tests/model/test_layer_ops.py holds both
+ * to the PyTorch formulas.
+ * Rows x and r are contiguous with h elements, h a multiple of 16; rows are shared out by `run`.
+ * Included by cpu_attention.c after `ld`, `st`, `exp_neg` and `run` (not built alone). */
+#if defined(__AVX512F__)
+#include <math.h>
+
+/* 16 float32 to bfloat16, rounded to nearest even (NaN kept a NaN), as PyTorch's cast rounds. */
+static inline __attribute__((always_inline)) vh to_bf16(vf f) {
+#if defined(__AVX512BF16__)
+    __m256bh b = _mm512_cvtneps_pbh((__m512)f); /* the instruction rounds the same way */
+    vh h;
+    memcpy(&h, &b, sizeof h);
+    return h;
+#endif
+    vu u;
+    memcpy(&u, &f, sizeof u);
+    vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
+    vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    vu bits = (rounded & ~nan) | ((u >> 16 | 0x40u) & nan);
+    return __builtin_convertvector(bits, vh);
+}
+
+/* Stores 16 floats at p[i] in the dtype: float32 as they are, or rounded to bfloat16. */
+static inline __attribute__((always_inline)) void put(void *p, int64_t i, vf v, int bf16) {
+    if (!bf16) {
+        memcpy((float *)p + i, &v, sizeof v);
+    } else {
+        vh h = to_bf16(v);
+        memcpy((uint16_t *)p + i, &h, sizeof h);
+    }
+}
+
+/* The dtype's value of v: v itself in float32, v rounded to bfloat16 and widened back. */
+static inline __attribute__((always_inline)) vf narrow(vf v, int bf16) {
+    if (!bf16) return v;
+    vu u = __builtin_convertvector(to_bf16(v), vu) << 16;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+typedef struct {
+    int64_t n, h, rows_per_item;
+    int bf16;
+    void *x;
+    const void *r, *w;
+    float eps;
+    void *out;
+} Norm;
+
+/* The sum of a row's h squares in the order of PyTorch's `x.pow(2).mean(-1)` on a contiguous row:
+ * ATen's cascade_sum (SumKernel.cpp) as it runs on x86, its AVX2 build (8-float vectors; ATen
+ * dispatches its reductions to AVX2 on AVX-512 machines too): vectors in rows of 4, one
+ * accumulator each, carried up a level every 16 rows; vectors past the last whole row into the
+ * first accumulator; the 4 in order; the 8 lanes in order. The level step is ATen's
+ * max(16, 2^(ceil(log2 rows) / 4)): 16 below 2^19 rows of 32 floats. */
+typedef float v8 __attribute__((vector_size(32)));
+
+static float sum_squares(const float *sq, int64_t h) {
+    enum { ILP = 4, LEVELS = 4, STEP = 16, L = 8 };
+    const int64_t nvec = h / L, rows = nvec / ILP;
+    v8 acc[LEVELS][ILP], v;
+    memset(acc, 0, sizeof acc);
+#define VEC(n) (memcpy(&v, sq + (n) * L, sizeof v), v)
+    int64_t i = 0;
+    while (i + STEP <= rows) {
+        for (int j = 0; j < STEP; j++, i++)
+            for (int k = 0; k < ILP; k++) acc[0][k] += VEC(i * ILP + k);
+        for (int j = 1; j < LEVELS; j++) {
+            for (int k = 0; k < ILP; k++) acc[j][k] += acc[j - 1][k], acc[j - 1][k] = (v8){0};
+            if (i & ((int64_t)(STEP - 1) << (j * 4))) break;
+        }
+    }
+    for (; i < rows; i++)
+        for (int k = 0; k < ILP; k++) acc[0][k] += VEC(i * ILP + k);
+    for (int j = 1; j < LEVELS; j++)
+        for (int k = 0; k < ILP; k++) acc[0][k] += acc[j][k];
+    for (int64_t n = rows * ILP; n < nvec; n++) acc[0][0] += VEC(n);
+#undef VEC
+    v8 total = acc[0][0];
+    for (int k = 1; k < ILP; k++) total += acc[0][k];
+    float sum = 0.0f;
+    for (int64_t e = nvec * L; e < h; e++) sum += sq[e];
+    for (int l = 0; l < L; l++) sum += total[l];
+    return sum;
+}
+
+static void norm_item(const void *job, int item, void *scratch) {
+    const Norm *j = job;
+    float *sq = scratch; /* the row's squares */
+    const int64_t bytes = j->bf16 ? 2 : 4;
+    int64_t first = item * j->rows_per_item, last = first + j->rows_per_item;
+    if (last > j->n) last = j->n;
+    for (int64_t t = first; t < last; t++) {
+        void *x = (char *)j->x + t * j->h * bytes, *out = (char *)j->out + t * j->h * bytes;
+        for (int64_t i = 0; i < j->h; i += W) {
+            vf v = ld(x, i, j->bf16);
+            if (j->r) { /* the residual sum in the dtype, as x += r rounds it */
+                v = narrow(v + ld((const char *)j->r + t * j->h * bytes, i, j->bf16), j->bf16);
+                put(x, i, v, j->bf16);
+            }
+            /* rounded before it is summed, as pow(2) rounds it (a product the compiler cannot fuse) */
+            __m512 vv = _mm512_mul_round_ps((__m512)v, (__m512)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            memcpy(sq + i, &vv, sizeof vv);
+        }
+        float rs = 1.0f / __builtin_sqrtf(sum_squares(sq, j->h) / (float)j->h + j->eps);
+        for (int64_t i = 0; i < j->h; i += W)
+            put(out, i, narrow(ld(x, i, j->bf16) * rs, j->bf16) * ld(j->w, i, j->bf16), j->bf16);
+    }
+}
+
+typedef struct {
+    int64_t n, m, per_item;
+    int bf16;
+    void *g;
+    const void *u;
+} SiluMul;
+
+/* e^d as PyTorch's float32 vectors compute it (SLEEF's expf, u10, the fused multiply-adds of its
+ * AVX2 build): round d / ln 2 to n, two-part ln 2 reduction, degree-6 polynomial, times 2^n in
+ * two halves; 0 below -104, infinity above 100. */
+static inline __attribute__((always_inline)) vf sleef_exp(vf d) {
+    __m512 x = (__m512)d;
+    __m512i q = _mm512_cvtps_epi32(_mm512_mul_round_ps(x, _mm512_set1_ps(1.442695040888963407359924681001892137f),
+                                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    __m512 qf = _mm512_cvtepi32_ps(q);
+    __m512 r = _mm512_fmadd_ps(qf, _mm512_set1_ps(-0.693145751953125f), x);
+    r = _mm512_fmadd_ps(qf, _mm512_set1_ps(-1.428606765330187045e-06f), r);
+    __m512 u = _mm512_set1_ps(0.000198527617612853646278381f);
+    u = _mm512_fmadd_ps(u, r, _mm512_set1_ps(0.00139304355252534151077271f));
+    u = _mm512_fmadd_ps(u, r, _mm512_set1_ps(0.00833336077630519866943359f));
+    u = _mm512_fmadd_ps(u, r, _mm512_set1_ps(0.0416664853692054748535156f));
+    u = _mm512_fmadd_ps(u, r, _mm512_set1_ps(0.166666671633720397949219f));
+    u = _mm512_fmadd_ps(u, r, _mm512_set1_ps(0.5f));
+    u = _mm512_add_round_ps(_mm512_set1_ps(1.0f),
+                            _mm512_fmadd_ps(_mm512_mul_round_ps(r, r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), u, r),
+                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    /* times 2^(q >> 1), then 2^(q - (q >> 1)): each a float32 power of two built in its exponent bits */
+    __m512i h = _mm512_srai_epi32(q, 1);
+    __m512 p1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(h, _mm512_set1_epi32(127)), 23));
+    __m512 p2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(q, h), _mm512_set1_epi32(127)), 23));
+    u = _mm512_mul_round_ps(_mm512_mul_round_ps(u, p1, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), p2,
+                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    u = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-104.0f), _CMP_NLT_UQ), u);
+    u = _mm512_mask_mov_ps(u, _mm512_cmp_ps_mask(_mm512_set1_ps(100.0f), x, _CMP_LT_OQ), _mm512_set1_ps(__builtin_inff()));
+    return (vf)u;
+}
+
+static void silu_item(const void *job, int item, void *scratch) {
+    const SiluMul *j = job;
+    (void)scratch;
+    int64_t first = item * j->per_item, last = first + j->per_item, total = j->n * j->m;
+    if (last > total) last = total;
+    /* PyTorch's loop takes two of its vectors (32 floats, 64 bfloat16) at a time and the elements
+     * past the last such pair one by one, with the C library's exp */
+    int64_t vectors = total - total % (j->bf16 ? 64 : 32), i = first;
+    for (; i < last && i < vectors; i += W) {
+        vf x = ld(j->g, i, j->bf16);
+        vf s = narrow(x / (1.0f + sleef_exp(-x)), j->bf16); /* PyTorch's x / (1 + e^-x), in float32 */
+        put(j->g, i, s * ld(j->u, i, j->bf16), j->bf16);
+    }
+    for (; i < last; i++) {
+        if (!j->bf16) {
+            float x = ((float *)j->g)[i];
+            ((float *)j->g)[i] = x / (1.0f + expf(-x)) * ((const float *)j->u)[i];
+        } else {
+            uint16_t *g = (uint16_t *)j->g + i;
+            uint32_t bits = (uint32_t)*g << 16, ub = (uint32_t)((const uint16_t *)j->u)[i] << 16;
+            float x, u;
+            memcpy(&x, &bits, 4), memcpy(&u, &ub, 4);
+            vf v = narrow(SPLAT(x / (1.0f + expf(-x))), 1) * SPLAT(u);
+            vh h = to_bf16(v);
+            *g = h[0];
+        }
+    }
+}
+
+/* Rows (or elements) per work item: about 16k elements, so a decode step's few rows stay on one thread. */
+static int64_t per_item(int64_t width) { return width >= 16384 ? 1 : 16384 / width; }
+#endif
+
+int batchgen_add_rms_norm(int64_t n, int64_t h, int bf16, void *x, const void *r, const void *w, float eps,
+                          void *out, int threads) {
+#if defined(__AVX512F__)
+    if (h % W || n < 0) return 1;
+    Norm job = {n, h, per_item(h), bf16, x, r, w, eps, out};
+    int64_t items = (n + job.rows_per_item - 1) / job.rows_per_item;
+    return run(norm_item, &job, (int)items, (size_t)h * sizeof(float), items > 1 ? threads : 1);
+#else
+    return (void)n, (void)h, (void)bf16, (void)x, (void)r, (void)w, (void)eps, (void)out, (void)threads, 1;
+#endif
+}
+
+int batchgen_silu_mul(int64_t n, int64_t m, int bf16, void *g, const void *u, int threads) {
+#if defined(__AVX512F__)
+    if (m % W || n < 0) return 1;
+    SiluMul job = {n, m, 16384, bf16, g, u};
+    int64_t items = (n * m + job.per_item - 1) / job.per_item;
+    return run(silu_item, &job, (int)items, 64, items > 1 ? threads : 1);
+#else
+    return (void)n, (void)m, (void)bf16, (void)g, (void)u, (void)threads, 1;
+#endif
+}

@@ -1,0 +1,78 @@
+"""The decoder's one-pass norm and gate (pipeline/model/cpu_layer_ops.c) bit for bit against
+PyTorch's ops: transformers' RMSNorm after the residual sum, and silu(gate) * up, in float32 and
+bfloat16, on widths whose squares' sums carry up ATen's cascade levels and on sizes whose last
+elements PyTorch's loop takes one by one; then the decoder's logits with and without them."""
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from pipeline.model import native
+from pipeline.model.kv import PrefixKV
+from pipeline.model.step import Segment, build
+from tests.helpers.tiny_models import make_decoder
+
+DTYPES = [torch.float32, torch.bfloat16]
+each_dtype = pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bfloat16"])
+OPS = native.layer_ops(torch.float32, 4, 2, 16, 64, 128)
+pytestmark = pytest.mark.skipif(OPS is None, reason=f"no native kernels here: {native.why_not(torch.float32, 4, 2, 16, 16)}")
+
+
+def _rand(*shape, dtype, seed, scale=3.0):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
+
+
+@each_dtype
+@pytest.mark.parametrize("rows,width", [(1, 16), (37, 64), (611, 576), (3, 1040), (2, 8192)])
+@pytest.mark.parametrize("residual", [True, False], ids=["residual", "plain"])
+def test_add_rms_norm_is_pytorch_bitwise(dtype, rows, width, residual):
+    """x += r, then LlamaRMSNorm(x): x after the sum and the norm both equal to the bit (width
+    576 carries the squares' sum up one level, 8192 up two; 16 and 1040 end in a short row)."""
+    x, r = _rand(rows, width, dtype=dtype, seed=1), _rand(rows, width, dtype=dtype, seed=2)
+    ref = LlamaRMSNorm(width, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        ref.weight.copy_(_rand(width, dtype=dtype, seed=3, scale=1.0))
+    with torch.inference_mode():
+        summed = x + r if residual else x.clone()
+        want = ref(summed)
+        got = OPS.add_rms_norm(x, r if residual else None, ref.weight.detach(), 1e-6)
+    assert torch.equal(x, summed)
+    assert torch.equal(got, want), f"{int((got != want).sum())} of {got.numel()} differ"
+
+
+@each_dtype
+@pytest.mark.parametrize("rows,width", [(1, 16), (3, 48), (5, 80), (64, 1536), (7, 1040)])
+def test_silu_mul_is_pytorch_bitwise(dtype, rows, width):
+    """silu(g) * u into g; sizes with a tail PyTorch computes one element at a time, and values
+    past exp's limits (silu of -110 is -0, of 110 is 110)."""
+    g, u = _rand(rows, width, dtype=dtype, seed=4, scale=6.0), _rand(rows, width, dtype=dtype, seed=5)
+    g.view(-1)[:6] = torch.tensor([-110.0, 110.0, -104.5, 0.0, -0.0, 88.0]).to(dtype)
+    want = F.silu(g) * u
+    got = OPS.silu_mul(g.clone(), u)
+    assert torch.equal(got, want), f"{int((got != want).sum())} of {got.numel()} differ"
+
+
+def test_layer_ops_refuse():
+    """PyTorch's ops where the widths are not the kernels' (multiples of 16), or when asked."""
+    assert native.layer_ops(torch.float32, 4, 2, 16, 72, 128) is None
+    assert native.layer_ops(torch.float32, 4, 2, 16, 64, 120) is None
+    assert native.layer_ops(torch.float16, 4, 2, 16, 64, 128) is None
+
+
+@each_dtype
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_decoder_logits_equal_with_and_without(arch, dtype, tmp_path, monkeypatch):
+    """A 40-token prefill and every position's logits: the decoder on the one-pass ops and on
+    PyTorch's (`BATCHGEN_LAYER_OPS=0`), equal to the bit."""
+    _, dec = make_decoder(arch, tmp_path, dtype=dtype)
+    monkeypatch.setenv("BATCHGEN_LAYER_OPS", "0")
+    _, ref = make_decoder(arch, tmp_path / "ref", dtype=dtype)
+    assert dec.ops is not None and ref.ops is None
+    ids = torch.randint(3, 250, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    logits = []
+    for model in (dec, ref):
+        kv = PrefixKV(model.layer_shapes(), len(ids), dtype, torch.device("cpu"))
+        step = build([], [], [(Segment(0, 0, kv.k, kv.v, 0, 0, 0), ids)], None, torch.device("cpu"))
+        with torch.inference_mode():
+            logits.append(model.forward(step, torch.arange(len(ids))))
+    assert torch.equal(*logits)
