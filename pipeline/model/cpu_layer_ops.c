@@ -2,7 +2,8 @@
  *   add_rms_norm: x += r (r may be none), then out = w * rmsnorm(x), transformers' RMSNorm: the
  *     sum of squares in float32, rs = 1 / sqrt(mean + eps), x * rs in float32, cast to the dtype,
  *     then times the weight (PyTorch's bfloat16 product: in float32, rounded once);
- *   silu_mul: g = silu(g) * u in place, silu in float32 cast to the dtype, then the product.
+ *   silu_mul: g = silu(g) * u in place, silu in float32 cast to the dtype, then the product;
+ *   rotary: queries and keys rotated in place, as `decoder._rotate_` computes them.
  * PyTorch runs the norm as six ops in bfloat16 (widen, square, mean, scale, narrow, weight), each a
  * pass over the activations, and the MLP's gate as two. Here each row is read once and written
  * once, and to the bit as PyTorch computes it: the squares summed in ATen's order
@@ -183,6 +184,59 @@ static void silu_item(const void *job, int item, void *scratch) {
     }
 }
 
+/* Rotary embeddings in place on x (T, heads, D), strides (x_tok, x_head, 1), from the forward's
+ * gathered tables cos, sin (T, D) (sin's first half negated): as `decoder._rotate_` computes it,
+ * x * cos + (x's halves swapped) * sin, each product and the sum rounded to the dtype (products
+ * the compiler must not fuse into one multiply-add). */
+typedef struct {
+    int64_t t, heads, d, x_tok, x_head, tokens_per_item;
+    int bf16;
+    void *x;
+    const void *cos, *sin;
+} Rotary;
+
+#define RN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+static inline __attribute__((always_inline)) vf ldm(const void *p, int64_t i, int bf16, __mmask16 m) {
+    if (!bf16) return (vf)_mm512_maskz_loadu_ps(m, (const float *)p + i);
+    __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)p + i);
+    return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline __attribute__((always_inline)) void stm(void *p, int64_t i, vf v, int bf16, __mmask16 m) {
+    if (!bf16) {
+        _mm512_mask_storeu_ps((float *)p + i, m, (__m512)v);
+    } else {
+        vh h = to_bf16(v);
+        __m256i b;
+        memcpy(&b, &h, sizeof b);
+        _mm256_mask_storeu_epi16((uint16_t *)p + i, m, b);
+    }
+}
+
+static void rotary_item(const void *job, int item, void *scratch) {
+    const Rotary *j = job;
+    (void)scratch;
+    const int64_t half = j->d / 2, bytes = j->bf16 ? 2 : 4;
+    int64_t first = item * j->tokens_per_item, last = first + j->tokens_per_item;
+    if (last > j->t) last = j->t;
+    for (int64_t t = first; t < last; t++) {
+        const char *c = (const char *)j->cos + t * j->d * bytes, *s = (const char *)j->sin + t * j->d * bytes;
+        for (int64_t h = 0; h < j->heads; h++) {
+            char *x = (char *)j->x + (t * j->x_tok + h * j->x_head) * bytes;
+            for (int64_t i = 0; i < half; i += W) {
+                __mmask16 m = half - i >= W ? 0xffff : (__mmask16)((1u << (half - i)) - 1);
+                vf x1 = ldm(x, i, j->bf16, m), x2 = ldm(x, i + half, j->bf16, m);
+                vf a1 = narrow((vf)_mm512_mul_round_ps((__m512)x1, (__m512)ldm(c, i, j->bf16, m), RN), j->bf16);
+                vf b1 = narrow((vf)_mm512_mul_round_ps((__m512)x2, (__m512)ldm(s, i, j->bf16, m), RN), j->bf16);
+                vf a2 = narrow((vf)_mm512_mul_round_ps((__m512)x2, (__m512)ldm(c, i + half, j->bf16, m), RN), j->bf16);
+                vf b2 = narrow((vf)_mm512_mul_round_ps((__m512)x1, (__m512)ldm(s, i + half, j->bf16, m), RN), j->bf16);
+                stm(x, i, (vf)_mm512_add_round_ps((__m512)a1, (__m512)b1, RN), j->bf16, m);
+                stm(x, i + half, (vf)_mm512_add_round_ps((__m512)a2, (__m512)b2, RN), j->bf16, m);
+            }
+        }
+    }
+}
+#undef RN
+
 /* Rows (or elements) per work item: about 16k elements, so a decode step's few rows stay on one thread. */
 static int64_t per_item(int64_t width) { return width >= 16384 ? 1 : 16384 / width; }
 #endif
@@ -207,5 +261,19 @@ int batchgen_silu_mul(int64_t n, int64_t m, int bf16, void *g, const void *u, in
     return run(silu_item, &job, (int)items, 64, items > 1 ? threads : 1);
 #else
     return (void)n, (void)m, (void)bf16, (void)g, (void)u, (void)threads, 1;
+#endif
+}
+
+int batchgen_rotary(int64_t t, int64_t heads, int64_t d, int bf16, void *x, int64_t x_tok, int64_t x_head,
+                    const void *cos, const void *sin, int threads) {
+#if defined(__AVX512F__)
+    if (d % 2 || t < 0) return 1;
+    int64_t per = per_item(heads * d);
+    Rotary job = {t, heads, d, x_tok, x_head, per, bf16, x, cos, sin};
+    int64_t items = (t + per - 1) / per;
+    return run(rotary_item, &job, (int)items, 64, items > 1 ? threads : 1);
+#else
+    return (void)t, (void)heads, (void)d, (void)bf16, (void)x, (void)x_tok, (void)x_head, (void)cos, (void)sin,
+           (void)threads, 1;
 #endif
 }

@@ -135,10 +135,10 @@ class Decoder:
             q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]  # (T, H*, D) views
             if layer.q_norm is not None:
                 q, k = self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)
-                _rotate_(q, cos, sin)
-                _rotate_(k, cos, sin)
+                self._rotate(q, cos, sin)
+                self._rotate(k, cos, sin)
             else:  # queries and keys sit side by side: one pass rotates both, in qkv
-                _rotate_(qkv[:, : hq + hkv], cos, sin)
+                self._rotate(qkv[:, : hq + hkv], cos, sin)
             out = attention.attend(step, i, q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                    self.scale, windows[i])  # (T, Hq, D) float32
             out = out.to(self.dtype).view(t, hq * d)
@@ -180,6 +180,12 @@ class Decoder:
         if self.ops is not None:
             return self.ops.silu_mul(gate, up)
         return F.silu(gate, inplace=True).mul_(up)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        if self.ops is not None:
+            self.ops.rotate(x, cos, sin)
+        else:
+            _rotate_(x, cos, sin)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """transformers' RMSNorm: in float32, cast back, then scaled; the same operations, in

@@ -91,7 +91,8 @@ def _build(fold: int, head: int) -> ctypes.CDLL:
                     (lib.batchgen_prefill_attention, [i32] * 5 + [ptr, i64, i64] + [ptr] * 10 + [f32, ptr, i32, i32]),
                     (lib.batchgen_supports, [i32] * 5), (lib.batchgen_amx, []), (lib.batchgen_bf16_dots, [i32]),
                     (lib.batchgen_add_rms_norm, [i64, i64, i32, ptr, ptr, ptr, f32, ptr, i32]),
-                    (lib.batchgen_silu_mul, [i64, i64, i32, ptr, ptr, i32])):
+                    (lib.batchgen_silu_mul, [i64, i64, i32, ptr, ptr, i32]),
+                    (lib.batchgen_rotary, [i64, i64, i64, i32, ptr, i64, i64, ptr, ptr, i32])):
         f.argtypes = args
         f.restype = i32
     return lib
@@ -244,6 +245,17 @@ class LayerOps:
                                        gate.data_ptr(), up.data_ptr(), torch.get_num_threads()):
             raise MemoryError("batchgen's MLP kernel got no scratch memory")
         return gate
+
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """`decoder._rotate_(x, cos, sin)` in place: x (T, H, D) with its last dim contiguous,
+        cos and sin (T, 1, D) contiguous, sin's first half negated."""
+        t, heads, d = x.shape
+        assert x.stride(2) == 1 and cos.is_contiguous() and sin.is_contiguous() and cos.dtype == sin.dtype == x.dtype
+        assert cos.shape == sin.shape == (t, 1, d)
+        if self._lib.batchgen_rotary(t, heads, d, DTYPES[x.dtype], x.data_ptr(), x.stride(0), x.stride(1),
+                                     cos.data_ptr(), sin.data_ptr(), torch.get_num_threads()):
+            raise MemoryError("batchgen's rotary kernel got no scratch memory")
 
 
 def layer_ops(dtype: torch.dtype, hq: int, hkv: int, d: int, hidden: int, intermediate: int) -> LayerOps | None:

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from pipeline.model import native
+from pipeline.model.decoder import _rotate_
 from pipeline.model.kv import PrefixKV
 from pipeline.model.step import Segment, build
 from tests.helpers.tiny_models import make_decoder
@@ -49,6 +50,20 @@ def test_silu_mul_is_pytorch_bitwise(dtype, rows, width):
     g.view(-1)[:6] = torch.tensor([-110.0, 110.0, -104.5, 0.0, -0.0, 88.0]).to(dtype)
     want = F.silu(g) * u
     got = OPS.silu_mul(g.clone(), u)
+    assert torch.equal(got, want), f"{int((got != want).sum())} of {got.numel()} differ"
+
+
+@each_dtype
+@pytest.mark.parametrize("tokens,heads,d", [(1, 1, 16), (37, 6, 16), (300, 15, 64), (5, 3, 128), (9, 2, 40)])
+def test_rotate_is_decoders_bitwise(dtype, tokens, heads, d):
+    """Queries and keys as the decoder hands them over (a view of the fused QKV output, the
+    values' heads after them), rotated in place; head sizes whose half is not a whole vector."""
+    qkv = _rand(tokens, heads + 2, d, dtype=dtype, seed=6)
+    cos, sin = _rand(tokens, 1, d, dtype=dtype, seed=7, scale=1.0), _rand(tokens, 1, d, dtype=dtype, seed=8, scale=1.0)
+    want = qkv.clone()
+    _rotate_(want[:, :heads], cos, sin)
+    got = qkv.clone()
+    OPS.rotate(got[:, :heads], cos, sin)
     assert torch.equal(got, want), f"{int((got != want).sum())} of {got.numel()} differ"
 
 
