@@ -27,6 +27,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 
+from pipeline.model import native
 from pipeline.model.kv import LayerShape, PrefixKV, RowKV
 from pipeline.engine.prefix_cache import PrefixCache
 from pipeline.engine.prefix_scores import Kept, PrefixScores
@@ -244,9 +245,14 @@ class Pass:
 
     def _sample(self, logits: torch.Tensor, running: list[Live], kv: RowKV) -> Iterator[Completion]:
         """The next token of every running row (logits (len(running), V), in order); finished rows leave."""
-        low, high = torch.aminmax(logits, dim=-1)  # one pass; a NaN or inf shows here (a float16 sum overflows)
-        finite = (torch.isfinite(low) & torch.isfinite(high)).tolist()
-        chosen = sample(logits, [r.state for r in running])  # (B,)
+        # one pass: each row's argmax, and whether a NaN or inf shows (a float16 sum overflows)
+        fast = native.greedy(logits)
+        if fast is None:
+            low, high = torch.aminmax(logits, dim=-1)
+            finite, greedy = (torch.isfinite(low) & torch.isfinite(high)).tolist(), None
+        else:
+            greedy, finite = fast
+        chosen = sample(logits, [r.state for r in running], greedy)  # (B,)
         record_logprobs(logits, chosen, running)
         tokens = chosen.tolist()
         keep = []

@@ -206,15 +206,17 @@ def _processed(row: RowState) -> bool:
     return bool(row.matcher is not None or p.logit_bias or p.penalized or len(row.tokens) < p.min_tokens)
 
 
-def sample(logits: torch.Tensor, rows: list[RowState]) -> torch.Tensor:
+def sample(logits: torch.Tensor, rows: list[RowState], greedy: torch.Tensor | None = None) -> torch.Tensor:
     """The next token of each row: logits (B, V) -> token ids (B,). A row that no token can continue
     (its grammar, bias and min_tokens exclude them all) gets its `error` set (and token 0, which
-    it never takes). The caller's logits are left as they are (logprobs are reported from them)."""
+    it never takes). The caller's logits are left as they are (logprobs are reported from them).
+    `greedy`: the logits' argmax per row if the caller has it (B,), taken over as the result."""
     dead: list[int] = []
     if any(_processed(r) for r in rows):
         logits = process(logits.clone(), rows)
         dead = (~torch.isfinite(logits).any(dim=-1)).nonzero().flatten().tolist()
-    tokens = logits.argmax(dim=-1)  # (B,) greedy for every row; sampled rows overwrite below
+        greedy = None  # of the logits before processing
+    tokens = logits.argmax(dim=-1) if greedy is None else greedy  # (B,) greedy for every row; sampled rows overwrite below
     for r, row in enumerate(rows):
         p = row.params
         if p.greedy or r in dead:

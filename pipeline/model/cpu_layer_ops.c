@@ -3,7 +3,8 @@
  *     sum of squares in float32, rs = 1 / sqrt(mean + eps), x * rs in float32, cast to the dtype,
  *     then times the weight (PyTorch's bfloat16 product: in float32, rounded once);
  *   silu_mul: g = silu(g) * u in place, silu in float32 cast to the dtype, then the product;
- *   rotary: queries and keys rotated in place, as `decoder._rotate_` computes them.
+ *   rotary: queries and keys rotated in place, as `decoder._rotate_` computes them;
+ *   greedy: each row's argmax and whether it is finite, for the engine's sampling.
  * PyTorch runs the norm as six ops in bfloat16 (widen, square, mean, scale, narrow, weight), each a
  * pass over the activations, and the MLP's gate as two. Here each row is read once and written
  * once, and to the bit as PyTorch computes it: the squares summed in ATen's order
@@ -237,6 +238,40 @@ static void rotary_item(const void *job, int item, void *scratch) {
 }
 #undef RN
 
+/* Each row's first greatest logit (PyTorch's argmax: the first index among equal maxima), and
+ * whether the row is all finite (else the engine fails the row), in one pass over float32 logits
+ * (n, v) contiguous. */
+typedef struct {
+    int64_t n, v;
+    const float *logits;
+    int64_t *best;
+    uint8_t *finite;
+} Greedy;
+
+static void greedy_item(const void *job, int item, void *scratch) {
+    const Greedy *j = job;
+    (void)scratch;
+    const float *row = j->logits + item * j->v;
+    __m512 top = _mm512_set1_ps(-__builtin_inff());
+    __m512i at = _mm512_set1_epi32(0), lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __mmask16 bad = 0, seen = 0;
+    const __m512i expo = _mm512_set1_epi32(0x7f800000);
+    for (int64_t i = 0; i < j->v; i += W) {
+        __mmask16 m = j->v - i >= W ? 0xffff : (__mmask16)((1u << (j->v - i)) - 1);
+        __m512 x = _mm512_maskz_loadu_ps(m, row + i);
+        bad |= _mm512_mask_cmpeq_epi32_mask(m, _mm512_and_si512(_mm512_castps_si512(x), expo), expo);
+        /* strictly greater, or the lane's first value (all -inf rows keep index 0 as PyTorch does) */
+        __mmask16 up = _mm512_mask_cmp_ps_mask(m, x, top, _CMP_GT_OQ) | (m & ~seen);
+        seen |= m;
+        top = _mm512_mask_mov_ps(top, up, x);
+        at = _mm512_mask_mov_epi32(at, up, _mm512_add_epi32(lane, _mm512_set1_epi32((int)i)));
+    }
+    float best = _mm512_mask_reduce_max_ps(seen, top);
+    __mmask16 is_best = _mm512_mask_cmp_ps_mask(seen, top, _mm512_set1_ps(best), _CMP_EQ_OQ);
+    j->best[item] = is_best ? _mm512_mask_reduce_min_epi32(is_best, at) : 0;
+    j->finite[item] = !bad;
+}
+
 /* Rows (or elements) per work item: about 16k elements, so a decode step's few rows stay on one thread. */
 static int64_t per_item(int64_t width) { return width >= 16384 ? 1 : 16384 / width; }
 #endif
@@ -275,5 +310,15 @@ int batchgen_rotary(int64_t t, int64_t heads, int64_t d, int bf16, void *x, int6
 #else
     return (void)t, (void)heads, (void)d, (void)bf16, (void)x, (void)x_tok, (void)x_head, (void)cos, (void)sin,
            (void)threads, 1;
+#endif
+}
+
+int batchgen_greedy(int64_t n, int64_t v, const float *logits, int64_t *best, uint8_t *finite, int threads) {
+#if defined(__AVX512F__)
+    if (n < 0 || v < 1 || v > (int64_t)1 << 30) return 1;
+    Greedy job = {n, v, logits, best, finite};
+    return run(greedy_item, &job, (int)n, 64, n * v >= 1 << 18 ? threads : 1);
+#else
+    return (void)n, (void)v, (void)logits, (void)best, (void)finite, (void)threads, 1;
 #endif
 }

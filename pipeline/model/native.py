@@ -92,7 +92,8 @@ def _build(fold: int, head: int) -> ctypes.CDLL:
                     (lib.batchgen_supports, [i32] * 5), (lib.batchgen_amx, []), (lib.batchgen_bf16_dots, [i32]),
                     (lib.batchgen_add_rms_norm, [i64, i64, i32, ptr, ptr, ptr, f32, ptr, i32]),
                     (lib.batchgen_silu_mul, [i64, i64, i32, ptr, ptr, i32]),
-                    (lib.batchgen_rotary, [i64, i64, i64, i32, ptr, i64, i64, ptr, ptr, i32])):
+                    (lib.batchgen_rotary, [i64, i64, i64, i32, ptr, i64, i64, ptr, ptr, i32]),
+                    (lib.batchgen_greedy, [i64, i64, ptr, ptr, ptr, i32])):
         f.argtypes = args
         f.restype = i32
     return lib
@@ -267,3 +268,20 @@ def layer_ops(dtype: torch.dtype, hq: int, hkv: int, d: int, hidden: int, interm
     if not supports(dtype, hq, hkv, d, d):
         return None
     return LayerOps(_lib(hq // hkv, d))
+
+
+def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, list[bool]] | None:
+    """Each row's argmax (PyTorch's: the first of equal maxima) and whether the row is all finite,
+    from float32 logits (B, V) on the CPU in one pass (`cpu_layer_ops.c`), where a library of these
+    kernels is already built in this process (the decoder's, or the attention kernels'); else None,
+    and the caller takes PyTorch's ops."""
+    lib = next((lib for lib in _libs.values() if lib is not None), None)
+    if lib is None or logits.dtype != torch.float32 or logits.device.type != "cpu" or not logits.is_contiguous() \
+            or logits.dim() != 2 or not logits.shape[1]:
+        return None
+    best = torch.empty(logits.shape[0], dtype=torch.long)
+    finite = torch.empty(logits.shape[0], dtype=torch.uint8)
+    if lib.batchgen_greedy(logits.shape[0], logits.shape[1], logits.data_ptr(), best.data_ptr(), finite.data_ptr(),
+                           torch.get_num_threads()):
+        return None
+    return best, finite.bool().tolist()

@@ -67,6 +67,29 @@ def test_rotate_is_decoders_bitwise(dtype, tokens, heads, d):
     assert torch.equal(got, want), f"{int((got != want).sum())} of {got.numel()} differ"
 
 
+@pytest.mark.parametrize("rows,vocab", [(1, 1), (3, 17), (64, 49152), (300, 250)])
+def test_greedy_is_argmax_and_finite(rows, vocab):
+    """Each row's first maximum and its finiteness, against argmax and aminmax: ties (rounded
+    logits), rows of -inf, and NaN and inf put anywhere in a row."""
+    logits = _rand(rows, vocab, dtype=torch.float32, seed=9).round()  # many equal maxima
+    flat = logits.view(-1)
+    for i, value in enumerate([float("nan"), float("inf"), float("-inf")]):
+        flat[(i * 7919) % flat.numel()] = value
+    if rows > 2:
+        logits[2] = float("-inf")
+    got = native.greedy(logits)
+    assert got is not None
+    low, high = torch.aminmax(logits, dim=-1)
+    finite = (torch.isfinite(low) & torch.isfinite(high)).tolist()
+    assert got[1] == finite
+    want = logits.argmax(dim=-1)
+    assert all(g == w for g, w, ok in zip(got[0].tolist(), want.tolist(), finite) if ok)  # a non-finite row fails
+    if rows > 2:
+        assert got[0][2] == want[2] == 0
+    assert native.greedy(logits.to(torch.bfloat16)) is None  # PyTorch's ops for these
+    assert vocab == 1 or native.greedy(logits[:, ::2]) is None
+
+
 def test_layer_ops_refuse():
     """PyTorch's ops where the widths are not the kernels' (multiples of 16), or when asked."""
     assert native.layer_ops(torch.float32, 4, 2, 16, 72, 128) is None
