@@ -25,7 +25,7 @@ another adapter is 0. Everything built on the LCPs (the engine's trees, windows,
 from __future__ import annotations
 
 import array
-import heapq
+import bisect
 import itertools
 import struct
 from dataclasses import dataclass
@@ -127,27 +127,45 @@ def _front_code(keys: Sequence[bytes], jobs: np.ndarray, width: int, adapters: n
     return _Run(np.asarray(jobs, dtype=np.int64), shared, tails, ends)
 
 
-_MERGE_BLOCK = 8192  # merged keys front-coded together
+_MERGE_BLOCK = 1024  # keys of each run read ahead while merging
 
 
 def _merged(runs: Sequence[_Run], width: int, adapters: np.ndarray | None = None) -> _Run:
-    """The runs merged into one, stable (ties in job order: input order, as in one sort)."""
-    streams = [r.keys(width) for r in runs]
-    if adapters is None:
-        items = heapq.merge(*streams)
-    else:  # by adapter, then key
-        items = heapq.merge(*streams, key=lambda kj: (adapters[kj[1]], kj))
+    """The runs merged into one, in (adapter, key, job) order: stable, ties in input order, as
+    in one sort. A round reads the next keys of every run, takes from each those up to the
+    least of the last ones read (no key still unread can come before them), sorts what it took
+    (sorted runs: timsort merges them in C) and front-codes it after the round before."""
+    def items(run: _Run) -> Iterator[tuple]:
+        if adapters is None:
+            return ((key, job) for key, job in run.keys(width))
+        return ((int(adapters[job]), key, job) for key, job in run.keys(width))
+
+    streams = [items(r) for r in runs]
+    ahead: list[list[tuple]] = [[] for _ in runs]
+    done = [False] * len(runs)
     parts, before, last = [], None, None
     while True:
-        block = list(itertools.islice(items, _MERGE_BLOCK))
-        if not block:
+        for k, stream in enumerate(streams):
+            if not done[k] and len(ahead[k]) < _MERGE_BLOCK:
+                more = list(itertools.islice(stream, _MERGE_BLOCK))
+                done[k] = len(more) < _MERGE_BLOCK
+                ahead[k] += more
+        if not any(ahead):
             break
-        keys = [k for k, _ in block]
-        jobs = np.fromiter((j for _, j in block), np.int64, len(block))
-        if adapters is not None and last is not None and adapters[jobs[0]] != last:
+        bounds = [a[-1] for a, d in zip(ahead, done) if a and not d]
+        bound = min(bounds) if bounds else None
+        taken = []
+        for k, a in enumerate(ahead):
+            cut = bisect.bisect_right(a, bound) if bound is not None else len(a)
+            taken += a[:cut]
+            ahead[k] = a[cut:]
+        taken.sort()
+        keys = [item[-2] for item in taken]
+        jobs = np.fromiter((item[-1] for item in taken), np.int64, len(taken))
+        if adapters is not None and last is not None and taken[0][0] != last:
             before = None
         parts.append(_front_code(keys, jobs, width, adapters, before))
-        before, last = keys[-1], adapters[jobs[-1]] if adapters is not None else None
+        before, last = keys[-1], taken[-1][0]
     return _Run.joined(parts) if parts else _Run(np.zeros(0, np.int64), np.zeros(0, np.int64), b"",
                                                   np.zeros(0, np.int64))
 

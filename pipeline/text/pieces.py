@@ -78,27 +78,28 @@ class Pieces:
                 pending.append((k, parts))
         if not pending and not alone:
             return out
-        new_spaced = list(dict.fromkeys(p for _, parts in pending for p in parts[1:] if p not in spaced))
-        new_bare = list(dict.fromkeys(parts[0] for k, parts in pending if not starts[k] and parts[0] not in bare))
+        # the pieces not met before, tokenized alone (a rest's parts[0] is "": " " is tokenized too)
+        new_spaced = list({p for k, parts in pending for p in (parts if starts[k] else parts[1:]) if p not in spaced})
+        new_bare = list({parts[0] for k, parts in pending if not starts[k] and parts[0] not in bare})
         todo = [" " + p for p in new_spaced] + new_bare + [texts[k][starts[k]:] for k in alone]
         packed = [pack_ids(e.ids, self.width) for e in backend.encode_batch_fast(todo, add_special_tokens=False)]
-        got_spaced = dict(zip(new_spaced, packed))
-        got_bare = dict(zip(new_bare, packed[len(new_spaced):]))
+        spaced.update(zip(new_spaced, packed))
+        bare.update(zip(new_bare, packed[len(new_spaced):]))
         for k, ids in zip(alone, packed[len(new_spaced) + len(new_bare):]):
             out[k] = ids
         for k, parts in pending:
-            head = b""
-            if not starts[k]:
-                head = got_bare[parts[0]] if parts[0] in got_bare else bare[parts[0]]
-            out[k] = head + b"".join(got_spaced[p] if p in got_spaced else spaced[p] for p in parts[1:])
-        _keep(spaced, got_spaced)
-        _keep(bare, got_bare)
+            out[k] = (bare[parts[0]] if starts[k] == 0 else b"") + b"".join(map(spaced.__getitem__, parts[1:]))
+        _bound(spaced, new_spaced)
+        _bound(bare, new_bare)
         return out
 
 
-def _keep(cache: dict[str, bytes], new: dict[str, bytes]) -> None:
-    if len(cache) + len(new) > _MAX_PIECES:  # the newer half stays (entries are in the order put)
+def _bound(cache: dict[str, bytes], new: list[str]) -> None:
+    """Drop the new pieces too long to keep, and the older half once there are too many."""
+    for p in new:
+        if len(p) > _MAX_PIECE_CHARS:
+            del cache[p]
+    if len(cache) > _MAX_PIECES:  # (entries are in the order they were put)
         kept = list(cache.items())[len(cache) // 2:]
         cache.clear()
         cache.update(kept)
-    cache.update((p, ids) for p, ids in new.items() if len(p) <= _MAX_PIECE_CHARS)

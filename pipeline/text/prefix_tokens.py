@@ -220,26 +220,32 @@ class PrefixTokens:
         """Per text, the longest cached prefix it starts with, ending at a stable cut of it
         (tokenizing now the prefixes worth it), with the prefix's ids; None: tokenize it whole."""
         found: list[tuple[int, bytes] | None] = [None] * len(texts)
-        cache, longer, stable, misses = self._cache, self._longer, self.rule.stable, []
+        cache, longer, stable, cut_from, misses = self._cache, self._longer, self.rule.stable, self.rule.cut_from, []
+        hits: dict[str, None] = {}  # moved to the LRU's end once per batch
         for k, text in enumerate(texts):
             keys, last = [], len(text)
             for target in reversed(_targets(len(text), self.step)):  # longest first
-                c = self.rule.cut_from(text, target)
+                c = cut_from(text, target)
                 if c < 0 or c >= last:  # none, or the same cut as the longer target's
                     continue
                 last = c
                 key = text[:c]
+                hit = key if key in cache else None
                 # a longer prefix ends where this text may go on otherwise: its cut must be stable here too
-                hit = next((p for p in longer.get(hash(key), ()) if text.startswith(p) and stable(text, len(p))),
-                           key if key in cache else None)
+                for p in longer.get(hash(key), ()):
+                    if text.startswith(p) and stable(text, len(p)):
+                        hit = p
+                        break
                 if hit is not None:
-                    cache.move_to_end(hit)
+                    hits[hit] = None
                     found[k] = (len(hit), cache[hit][0])
                     break
                 keys.append(key)
             else:
                 if keys:
                     misses.append((k, keys))
+        for hit in hits:
+            cache.move_to_end(hit)
         if misses:
             self._tokenize_shared(backend, texts, misses, found)
         return found
