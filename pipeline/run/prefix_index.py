@@ -25,8 +25,6 @@ another adapter is 0. Everything built on the LCPs (the engine's trees, windows,
 from __future__ import annotations
 
 import array
-import bisect
-import itertools
 import struct
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -34,6 +32,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from pipeline.engine.types import RequestShape, fed_length
+from pipeline.run.front_coding import front_code, merged
 from pipeline.text.pieces import key_width, pack_ids
 
 RUN_JOBS = 1 << 16  # jobs per sorted run: their whole keys exist only while their run is sorted
@@ -46,128 +45,6 @@ def pack_keys(prompts: Sequence[Sequence[int]], width: int) -> list[bytes]:
         return [pack_ids(p, width) for p in prompts]
     except struct.error:
         raise ValueError(f"token ids outside 0..{(1 << (8 * width)) - 1}") from None
-
-
-@dataclass
-class _Run:
-    """Jobs sorted by key, front-coded: each key is its predecessor's first `lcp` tokens + its tail."""
-
-    jobs: np.ndarray
-    lcp: np.ndarray
-    tails: bytes
-    ends: np.ndarray  # byte offset where each tail ends
-
-    def keys(self, width: int) -> Iterator[tuple[bytes, int]]:
-        key, start, tails = b"", 0, self.tails
-        for job, shared, end in zip(self.jobs.tolist(), (self.lcp * width).tolist(), self.ends.tolist()):
-            key = key[:shared] + tails[start:end]
-            start = end
-            yield key, job
-
-    @staticmethod
-    def joined(parts: Sequence["_Run"]) -> "_Run":
-        offsets = np.cumsum([0] + [len(r.tails) for r in parts[:-1]])
-        return _Run(np.concatenate([r.jobs for r in parts]), np.concatenate([r.lcp for r in parts]),
-                    b"".join(r.tails for r in parts), np.concatenate([r.ends + o for r, o in zip(parts, offsets)]))
-
-
-_BLOCK_KEYS = 8192  # keys compared together
-_HEAD = 1024  # bytes of each key compared as a matrix (a longer common prefix: the rest one pair at a time)
-_PADS = [bytes(k) for k in range(_HEAD + 1)]
-
-
-def _lcps(keys: Sequence[bytes]) -> np.ndarray:
-    """Each key's longest common prefix with the one before it, in bytes (0 for the first)."""
-    out = np.zeros(len(keys), dtype=np.int64)
-    for a in range(1, len(keys), _BLOCK_KEYS):
-        b = min(len(keys), a + _BLOCK_KEYS)
-        out[a:b] = _block_lcps(keys[a - 1 : b])
-    return out
-
-
-def _block_lcps(keys: Sequence[bytes]) -> np.ndarray:
-    """The LCPs of each key after the first with the one before it: the keys' first bytes, padded
-    to one width of 8-byte words, as a matrix whose neighbouring rows are compared at once; the
-    first differing byte is the lowest set byte of a word's XOR (read little-endian)."""
-    lengths = np.fromiter(map(len, keys), np.int64, len(keys))
-    width = min(_HEAD, -(-int(lengths.max()) // 8) * 8) or 8
-    pieces: list[bytes] = [b""] * (2 * len(keys))  # each key (its first `width` bytes), then its padding
-    pieces[::2] = keys if width >= lengths.max() else [key[:width] for key in keys]
-    pieces[1::2] = [_PADS[k] for k in np.maximum(width - lengths, 0).tolist()]
-    data = b"".join(pieces)
-    rows = np.frombuffer(data, dtype="<u8").reshape(len(keys), width // 8)
-    diff = rows[1:] ^ rows[:-1]
-    differ = diff != 0
-    found = differ.any(axis=1)
-    word = differ.argmax(axis=1)
-    x = diff[np.arange(len(diff)), word]
-    lowest = (x & (~x + np.uint64(1))).astype(np.float64)  # a power of two: its log2 is exact
-    byte = np.where(found, np.log2(np.where(found, lowest, 1)).astype(np.int64) // 8, 0)
-    common = np.minimum(lengths[1:], lengths[:-1])
-    lcp = np.minimum(np.where(found, 8 * word + byte, width), common)
-    for k in np.flatnonzero(~found & (common > width)).tolist():  # equal in the first `width` bytes
-        m = int(common[k])
-        x = int.from_bytes(keys[k][width:m], "big") ^ int.from_bytes(keys[k + 1][width:m], "big")
-        lcp[k] = m - (x.bit_length() + 7) // 8
-    return lcp
-
-
-def _front_code(keys: Sequence[bytes], jobs: np.ndarray, width: int, adapters: np.ndarray | None = None,
-                before: bytes | None = None) -> _Run:
-    """Keys in sorted order, of these jobs, as a run; `before`: the key that comes before the first
-    (None: none). `adapters` (by job): a job of another adapter than the one before it shares
-    nothing with it (`before` is of the first job's adapter)."""
-    shared = _lcps([before, *keys] if before is not None else keys)[1 if before is not None else 0:] // width
-    if adapters is not None and len(jobs) > 1:
-        mine = adapters[jobs]
-        shared[1:][mine[1:] != mine[:-1]] = 0
-    cut = (shared * width).tolist()
-    tails = b"".join([key[c:] for key, c in zip(keys, cut)])
-    ends = np.cumsum(np.fromiter(map(len, keys), np.int64, len(keys)) - shared * width)
-    return _Run(np.asarray(jobs, dtype=np.int64), shared, tails, ends)
-
-
-_MERGE_BLOCK = 1024  # keys of each run read ahead while merging
-
-
-def _merged(runs: Sequence[_Run], width: int, adapters: np.ndarray | None = None) -> _Run:
-    """The runs merged into one, in (adapter, key, job) order: stable, ties in input order, as
-    in one sort. A round reads the next keys of every run, takes from each those up to the
-    least of the last ones read (no key still unread can come before them), sorts what it took
-    (sorted runs: timsort merges them in C) and front-codes it after the round before."""
-    def items(run: _Run) -> Iterator[tuple]:
-        if adapters is None:
-            return ((key, job) for key, job in run.keys(width))
-        return ((int(adapters[job]), key, job) for key, job in run.keys(width))
-
-    streams = [items(r) for r in runs]
-    ahead: list[list[tuple]] = [[] for _ in runs]
-    done = [False] * len(runs)
-    parts, before, last = [], None, None
-    while True:
-        for k, stream in enumerate(streams):
-            if not done[k] and len(ahead[k]) < _MERGE_BLOCK:
-                more = list(itertools.islice(stream, _MERGE_BLOCK))
-                done[k] = len(more) < _MERGE_BLOCK
-                ahead[k] += more
-        if not any(ahead):
-            break
-        bounds = [a[-1] for a, d in zip(ahead, done) if a and not d]
-        bound = min(bounds) if bounds else None
-        taken = []
-        for k, a in enumerate(ahead):
-            cut = bisect.bisect_right(a, bound) if bound is not None else len(a)
-            taken += a[:cut]
-            ahead[k] = a[cut:]
-        taken.sort()
-        keys = [item[-2] for item in taken]
-        jobs = np.fromiter((item[-1] for item in taken), np.int64, len(taken))
-        if adapters is not None and last is not None and taken[0][0] != last:
-            before = None
-        parts.append(_front_code(keys, jobs, width, adapters, before))
-        before, last = keys[-1], taken[-1][0]
-    return _Run.joined(parts) if parts else _Run(np.zeros(0, np.int64), np.zeros(0, np.int64), b"",
-                                                  np.zeros(0, np.int64))
 
 
 @dataclass
@@ -219,7 +96,7 @@ class IndexBuilder:
         self.dtype = np.dtype(">u2" if self.width == 2 else ">u4")
         self.run_jobs = run_jobs
         self._keys: list[bytes] = []
-        self._runs: list[_Run] = []
+        self._runs: list = []  # front_coding.Run
         self._jobs = 0
         # per job (lengths, weights, requests, adapters) and per request (shapes): arrays, a batch each
         self._lengths: list[np.ndarray] = []
@@ -251,11 +128,11 @@ class IndexBuilder:
                                      .astype(np.int64).tobytes())
         self._keys.extend(keys)
         shift = self.width.bit_length() - 1
-        self._lengths.append(np.fromiter(map(len, keys), np.int64, len(keys)) >> shift)
-        owner = np.repeat(np.arange(len(keys)), entries.counts)
-        self._weights.append(np.bincount(owner, weights=entries.shapes.n, minlength=len(keys)).astype(np.int64))
-        self._requests.append(entries.counts)  # (rows at the job's node: its requests' samples)
-        self._shapes.append(entries.shapes)
+        self._lengths.append((np.fromiter(map(len, keys), np.int64, len(keys)) >> shift).astype(np.int32))
+        owner = np.repeat(np.arange(len(keys)), entries.counts)  # (rows at the job's node: its requests' samples)
+        self._weights.append(np.bincount(owner, weights=entries.shapes.n, minlength=len(keys)).astype(np.int32))
+        self._requests.append(entries.counts.astype(np.int32))
+        self._shapes.append(RequestShape(*(c.astype(np.int32) for c in entries.shapes)))  # 4 bytes each
         self._jobs += len(keys)
         if len(self._keys) >= self.run_jobs:
             self._seal()
@@ -268,7 +145,7 @@ class IndexBuilder:
         else:  # by adapter, then key
             order = sorted(range(len(keys)), key=lambda i: (adapters[first + i], keys[i]))
         mine = np.asarray(adapters, dtype=np.int64) if adapters is not None else None
-        self._runs.append(_front_code([keys[i] for i in order], first + np.asarray(order, dtype=np.int64), self.width,
+        self._runs.append(front_code([keys[i] for i in order], first + np.asarray(order, dtype=np.int64), self.width,
                                       mine))
         self._keys = []
 
@@ -277,24 +154,23 @@ class IndexBuilder:
             self._seal()
         runs, self._runs = self._runs, []
         adapters = np.asarray(self._adapters, dtype=np.int64) if self._adapters is not None else None
-        merged = runs[0] if len(runs) == 1 else _merged(runs, self.width, adapters)
+        run = runs[0] if len(runs) == 1 else merged(runs, self.width, adapters)
         del runs
-        tails = np.frombuffer(merged.tails, dtype=self.dtype).astype(self.dtype.newbyteorder("="))
-        ends = merged.ends // self.width
+        tails = np.frombuffer(run.tails, dtype=self.dtype).astype(self.dtype.newbyteorder("="))
+        ends = run.ends // self.width
         # 4 bytes a job or request each (positions and offsets stay 8)
         requests = _joined(self._requests)
         first = np.zeros(len(requests) + 1, dtype=np.int64)
         np.cumsum(requests, out=first[1:])
-        shapes = RequestShape(*(_joined(c).astype(np.int32) for c in zip(*self._shapes))) if self._shapes \
+        shapes = RequestShape(*(_joined(c) for c in zip(*self._shapes))) if self._shapes \
             else RequestShape(*(np.zeros(0, np.int32) for _ in RequestShape._fields))
-        return PrefixIndex(np.asarray(merged.jobs, dtype=np.int32), np.asarray(merged.lcp, dtype=np.int32),
-                           tails, ends, _joined(self._lengths).astype(np.int32),
-                           _joined(self._weights).astype(np.int32), first, shapes,
+        return PrefixIndex(np.asarray(run.jobs, dtype=np.int32), np.asarray(run.lcp, dtype=np.int32),
+                           tails, ends, _joined(self._lengths), _joined(self._weights), first, shapes,
                            np.asarray(self._adapters, dtype=np.int32) if self._adapters is not None else None)
 
 
 def _joined(chunks: Sequence[np.ndarray]) -> np.ndarray:
-    return np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
+    return np.concatenate(chunks) if chunks else np.zeros(0, np.int32)
 
 
 @dataclass

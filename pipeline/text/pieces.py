@@ -24,7 +24,7 @@ import numpy as np
 
 _STRUCTS: dict[tuple[int, int], struct.Struct] = {}  # (width, ids) -> its packer: compiled once
 _UNSAFE = re.compile(r"\s ")  # a space after whitespace, which is no cut
-_MAX_PIECES = 1 << 16  # pieces kept (then the newer half stays)
+_MAX_PIECES = 1 << 15  # pieces kept (then the newer half stays)
 _MAX_PIECE_CHARS = 128  # a longer piece is tokenized but not kept (it is rarely met again)
 
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import pipeline.run.prefix_index as prefix_index
+import pipeline.run.front_coding as front_coding
 from pipeline.run.prefix_index import IndexBuilder, PrefixIndex
 from pipeline.engine.prefix_tree import PrefixTree
 from pipeline.engine.schedule import plan, shared_nodes, tree_of, tree_of_sorted
@@ -177,7 +177,7 @@ def test_long_shared_keys_sort_and_front_code_as_a_plain_sort(case, vocab, run_j
     adapters = data.draw(st.lists(st.integers(0, 2), min_size=len(prompts), max_size=len(prompts)))
     for given_adapters in (None, adapters):
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(prefix_index, "_MERGE_BLOCK", block)
+            patch.setattr(front_coding, "_MERGE_BLOCK", block)
             b = IndexBuilder(vocab, run_jobs)
             for i, p in enumerate(prompts):  # a job at a time: runs of `run_jobs` sealed, then merged
                 b.add([p], [[RequestShape(len(p), len(p), 1, 1)]], [given_adapters[i]] if given_adapters else None)
