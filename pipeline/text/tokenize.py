@@ -5,7 +5,8 @@ Prompts get the ids of tokenizing them whole, exactly as plain generation would 
 tokens for text, the chat template with a generation prompt for messages); grouping happens later
 on these ids, never on strings, since a prefix tokenized alone can end in different tokens. Only
 where a cut is proven not to change them (`pipeline.text.prefix_tokens`) is a shared text prefix
-tokenized once for the texts that start with it.
+tokenized once for the texts that start with it, and the rest of a text through the ids of its
+pieces between such cuts (`pipeline.text.pieces`).
 """
 from __future__ import annotations
 
