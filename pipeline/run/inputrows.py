@@ -26,8 +26,9 @@ from jobs import InvalidRow, Job, input_schema, result_schema
 from jobs.errors import option
 from jobs.chunks import PlainRows, plain_template, read_chunks
 from jobs.writers import ExtraSchema, conform_rows, outputs_of
-from pipeline.text.expand import length_problem
-from pipeline.run.prefix_index import pack_keys
+from pipeline.text.expand import length_problem, plain_entries, plain_shapes, whole_key
+from pipeline.run.prefix_index import Entries, pack_keys
+from pipeline.text.pieces import unpack_ids
 from pipeline.text.tokenize import Tokenizer
 
 if TYPE_CHECKING:
@@ -191,22 +192,29 @@ def check_extras(jobs: Mapping[int, Job], extra_schema: pa.Schema) -> dict[int, 
     return bad
 
 
-def tokenize_plain(tokenizer: Tokenizer, plain: list[PlainRows], width: int | None, entries: Callable | None = None
-                   ) -> list[tuple[np.ndarray, tuple[list[bytes], list] | None]]:
-    """Per group of plain rows: each prompt's token count and, with `width`, its prefix index key
-    (`prefix_index.pack_keys`) and requests, from `entries` (`expand.plain_entries` of the
-    template) a batch at a time as it is tokenized."""
+def tokenize_plain(tokenizer: Tokenizer, plain: list[PlainRows], width: int | None, template: Job | None = None,
+                   window: int | None = None) -> list[tuple[np.ndarray, Entries | None]]:
+    """Per group of plain rows: each prompt's token count and, with `width`, the prefix index
+    entries of their jobs (`template` with each prompt: `expand.index_entry`'s key and requests),
+    a batch at a time as they are tokenized. A generating job's key is its prompt's ids, which
+    the tokenizer hands over packed (`Tokenizer.encode_keys`); its one request's shape is its
+    prompt's length's (`expand.plain_shapes`)."""
     out = []
     for rows in plain:
-        index: tuple[list[bytes], list] | None = ([], []) if width is not None else None
-
-        def keep(ids, index=index):
-            keys, requests = entries(ids)
-            index[0].extend(pack_keys(keys, width))
-            index[1].extend(requests)
-
-        lengths = tokenizer.encode_texts(rows.prompts, True, keep if index is not None else None)  # special tokens
-        out.append((np.asarray(lengths, dtype=np.int64), index))
+        if width is None:
+            out.append((np.asarray(tokenizer.encode_texts(rows.prompts, True), dtype=np.int64), None))  # special tokens
+            continue
+        if width != tokenizer.key_width:
+            raise ValueError(f"an index of {width}-byte keys for a tokenizer packing {tokenizer.key_width}")
+        keys: list[bytes] = []
+        lengths = np.asarray(tokenizer.encode_keys(rows.prompts, True, keys.extend), dtype=np.int64)
+        if whole_key(template):
+            entries = Entries(keys, np.ones(len(keys), np.int64), plain_shapes(template, lengths))
+        else:  # the key is part of the prompt, and the requests are several: from the ids
+            ids = [unpack_ids(k, width) for k in keys]
+            found, requests = plain_entries(template, ids, window)
+            entries = Entries.of(pack_keys(found, width), requests)
+        out.append((lengths, entries))
     return out
 
 

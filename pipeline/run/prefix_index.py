@@ -25,7 +25,6 @@ another adapter is 0. Everything built on the LCPs (the engine's trees, windows,
 from __future__ import annotations
 
 import array
-import heapq
 import struct
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -33,82 +32,60 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from pipeline.engine.types import RequestShape, fed_length
+from pipeline.run.front_coding import front_code, merged
+from pipeline.text.pieces import key_width, pack_ids
 
 RUN_JOBS = 1 << 16  # jobs per sorted run: their whole keys exist only while their run is sorted
 
 
-def key_width(vocab_size: int) -> int:
-    """Bytes a token takes in a key."""
-    return 2 if vocab_size <= 1 << 16 else 4
-
-
-_STRUCTS: dict[tuple[int, int], struct.Struct] = {}  # (width, tokens) -> its packer: compiled once
-
-
 def pack_keys(prompts: Sequence[Sequence[int]], width: int) -> list[bytes]:
-    """Each prompt's key: its ids as big-endian bytes of `width`, so that comparing keys compares
-    token sequences. Straight from the ids with `struct`: faster than through an int64 array."""
-    out = []
+    """Each prompt's key: its ids as big-endian bytes of `width` (`pieces.pack_ids`), so that
+    comparing keys compares token sequences."""
     try:
-        for p in prompts:
-            packer = _STRUCTS.get((width, len(p)))
-            if packer is None:
-                if len(_STRUCTS) >= 4096:
-                    _STRUCTS.clear()
-                packer = _STRUCTS[width, len(p)] = struct.Struct(f">{len(p)}{'H' if width == 2 else 'I'}")
-            out.append(packer.pack(*p))
+        return [pack_ids(p, width) for p in prompts]
     except struct.error:
         raise ValueError(f"token ids outside 0..{(1 << (8 * width)) - 1}") from None
-    return out
 
 
 @dataclass
-class _Run:
-    """Jobs sorted by key, front-coded: each key is its predecessor's first `lcp` tokens + its tail."""
+class Entries:
+    """Jobs' index entries as columns: each job's key (`pack_keys`), its requests (how many, and
+    each one's shape, in job order) and its adapter (None: every job the base model's)."""
 
-    jobs: array.array
-    lcp: array.array
-    tails: bytes
-    ends: array.array  # byte offset where each tail ends
+    keys: list[bytes]
+    counts: np.ndarray  # job -> its requests
+    shapes: RequestShape  # each field an int64 array over the requests
+    adapters: np.ndarray | None = None
 
-    def keys(self, width: int) -> Iterator[tuple[bytes, int]]:
-        key, start = b"", 0
-        for job, shared, end in zip(self.jobs, self.lcp, self.ends):
-            key = key[: shared * width] + self.tails[start:end]
-            start = end
-            yield key, job
+    @classmethod
+    def of(cls, keys: list[bytes], requests: Sequence[Sequence[RequestShape]],
+           adapters: Sequence[int] | None = None) -> "Entries":
+        flat = [r for rs in requests for r in rs]
+        columns = zip(*flat) if flat else [() for _ in RequestShape._fields]
+        return cls(keys, np.fromiter(map(len, requests), np.int64, len(requests)),
+                   RequestShape(*(np.asarray(c, dtype=np.int64) for c in columns)),
+                   np.asarray(adapters, dtype=np.int64) if adapters is not None else None)
 
+    def __len__(self) -> int:
+        return len(self.keys)
 
-def _front_code(items: Iterator[tuple[bytes, int]], width: int, adapters: array.array | None = None) -> _Run:
-    """(key, job) pairs in sorted order as a run. Two big-endian keys share the tokens before their
-    first differing byte, which the highest set bit of their XOR (as ints) marks: found in C,
-    without a loop over tokens. It is tried past the LCP before it first: neighbours in sorted
-    order mostly share at least that much (one memcmp), and then only the rest is converted.
-    `adapters` (by job): a job of another adapter than the one before it shares nothing with it."""
-    jobs, lcps, ends = array.array("q"), array.array("l"), array.array("q")
-    add_job, add_lcp, add_end = jobs.append, lcps.append, ends.append
-    tails = bytearray()
-    prev = b""
-    hint = 0  # bytes the previous key shared with its predecessor
-    last = None  # the previous job's adapter
-    for key, job in items:
-        if adapters is not None and adapters[job] != last:
-            last, prev, hint = adapters[job], b"", 0  # as if it were the first key
-        n = min(len(prev), len(key))
-        if hint > n:
-            hint = n - n % width
-        if key.startswith(prev[:hint]):
-            x = int.from_bytes(prev[hint:n], "big") ^ int.from_bytes(key[hint:n], "big")
-            lcp = (n - (x.bit_length() + 7) // 8) // width
-        else:
-            x = int.from_bytes(prev[:hint], "big") ^ int.from_bytes(key[:hint], "big")
-            lcp = (hint - (x.bit_length() + 7) // 8) // width
-        tails += key[lcp * width :]
-        add_job(job)
-        add_lcp(lcp)
-        add_end(len(tails))
-        prev, hint = key, lcp * width
-    return _Run(jobs, lcps, bytes(tails), ends)
+    def take(self, jobs: np.ndarray) -> "Entries":
+        """These jobs' entries, in this order."""
+        first = np.zeros(len(self.counts) + 1, dtype=np.int64)
+        np.cumsum(self.counts, out=first[1:])
+        counts = self.counts[jobs]
+        picked = np.repeat(first[jobs] - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
+        return Entries([self.keys[j] for j in jobs.tolist()], counts, RequestShape(*(c[picked] for c in self.shapes)),
+                       self.adapters[jobs] if self.adapters is not None else None)
+
+    @staticmethod
+    def concat(parts: Sequence["Entries"]) -> "Entries":
+        adapters = None
+        if any(e.adapters is not None for e in parts):
+            adapters = np.concatenate([e.adapters if e.adapters is not None else np.zeros(len(e), np.int64)
+                                       for e in parts])
+        return Entries([k for e in parts for k in e.keys], np.concatenate([e.counts for e in parts]),
+                       RequestShape(*(np.concatenate(c) for c in zip(*(e.shapes for e in parts)))), adapters)
 
 
 class IndexBuilder:
@@ -119,15 +96,17 @@ class IndexBuilder:
         self.dtype = np.dtype(">u2" if self.width == 2 else ">u4")
         self.run_jobs = run_jobs
         self._keys: list[bytes] = []
-        self._runs: list[_Run] = []
-        self._lengths = array.array("l")
-        self._weights = array.array("l")
+        self._runs: list = []  # front_coding.Run
+        self._jobs = 0
+        # per job (lengths, weights, requests, adapters) and per request (shapes): arrays, a batch each
+        self._lengths: list[np.ndarray] = []
+        self._weights: list[np.ndarray] = []
         self._adapters: array.array | None = None  # per job, once some job has one (else all 0)
-        self._requests = array.array("l")  # per job: how many
-        self._shapes = [array.array("l") for _ in RequestShape._fields]  # per request: each field
+        self._requests: list[np.ndarray] = []
+        self._shapes: list[RequestShape] = []
 
     def __len__(self) -> int:
-        return len(self._lengths)
+        return self._jobs
 
     def add(self, keys: Sequence[Sequence[int]], requests: Sequence[Sequence[RequestShape]],
             adapters: Sequence[int] | None = None) -> None:
@@ -137,54 +116,61 @@ class IndexBuilder:
                  adapters: Sequence[int] | None = None) -> None:
         """Keys as `pack_keys` gives them (packed where they were tokenized, a batch at a time),
         each job's requests (`expand.index_entry`) and its adapter (None: all the base model's)."""
-        if adapters is not None and self._adapters is None and any(adapters):
-            self._adapters = array.array("l", bytes(len(self._lengths) * array.array("l").itemsize))
+        self.add_entries(Entries.of(list(keys), requests, adapters))
+
+    def add_entries(self, entries: Entries) -> None:
+        """Jobs' entries as columns."""
+        keys, adapters = entries.keys, entries.adapters
+        if adapters is not None and self._adapters is None and adapters.any():
+            self._adapters = array.array("q", bytes(self._jobs * 8))
         if self._adapters is not None:
-            self._adapters.extend(adapters if adapters is not None else [0] * len(keys))
+            self._adapters.frombytes((adapters if adapters is not None else np.zeros(len(keys), np.int64))
+                                     .astype(np.int64).tobytes())
         self._keys.extend(keys)
         shift = self.width.bit_length() - 1
-        self._lengths.extend(len(k) >> shift for k in keys)
-        self._weights.extend(sum(r.n for r in rs) for rs in requests)  # rows at the job's node
-        self._requests.extend(len(rs) for rs in requests)
-        flat = [r for rs in requests for r in rs]
-        for column, values in zip(self._shapes, zip(*flat) if flat else [() for _ in self._shapes]):
-            column.extend(values)
+        self._lengths.append((np.fromiter(map(len, keys), np.int64, len(keys)) >> shift).astype(np.int32))
+        owner = np.repeat(np.arange(len(keys)), entries.counts)  # (rows at the job's node: its requests' samples)
+        self._weights.append(np.bincount(owner, weights=entries.shapes.n, minlength=len(keys)).astype(np.int32))
+        self._requests.append(entries.counts.astype(np.int32))
+        self._shapes.append(RequestShape(*(c.astype(np.int32) for c in entries.shapes)))  # 4 bytes each
+        self._jobs += len(keys)
         if len(self._keys) >= self.run_jobs:
             self._seal()
 
     def _seal(self) -> None:
-        first = len(self._lengths) - len(self._keys)
+        first = self._jobs - len(self._keys)
         keys, adapters = self._keys, self._adapters
         if adapters is None:
             order = sorted(range(len(keys)), key=keys.__getitem__)  # stable: equal keys keep input order
         else:  # by adapter, then key
             order = sorted(range(len(keys)), key=lambda i: (adapters[first + i], keys[i]))
-        self._runs.append(_front_code(((keys[i], first + i) for i in order), self.width, adapters))
+        mine = np.asarray(adapters, dtype=np.int64) if adapters is not None else None
+        self._runs.append(front_code([keys[i] for i in order], first + np.asarray(order, dtype=np.int64), self.width,
+                                      mine))
         self._keys = []
 
     def build(self) -> "PrefixIndex":
         if self._keys:
             self._seal()
         runs, self._runs = self._runs, []
-        if len(runs) == 1:
-            merged = runs[0]
-        elif self._adapters is None:  # ties compare job numbers: input order, as in one stable sort
-            merged = _front_code(heapq.merge(*(r.keys(self.width) for r in runs)), self.width)
-        else:
-            adapters = self._adapters
-            merged = _front_code(heapq.merge(*(r.keys(self.width) for r in runs),
-                                             key=lambda kj: (adapters[kj[1]], kj)), self.width, adapters)
+        adapters = np.asarray(self._adapters, dtype=np.int64) if self._adapters is not None else None
+        run = runs[0] if len(runs) == 1 else merged(runs, self.width, adapters)
         del runs
-        tails = np.frombuffer(merged.tails, dtype=self.dtype).astype(self.dtype.newbyteorder("="))
-        ends = np.frombuffer(merged.ends, dtype=np.int64) // self.width
+        tails = np.frombuffer(run.tails, dtype=self.dtype).astype(self.dtype.newbyteorder("="))
+        ends = run.ends // self.width
         # 4 bytes a job or request each (positions and offsets stay 8)
-        first = np.zeros(len(self._requests) + 1, dtype=np.int64)
-        np.cumsum(np.asarray(self._requests, dtype=np.int64), out=first[1:])
-        return PrefixIndex(np.asarray(merged.jobs, dtype=np.int32), np.asarray(merged.lcp, dtype=np.int32),
-                           tails, ends, np.asarray(self._lengths, dtype=np.int32),
-                           np.asarray(self._weights, dtype=np.int32), first,
-                           RequestShape(*(np.asarray(c, dtype=np.int32) for c in self._shapes)),
+        requests = _joined(self._requests)
+        first = np.zeros(len(requests) + 1, dtype=np.int64)
+        np.cumsum(requests, out=first[1:])
+        shapes = RequestShape(*(_joined(c) for c in zip(*self._shapes))) if self._shapes \
+            else RequestShape(*(np.zeros(0, np.int32) for _ in RequestShape._fields))
+        return PrefixIndex(np.asarray(run.jobs, dtype=np.int32), np.asarray(run.lcp, dtype=np.int32),
+                           tails, ends, _joined(self._lengths), _joined(self._weights), first, shapes,
                            np.asarray(self._adapters, dtype=np.int32) if self._adapters is not None else None)
+
+
+def _joined(chunks: Sequence[np.ndarray]) -> np.ndarray:
+    return np.concatenate(chunks) if chunks else np.zeros(0, np.int32)
 
 
 @dataclass

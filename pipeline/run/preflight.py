@@ -34,9 +34,9 @@ from pipeline.run.adapters import Adapters
 from pipeline.run.inputrows import PlainCheck, Rows, tokenize_plain
 from pipeline.run.jobstore import JobSpool, Problems
 from pipeline.run.overlap import check_apart
-from pipeline.run.prefix_index import IndexBuilder, PrefixIndex, pack_keys
+from pipeline.run.prefix_index import Entries, IndexBuilder, PrefixIndex, pack_keys
 from pipeline.text.tokenize import Tokenizer, TokenizerError, torch_hidden
-from pipeline.text.expand import JobTokens, index_entry, job_requests, plain_entries, token_problem, tokenize_jobs
+from pipeline.text.expand import JobTokens, index_entry, job_requests, token_problem, tokenize_jobs
 from pipeline.engine.types import Request
 
 if TYPE_CHECKING:
@@ -196,9 +196,8 @@ class _Keep:
     def tokenize(self, jobs: Mapping[int, Job], plain: list[PlainRows]):
         """In the tokenizer's thread: the jobs' tokens, the plain rows' counts and index entries."""
         width = self.index.width if self.index is not None else None
-        template, window = self.plain.template, self.window
         return tokenize_jobs(self.tokenizer, list(jobs.values())), tokenize_plain(
-            self.tokenizer, plain, width, lambda ids: plain_entries(template, ids, window))
+            self.tokenizer, plain, width, self.plain.template, self.window)
 
     def __call__(self, jobs: dict[int, Job], bad: list[tuple[int, InvalidRow]], plain: list[PlainRows],
                  tokenized) -> None:
@@ -215,28 +214,33 @@ class _Keep:
             bad.append((order, problem))
             if job.prompt_index is not None:
                 self.custom_ids[order] = (job.custom_id, job.prompt_index)
-        # kept jobs as columns: input positions, then (for the index) keys, requests and adapters
-        columns: list[list] = [[o for o, _, _ in kept]]
+        # kept jobs as columns: input positions and (for the index) their entries
+        orders: list[np.ndarray] = [np.asarray([o for o, _, _ in kept], dtype=np.int64)]
+        entries: list[Entries] = []
         if self.index is not None:  # the requests process will run (a scoring job's keyed by its context)
-            entries = [index_entry(j, t, self.window) for _, j, t in kept]
-            columns += [pack_keys([key for key, _ in entries], self.index.width), [shapes for _, shapes in entries],
-                        [self.adapters.index_of(j) for _, j, _ in kept]]
+            found = [index_entry(j, t, self.window) for _, j, t in kept]
+            entries.append(Entries.of(pack_keys([key for key, _ in found], self.index.width),
+                                      [shapes for _, shapes in found], [self.adapters.index_of(j) for _, j, _ in kept]))
         for rows, (lengths, index) in zip(plain, counted):
             refused = self.plain.problems(rows, lengths)
             bad += [(rows.orders[k], problem) for k, problem in refused.items()]
-            ok = [k for k in range(len(rows)) if k not in refused] if refused else range(len(rows))
-            columns[0] += [rows.orders[k] for k in ok] if refused else rows.orders
+            ok = np.asarray([k for k in range(len(rows)) if k not in refused], dtype=np.int64) if refused else None
+            mine = np.asarray(rows.orders, dtype=np.int64)
+            orders.append(mine[ok] if ok is not None else mine)
             if self.index is not None:
-                columns[1] += [index[0][k] for k in ok] if refused else index[0]
-                columns[2] += [index[1][k] for k in ok] if refused else index[1]
-                columns[3] += [self.plain_adapter] * len(ok)
+                index = index.take(ok) if ok is not None else index
+                index.adapters = np.full(len(index), self.plain_adapter, np.int64) if self.plain_adapter else None
+                entries.append(index)
+        order = np.concatenate(orders)
         if kept and plain:  # both kinds in one chunk: back to input order
-            by_order = sorted(range(len(columns[0])), key=columns[0].__getitem__)
-            columns = [[c[i] for i in by_order] for c in columns]
+            by_order = np.argsort(order, kind="stable")
+            order = order[by_order]
+            entries = [Entries.concat(entries).take(by_order)] if entries else []
         self.invalid.add(bad)
-        self.orders.extend(columns[0])
+        self.orders.frombytes(order.tobytes())
         if self.index is not None:
-            self.index.add_keys(*columns[1:])
+            for e in entries:
+                self.index.add_entries(e)
         if self.spool is not None:
             self.spool.add([j for _, j, _ in kept])
 

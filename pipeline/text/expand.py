@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Hashable, Iterable, Iterator, Mapping, Sequence
 
+import numpy as np
+
 from jobs import InvalidRow, Job
 from pipeline.text.scoring import continuation_requests, prompt_requests
 from pipeline.text.tokenize import Tokenizer, TokenizerError
@@ -169,6 +171,12 @@ def plain_entries(template: Job, prompts: list[list[int]], window: int | None
         entries = [index_entry(template, JobTokens(ids), window) for ids in prompts]
         return [key for key, _ in entries], [shapes for _, shapes in entries]
     return prompts, [[_prompt_shape(template, len(ids))] for ids in prompts]
+
+
+def plain_shapes(template: Job, lengths: np.ndarray) -> RequestShape:
+    """`_prompt_shape` of each plain row's generating job (`whole_key(template)`), as arrays."""
+    return RequestShape(lengths, fed_length(lengths, template.max_new_tokens, _echo_from(template)),
+                        np.full(len(lengths), template.max_new_tokens, np.int64), np.full(len(lengths), template.n, np.int64))
 
 
 def whole_key(job: Job) -> bool:

@@ -47,10 +47,11 @@ import bisect
 import json
 import os
 import threading
-from array import array
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
+
+from pipeline.text.pieces import Pieces, pack_ids, unpack_ids
 
 STEP = 128  # candidate cuts: the first stable cut at or after every STEP characters...
 _TARGETS_UP_TO = 1 << 24
@@ -182,74 +183,75 @@ def _spaced(length: int, step: int) -> list[int]:
 class PrefixTokens:
     """Batches of texts tokenized through the ids of their shared prefixes, cut at stable cuts:
     a prefix shared by two texts of a batch, or met in an earlier one, is tokenized once and
-    kept (an LRU bounded in prefixes, characters and ids); each text's rest is tokenized alone.
-    Candidate cuts are few (`_targets`); a prefix several texts share is taken to the last stable
-    cut they have in common, and found again from the candidate cut it extends."""
+    kept (an LRU bounded in prefixes, characters and ids); each text's rest is tokenized through
+    its pieces (`pieces.Pieces`). Candidate cuts are few (`_targets`); a prefix several texts
+    share is taken to the last stable cut they have in common, and found again from the candidate
+    cut it extends. Ids are kept packed (`pieces.pack_ids`, `width` bytes each)."""
 
-    def __init__(self, rule: CutRule, step: int = STEP) -> None:
-        self.rule, self.step = rule, step
-        # prefix -> its ids, and the hash of the candidate prefix it extends (None: it is one)
-        self._cache: OrderedDict[str, tuple[array, int | None]] = OrderedDict()
+    def __init__(self, rule: CutRule, step: int = STEP, width: int = 4) -> None:
+        self.rule, self.step, self.width = rule, step, width
+        # prefix -> its packed ids, and the hash of the candidate prefix it extends (None: it is one)
+        self._cache: OrderedDict[str, tuple[bytes, int | None]] = OrderedDict()
         self._longer: dict[int, list[str]] = {}  # candidate prefix's hash -> cached prefixes extending it
         self._chars = self._ids = 0
         self._seen: dict[int, None] = {}
-        self._lock = threading.Lock()  # the cache is one Tokenizer's, which threads may share
+        self._pieces = Pieces(rule.guarded, width)
+        self._head, self._tail = pack_ids(rule.head, width), pack_ids(rule.tail, width)
+        self._lock = threading.Lock()  # the caches are one Tokenizer's, which threads may share
 
     def encode(self, backend: Any, texts: Sequence[str], special: bool, want_ids: bool
                ) -> tuple[list[int], list[list[int]] | None]:
         """Each text's token count, and with `want_ids` its ids: what
         `backend.encode_batch_fast(texts, add_special_tokens=special)` gives."""
-        with self._lock:
-            found = self._lookup(backend, texts)
-        cut = [k for k, f in enumerate(found) if f is not None]
-        whole = [k for k, f in enumerate(found) if f is None]
-        rests = backend.encode_batch_fast([texts[k][found[k][0]:] for k in cut], add_special_tokens=False)
-        alone = backend.encode_batch_fast([texts[k] for k in whole], add_special_tokens=special)
-        head, tail = (list(self.rule.head), list(self.rule.tail)) if special else ([], [])
-        counts = [0] * len(texts)
-        ids: list[list[int]] | None = [[]] * len(texts) if want_ids else None
-        for k, e in zip(whole, alone):
-            counts[k] = len(e)
-            if ids is not None:
-                ids[k] = e.ids
-        extra = len(head) + len(tail)
-        for k, e in zip(cut, rests):
-            prefix = found[k][1]
-            counts[k] = extra + len(prefix) + len(e)
-            if ids is not None:
-                ids[k] = head + prefix.tolist() + e.ids + tail
-        return counts, ids
+        packed = self.encode_packed(backend, texts, special)
+        shift = self.width.bit_length() - 1
+        ids = [unpack_ids(p, self.width) for p in packed] if want_ids else None
+        return [len(p) >> shift for p in packed], ids
 
-    def _lookup(self, backend: Any, texts: Sequence[str]) -> list[tuple[int, array] | None]:
+    def encode_packed(self, backend: Any, texts: Sequence[str], special: bool) -> list[bytes]:
+        """Each text's ids as `encode` gives them, packed."""
+        with self._lock:  # (the Rust encoder's calls too: the caches change after them)
+            found = self._lookup(backend, texts)
+            rests = self._pieces.encode(backend, texts, [f[0] if f is not None else 0 for f in found])
+        head, tail = (self._head, self._tail) if special else (b"", b"")
+        return [head + (f[1] if f is not None else b"") + rest + tail for f, rest in zip(found, rests)]
+
+    def _lookup(self, backend: Any, texts: Sequence[str]) -> list[tuple[int, bytes] | None]:
         """Per text, the longest cached prefix it starts with, ending at a stable cut of it
         (tokenizing now the prefixes worth it), with the prefix's ids; None: tokenize it whole."""
-        found: list[tuple[int, array] | None] = [None] * len(texts)
-        cache, longer, stable, misses = self._cache, self._longer, self.rule.stable, []
+        found: list[tuple[int, bytes] | None] = [None] * len(texts)
+        cache, longer, stable, cut_from, misses = self._cache, self._longer, self.rule.stable, self.rule.cut_from, []
+        hits: dict[str, None] = {}  # moved to the LRU's end once per batch
         for k, text in enumerate(texts):
             keys, last = [], len(text)
             for target in reversed(_targets(len(text), self.step)):  # longest first
-                c = self.rule.cut_from(text, target)
+                c = cut_from(text, target)
                 if c < 0 or c >= last:  # none, or the same cut as the longer target's
                     continue
                 last = c
                 key = text[:c]
+                hit = key if key in cache else None
                 # a longer prefix ends where this text may go on otherwise: its cut must be stable here too
-                hit = next((p for p in longer.get(hash(key), ()) if text.startswith(p) and stable(text, len(p))),
-                           key if key in cache else None)
+                for p in longer.get(hash(key), ()):
+                    if text.startswith(p) and stable(text, len(p)):
+                        hit = p
+                        break
                 if hit is not None:
-                    cache.move_to_end(hit)
+                    hits[hit] = None
                     found[k] = (len(hit), cache[hit][0])
                     break
                 keys.append(key)
             else:
                 if keys:
                     misses.append((k, keys))
+        for hit in hits:
+            cache.move_to_end(hit)
         if misses:
             self._tokenize_shared(backend, texts, misses, found)
         return found
 
     def _tokenize_shared(self, backend: Any, texts: Sequence[str], misses: list[tuple[int, list[str]]],
-                         found: list[tuple[int, array] | None]) -> None:
+                         found: list[tuple[int, bytes] | None]) -> None:
         """A missed prefix is worth tokenizing when another text of this batch has it too, or an
         earlier batch's did: the longest such of each text, taken on to the last stable cut that
         the batch's texts having it share."""
@@ -269,10 +271,11 @@ class PrefixTokens:
             prefixes.setdefault(prefix, (key, []))[1].extend(ks)
         new = [p for p in prefixes if p not in self._cache]
         for prefix, e in zip(new, backend.encode_batch_fast(new, add_special_tokens=False)):
-            self._put(prefix, array("I", e.ids), prefixes[prefix][0])
+            self._put(prefix, pack_ids(e.ids, self.width), prefixes[prefix][0])
         for prefix, (_, ks) in prefixes.items():
             entry = self._cache.get(prefix)
-            ids = entry[0] if entry is not None else array("I", backend.encode(prefix, add_special_tokens=False).ids)
+            ids = entry[0] if entry is not None else \
+                pack_ids(backend.encode(prefix, add_special_tokens=False).ids, self.width)
             for k in ks:
                 found[k] = (len(prefix), ids)
 
@@ -288,18 +291,18 @@ class PrefixTokens:
             c = text.rfind(" ", len(key) + 1, c)
         return text[:c] if c > len(key) else key
 
-    def _put(self, prefix: str, ids: array, candidate: str) -> None:
+    def _put(self, prefix: str, ids: bytes, candidate: str) -> None:
         base = None if prefix == candidate else hash(candidate)
         self._cache[prefix] = (ids, base)
         if base is not None:
             self._longer.setdefault(base, []).append(prefix)
         self._chars += len(prefix)
-        self._ids += len(ids)
+        self._ids += len(ids) // self.width
         while self._cache and (len(self._cache) > _MAX_PREFIXES or self._chars > _MAX_CHARS or
                                self._ids > _MAX_IDS):
             old, (old_ids, old_base) = self._cache.popitem(last=False)
             self._chars -= len(old)
-            self._ids -= len(old_ids)
+            self._ids -= len(old_ids) // self.width
             if old_base is not None:  # what found it goes with it
                 extending = self._longer[old_base]
                 extending.remove(old)

@@ -5,7 +5,8 @@ Prompts get the ids of tokenizing them whole, exactly as plain generation would 
 tokens for text, the chat template with a generation prompt for messages); grouping happens later
 on these ids, never on strings, since a prefix tokenized alone can end in different tokens. Only
 where a cut is proven not to change them (`pipeline.text.prefix_tokens`) is a shared text prefix
-tokenized once for the texts that start with it.
+tokenized once for the texts that start with it, and the rest of a text through the ids of its
+pieces between such cuts (`pipeline.text.pieces`).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from typing import Any, Callable, Iterator, Sequence
 from pipeline.errors import BatchgenError
 from pipeline.engine.types import StopCheck
 from pipeline.text.fast_tokenizer import StandIn, load as load_known, remember
+from pipeline.text.pieces import key_width, pack_ids, unpack_ids
 from pipeline.text.prefix_tokens import PrefixTokens, cut_rule
 
 
@@ -226,25 +228,44 @@ class Tokenizer:
         million prompts' ids as Python lists would take GBs). Without it no id list is made: the
         counts come from the encodings themselves. Texts sharing a prefix get its ids from one
         tokenization of it, where the tokenizer has stable cuts (`_shared_prefixes`)."""
+        return self._encode(texts, special, keep, packed=False)
+
+    def encode_keys(self, texts: Sequence[str], special: bool, keep: Callable[[list[bytes]], Any]) -> list[int]:
+        """`encode_texts`, each batch's ids handed to `keep` packed (`pieces.pack_ids`, `key_width`
+        bytes each): what the prefix index keeps of a prompt, made without a list of its ids
+        where the tokenizer has stable cuts."""
+        return self._encode(texts, special, keep, packed=True)
+
+    @property
+    def key_width(self) -> int:
+        """Bytes an id of this tokenizer takes packed."""
+        return key_width(self.vocab_size)
+
+    def _encode(self, texts: Sequence[str], special: bool, keep: Callable | None, packed: bool) -> list[int]:
         lengths: list[int] = []
         if not texts:
             return lengths
         backend = self._fast_backend()
         prefixes = self._shared_prefixes(backend)
+        width = self.key_width
         for start in range(0, len(texts), _ENCODE_BATCH):  # an Encoding holds much more than its ids: few at once
             batch = list(texts[start : start + _ENCODE_BATCH])
             if backend is None:
                 ids = [list(self._tok(t, add_special_tokens=special)["input_ids"]) for t in batch]
                 lengths += map(len, ids)
-            elif prefixes is not None:  # the same ids, shared text prefixes tokenized once
-                counts, ids = prefixes.encode(backend, batch, special, keep is not None)
-                lengths += counts
+            elif prefixes is not None:  # the same ids, shared text prefixes and pieces tokenized once
+                keys = prefixes.encode_packed(backend, batch, special)
+                shift = width.bit_length() - 1
+                lengths += [len(k) >> shift for k in keys]
+                ids = keys if packed else [unpack_ids(k, width) for k in keys] if keep is not None else []
             else:
                 encodings = backend.encode_batch_fast(batch, add_special_tokens=special)
                 lengths += map(len, encodings)
                 ids = [e.ids for e in encodings] if keep is not None else []
                 del encodings
             if keep is not None:
+                if packed and not (backend is not None and prefixes is not None):
+                    ids = [pack_ids(i, width) for i in ids]
                 keep(ids)
         return lengths
 
@@ -255,7 +276,7 @@ class Tokenizer:
             return None
         if self._prefixes is None:
             rule = cut_rule(backend)
-            self._prefixes = PrefixTokens(rule) if rule is not None else False
+            self._prefixes = PrefixTokens(rule, width=self.key_width) if rule is not None else False
         return self._prefixes or None
 
     def _fast_backend(self) -> Any:

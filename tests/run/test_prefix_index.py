@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+import pipeline.run.front_coding as front_coding
 from pipeline.run.prefix_index import IndexBuilder, PrefixIndex
 from pipeline.engine.prefix_tree import PrefixTree
 from pipeline.engine.schedule import plan, shared_nodes, tree_of, tree_of_sorted
@@ -157,3 +158,33 @@ def test_token_ids_outside_the_key_width_are_refused_whole():
     b.add([[3, 2, 1]], [[RequestShape(3, 3, 1, 1)]])
     index = b.build()
     assert len(index) == 1 and list(index.prompts(np.arange(1))) == [(0, [3, 2, 1])]
+
+
+LONG_PROMPTS = st.tuples(st.lists(st.integers(0, 70000), min_size=200, max_size=300), st.lists(
+    st.tuples(st.integers(0, 300), st.lists(st.integers(0, 3), max_size=20)), min_size=12, max_size=40))
+
+
+@settings(max_examples=80, deadline=None)
+@given(LONG_PROMPTS, st.sampled_from([300, 1 << 20]), st.integers(1, 9), st.integers(1, 7), st.data())
+def test_long_shared_keys_sort_and_front_code_as_a_plain_sort(case, vocab, run_jobs, block, data):
+    """Keys sharing long heads (the LCPs are compared a few words at a time, past many rounds),
+    2- and 4-byte ids, merged in blocks: the order and the LCPs a plain sort and compare give,
+    per adapter."""
+    head, rows = case
+    if vocab == 300:
+        head = [t % 300 for t in head]
+    prompts = [head[:cut] + tail or [1] for cut, tail in rows]
+    adapters = data.draw(st.lists(st.integers(0, 2), min_size=len(prompts), max_size=len(prompts)))
+    for given_adapters in (None, adapters):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(front_coding, "_MERGE_BLOCK", block)
+            b = IndexBuilder(vocab, run_jobs)
+            for i, p in enumerate(prompts):  # a job at a time: runs of `run_jobs` sealed, then merged
+                b.add([p], [[RequestShape(len(p), len(p), 1, 1)]], [given_adapters[i]] if given_adapters else None)
+            index = b.build()
+        kind = given_adapters or [0] * len(prompts)
+        want = sorted(range(len(prompts)), key=lambda i: (kind[i], prompts[i]))
+        assert index.order.tolist() == want
+        assert index.lcp.tolist() == [0] + [lcp(prompts[a], prompts[b]) if kind[a] == kind[b] else 0
+                                             for a, b in zip(want, want[1:])]
+        assert list(index.prompts(np.arange(len(prompts)))) == [(i, prompts[i]) for i in want]

@@ -7,6 +7,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from tokenizers import AddedToken, Tokenizer as RustTokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+import pipeline.text.pieces as pieces_module
+from pipeline.text.pieces import _UNSAFE, Pieces, pack_ids
 from pipeline.text.prefix_tokens import PrefixTokens, cut_rule, refusal
 from pipeline.text.tokenize import Tokenizer
 from tests.helpers.cli_helpers import run, write_jsonl
@@ -244,7 +246,8 @@ def test_the_cache_stays_bounded_and_exact_as_prefixes_come_and_go(monkeypatch):
     for g in range(30):  # each group's prefix shared by its batch, then never again
         texts = [f"group {g} shares these words, then {i} of its own" for i in range(5)]
         assert reuse.encode(backend, texts, True, True)[1] == _plain(backend, texts, True)
-        assert len(reuse._cache) <= 8 and reuse._ids == sum(len(ids) for ids, _ in reuse._cache.values()) <= 400
+        assert len(reuse._cache) <= 8 and reuse._ids == sum(len(ids) // reuse.width for ids, _ in
+                                                             reuse._cache.values()) <= 400
         extending = sorted(p for p, (_, base) in reuse._cache.items() if base is not None)
         assert sorted(p for ps in reuse._longer.values() for p in ps) == extending  # none found but cached
     assert reuse._cache  # prefixes were kept (the newest)
@@ -262,3 +265,49 @@ def test_a_longer_shared_prefix_is_taken_only_where_its_cut_is_stable_in_the_tex
         for special in (True, False):
             assert reuse.encode(backend, texts, special, True)[1] == _plain(backend, texts, special)
     assert "a long shared start, th" in reuse._cache
+
+
+def _stable_cuts(rule, text, start=0):
+    return [c for c in range(start + 1, len(text)) if rule.stable(text, c)]
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+@settings(max_examples=60, deadline=None)
+@given(texts=st.lists(TEXT, min_size=1, max_size=6), cut=st.integers(0, 60), width=st.sampled_from([2, 4]))
+def test_texts_through_their_pieces_get_the_plain_ids(name, texts, cut, width):
+    """Each text from 0 or from one of its stable cuts, twice through one cache (its pieces
+    tokenized, then looked up): the plain encoder's ids of that part, packed."""
+    backend = BACKENDS[name]
+    rule = cut_rule(backend)
+    starts = []
+    for text in texts:
+        cuts = _stable_cuts(rule, text)
+        starts.append(cuts[cut % len(cuts)] if cuts and cut % 3 else 0)
+    want = [pack_ids(ids, width) for ids in _plain(backend, [t[s:] for t, s in zip(texts, starts)], False)]
+    pieces = Pieces(rule.guarded, width)
+    assert pieces.encode(backend, texts, starts) == want
+    assert pieces.encode(backend, texts, starts) == want  # from the kept pieces
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=TEXT)
+def test_the_spaces_pieces_are_cut_at_are_exactly_the_stable_cuts(text):
+    """Where `Pieces` cuts a text at every space (none after whitespace, none at its start), those
+    are its stable cuts (the tests' tiny tokenizer guards no added token)."""
+    rule = cut_rule(BACKENDS["metaspace-first"])
+    assert rule.guarded == ()
+    if _UNSAFE.search(text) or text.startswith(" "):
+        return
+    assert [k for k, ch in enumerate(text) if ch == " "] == _stable_cuts(rule, text)
+
+
+def test_the_pieces_kept_stay_bounded_and_exact(monkeypatch):
+    monkeypatch.setattr(pieces_module, "_MAX_PIECES", 16)
+    monkeypatch.setattr(pieces_module, "_MAX_PIECE_CHARS", 6)
+    backend = BACKENDS["byte-level"]
+    pieces = Pieces(cut_rule(backend).guarded, 2)
+    for g in range(20):
+        texts = [f"word{g} and {i} more words, longerthansix {i + g}" for i in range(5)]
+        assert pieces.encode(backend, texts, [0] * 5) == [pack_ids(ids, 2) for ids in _plain(backend, texts, False)]
+        assert len(pieces._spaced) <= 16 and all(len(p) <= 6 for p in pieces._spaced)
+    assert "and" in pieces._spaced  # met in the last batches: kept
