@@ -5,7 +5,8 @@ Two parts, both in one process on the embedded default model:
   and unset in alternating turns (thread CPU time per run; the decoder's `_add_norm`, `_gate` and
   `_rotate` timed apart), and whether the outputs are identical (they must be: the kernels are
   PyTorch's arithmetic to the bit);
-- the kernels alone at a prefill's rows: the norm with its residual sum, silu(gate) * up, and each
+- the kernels alone at a prefill's rows: the norm with its residual sum, silu(gate) * up, a
+  layer's keys and values into row slots (`native.store_rows`) against indexed assignment, and each
   step's argmax with its finiteness (`native.greedy`) against `aminmax` + `argmax`.
 
     python -m bench.bench_layer_ops --dtype float32 --threads 2 --turns 4
@@ -101,6 +102,18 @@ def kernels_alone(rows: int) -> None:
         for name, (ref, fast) in cases.items():
             a, b = _median_ms(ref) - copies[name], _median_ms(fast) - copies[name]
             print(f"  {str(dtype)[6:]:9s} {name:16s} PyTorch {a:6.2f}  one pass {b:6.2f}")
+    for n in (64, 2048):  # a decode step's rows, a prefill's tokens: one layer's keys and values stored
+        qkv = torch.randn(n, 15, 64)
+        k, v = qkv[:, 9:12].transpose(0, 1), qkv[:, 12:].transpose(0, 1)  # (3, n, 64) views, as the decoder's
+        kb, vb = torch.zeros(n, 3, 64, 64), torch.zeros(n, 3, 64, 64)
+        slots, at = torch.arange(n), torch.arange(n) % 64
+
+        def indexed():
+            kb[slots, :, at] = k[:, :].transpose(0, 1)
+            vb[slots, :, at] = v[:, :].transpose(0, 1)
+
+        print(f"  store keys + values, {n} rows: indexed {_median_ms(indexed):.3f}  copies "
+              f"{_median_ms(lambda: native.store_rows(k, v, kb, vb, slice(None), slots, at)):.3f}")
     for b in (64, 128):
         logits = torch.randn(b, 49152)
 

@@ -4,7 +4,8 @@
  *     then times the weight (PyTorch's bfloat16 product: in float32, rounded once);
  *   silu_mul: g = silu(g) * u in place, silu in float32 cast to the dtype, then the product;
  *   rotary: queries and keys rotated in place, as `decoder._rotate_` computes them;
- *   greedy: each row's argmax and whether it is finite, for the engine's sampling.
+ *   greedy: each row's argmax and whether it is finite, for the engine's sampling;
+ *   store_rows: a step's new keys and values into its rows' slots.
  * PyTorch runs the norm as six ops in bfloat16 (widen, square, mean, scale, narrow, weight), each a
  * pass over the activations, and the MLP's gate as two. Here each row is read once and written
  * once, and to the bit as PyTorch computes it: the squares summed in ATen's order
@@ -272,6 +273,34 @@ static void greedy_item(const void *job, int item, void *scratch) {
     j->finite[item] = !bad;
 }
 
+/* New keys and values into a batch's row slots: token tokens[i] (i itself where tokens is none)
+ * of k and v (heads, T, D), strides (k_head, k_tok, 1), into slot slot[i] at own index at[i] of
+ * kbuf and vbuf [slots, heads, cap, D] contiguous; `Step.store`'s indexed assignment as copies of
+ * D elements. */
+typedef struct {
+    int64_t n, heads, d, k_head, k_tok, v_head, v_tok, cap, rows_per_item;
+    int bytes;
+    const char *k, *v;
+    char *kbuf, *vbuf;
+    const int64_t *tokens, *slot, *at;
+} Store;
+
+static void store_item(const void *job, int item, void *scratch) {
+    const Store *j = job;
+    (void)scratch;
+    int64_t first = item * j->rows_per_item, last = first + j->rows_per_item;
+    if (last > j->n) last = j->n;
+    const size_t row = (size_t)(j->d * j->bytes);
+    for (int64_t i = first; i < last; i++) {
+        int64_t tok = j->tokens ? j->tokens[i] : i;
+        for (int64_t h = 0; h < j->heads; h++) {
+            int64_t to = ((j->slot[i] * j->heads + h) * j->cap + j->at[i]) * j->d * j->bytes;
+            memcpy(j->kbuf + to, j->k + (h * j->k_head + tok * j->k_tok) * j->bytes, row);
+            memcpy(j->vbuf + to, j->v + (h * j->v_head + tok * j->v_tok) * j->bytes, row);
+        }
+    }
+}
+
 /* Rows (or elements) per work item: about 16k elements, so a decode step's few rows stay on one thread. */
 static int64_t per_item(int64_t width) { return width >= 16384 ? 1 : 16384 / width; }
 #endif
@@ -320,5 +349,26 @@ int batchgen_greedy(int64_t n, int64_t v, const float *logits, int64_t *best, ui
     return run(greedy_item, &job, (int)n, 64, n * v >= 1 << 18 ? threads : 1);
 #else
     return (void)n, (void)v, (void)logits, (void)best, (void)finite, (void)threads, 1;
+#endif
+}
+
+/* 0 when stored; 1 (nothing written) for a slot, own index or token out of range. */
+int batchgen_store_rows(int64_t n, int64_t heads, int64_t d, int bf16, const void *k, int64_t k_head, int64_t k_tok,
+                        const void *v, int64_t v_head, int64_t v_tok, int64_t t, void *kbuf, void *vbuf,
+                        int64_t slots, int64_t cap, const int64_t *tokens, const int64_t *slot, const int64_t *at,
+                        int threads) {
+#if defined(__AVX512F__)
+    for (int64_t i = 0; i < n; i++)
+        if (slot[i] < 0 || slot[i] >= slots || at[i] < 0 || at[i] >= cap || (tokens ? tokens[i] : i) < 0 ||
+            (tokens ? tokens[i] : i) >= t)
+            return 1;
+    int64_t per = per_item(2 * heads * d);
+    Store job = {n, heads, d, k_head, k_tok, v_head, v_tok, cap, per, bf16 ? 2 : 4, k, v, kbuf, vbuf, tokens, slot, at};
+    int64_t items = (n + per - 1) / per;
+    return run(store_item, &job, (int)items, 64, items > 1 ? threads : 1);
+#else
+    return (void)n, (void)heads, (void)d, (void)bf16, (void)k, (void)k_head, (void)k_tok, (void)v, (void)v_head,
+           (void)v_tok, (void)t, (void)kbuf, (void)vbuf, (void)slots, (void)cap, (void)tokens, (void)slot, (void)at,
+           (void)threads, 1;
 #endif
 }

@@ -93,7 +93,9 @@ def _build(fold: int, head: int) -> ctypes.CDLL:
                     (lib.batchgen_add_rms_norm, [i64, i64, i32, ptr, ptr, ptr, f32, ptr, i32]),
                     (lib.batchgen_silu_mul, [i64, i64, i32, ptr, ptr, i32]),
                     (lib.batchgen_rotary, [i64, i64, i64, i32, ptr, i64, i64, ptr, ptr, i32]),
-                    (lib.batchgen_greedy, [i64, i64, ptr, ptr, ptr, i32])):
+                    (lib.batchgen_greedy, [i64, i64, ptr, ptr, ptr, i32]),
+                    (lib.batchgen_store_rows, [i64, i64, i64, i32, ptr, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64, i64,
+                                               ptr, ptr, ptr, i32])):
         f.argtypes = args
         f.restype = i32
     return lib
@@ -285,3 +287,29 @@ def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, list[bool]] | None:
                            torch.get_num_threads()):
         return None
     return best, finite.bool().tolist()
+
+
+def store_rows(k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+               tokens: torch.Tensor | slice, slots: torch.Tensor, at: torch.Tensor) -> bool:
+    """`k_buf[slots, :, at] = k[:, tokens].transpose(0, 1)` and the same for v, as copies of
+    each token's heads: k, v (H, T, D) with their last dim contiguous, the buffers [slots, H, cap,
+    D] contiguous, `tokens` a slice of every token or an index. False where it did not run (no
+    library built in this process, another dtype or layout, an index out of range): the caller
+    assigns by indexing, which says what is wrong."""
+    lib = next((lib for lib in _libs.values() if lib is not None), None)
+    every = isinstance(tokens, slice)
+    if (lib is None or k.dtype not in DTYPES or not k.dtype == v.dtype == k_buf.dtype == v_buf.dtype
+            or k.device.type != "cpu" or k.stride(2) != 1 or v.stride(2) != 1 or not k_buf.is_contiguous()
+            or not v_buf.is_contiguous() or k_buf.shape != v_buf.shape or k.shape != v.shape
+            or k_buf.shape[1] != k.shape[0] or k_buf.shape[3] != k.shape[2]
+            or (every and tokens != slice(None)) or (not every and tokens.numel() != slots.numel())):
+        return False
+    index = [tokens] if not every else []
+    if not all(x.dtype == torch.long and x.is_contiguous() and x.device.type == "cpu" for x in [slots, at, *index]) \
+            or at.numel() != slots.numel() or (every and slots.numel() != k.shape[1]):
+        return False
+    heads, t, d = k.shape
+    return not lib.batchgen_store_rows(
+        slots.numel(), heads, d, DTYPES[k.dtype], k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
+        v.stride(1), t, k_buf.data_ptr(), v_buf.data_ptr(), k_buf.shape[0], k_buf.shape[2],
+        None if every else tokens.data_ptr(), slots.data_ptr(), at.data_ptr(), torch.get_num_threads())

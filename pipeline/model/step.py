@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipeline.model import native
 from pipeline.model.kv import PrefixKV, RowKV, pointers
 from pipeline.model.lora import Lora, token_groups
 
@@ -160,7 +161,9 @@ class Step:
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """New keys/values (H, T, D) of this layer into their buffers."""
-        if self.store_slots.numel():
+        if self.store_slots.numel() and not (  # copies in C where it runs, else indexed assignment
+                self.native is not None and native.store_rows(k, v, self.kv.k[layer], self.kv.v[layer],
+                                                              self.store_tokens, self.store_slots, self.store_at)):
             self.kv.k[layer][self.store_slots, :, self.store_at] = k[:, self.store_tokens].transpose(0, 1)
             self.kv.v[layer][self.store_slots, :, self.store_at] = v[:, self.store_tokens].transpose(0, 1)
         for s in self.continuing:

@@ -90,6 +90,31 @@ def test_greedy_is_argmax_and_finite(rows, vocab):
     assert vocab == 1 or native.greedy(logits[:, ::2]) is None
 
 
+@each_dtype
+@pytest.mark.parametrize("every", [True, False], ids=["all-tokens", "some-tokens"])
+def test_store_rows_is_indexed_assignment(dtype, every):
+    """A step's keys and values (views of the fused QKV output, as the decoder hands them over)
+    into slots out of order, at own indices, as `Step.store`'s indexed assignment writes them;
+    an index out of range writes nothing and says so."""
+    heads, t, d, slots, cap = 3, 9, 16, 6, 20
+    qkv = _rand(t, 2 * heads + 4, d, dtype=dtype, seed=10)
+    k, v = qkv[:, 4 : 4 + heads].transpose(0, 1), qkv[:, 4 + heads :].transpose(0, 1)  # (H, T, D) views
+    tokens = slice(None) if every else torch.tensor([8, 0, 3, 5])
+    n = t if every else 4
+    slot, at = (torch.arange(n) * 5) % slots, (torch.arange(n) * 7) % cap  # out of order, each pair once
+    want_k, want_v = _rand(slots, heads, cap, d, dtype=dtype, seed=12), _rand(slots, heads, cap, d, dtype=dtype, seed=13)
+    got_k, got_v = want_k.clone(), want_v.clone()
+    want_k[slot, :, at] = k[:, tokens].transpose(0, 1)
+    want_v[slot, :, at] = v[:, tokens].transpose(0, 1)
+    assert native.store_rows(k, v, got_k, got_v, tokens, slot, at)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    before = got_k.clone()
+    bad = at.clone()
+    bad[-1] = cap
+    assert not native.store_rows(k, v, got_k, got_v, tokens, slot, bad)
+    assert torch.equal(got_k, before)
+
+
 def test_layer_ops_refuse():
     """PyTorch's ops where the widths are not the kernels' (multiples of 16), or when asked."""
     assert native.layer_ops(torch.float32, 4, 2, 16, 72, 128) is None
