@@ -41,6 +41,7 @@
 #define G BATCHGEN_G
 #define D BATCHGEN_D
 enum { W = 16 }; /* floats per vector; keys per prefill tile */
+enum { PREFILL_WIDEN = 0, PREFILL_DOTS = 1, PREFILL_AMX = 2 }; /* prefill_attention's kernels (native.PREFILL) */
 _Static_assert(D % W == 0 && D <= 8 * W && G >= 1 && G <= 8, "head size 16-128 in steps of 16, 1-8 query heads a key head");
 
 #if defined(__AVX512F__)
@@ -401,7 +402,6 @@ typedef struct {
 
 /* bfloat16 prefill: widened to float32 on the float32 tile, on AVX-512 BF16 dot products (cpu_bf16.c)
  * where the build has them, on AMX tiles (cpu_amx_prefill.c) where the CPU has them and Linux lends them */
-enum { PREFILL_WIDEN = 0, PREFILL_DOTS = 1, PREFILL_AMX = 2 };
 
 static int by_anchor(const void *a, const void *b) { /* (anchor pointer, row or segment) pairs, by anchor */
     const int64_t *x = a, *y = b;
@@ -586,7 +586,11 @@ int batchgen_prefill_attention(int nseg, int hq, int hkv, int d, int bf16, const
 #if defined(__AVX512F__)
     int amx = kernel == PREFILL_AMX;
     if (amx && !(bf16 && batchgen_amx())) return 1; /* asked for tiles this CPU or build does not have */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
     int lanes = amx ? AL : W, items = 0;
+#else
+    int lanes = W, items = 0; /* (amx was refused above: no tiles in this build) */
+#endif
     for (int s = 0; s < nseg; s++) items += hkv * (int)((G * (t1[s] - t0[s]) + lanes - 1) / lanes);
     int64_t *list = malloc(sizeof(int64_t) * 3 * (size_t)(items ? items : 1));
     if (!list) return 1;

@@ -12,8 +12,15 @@
  * (`sum_squares`), silu's exp as SLEEF's (`sleef_exp`); tests/model/test_layer_ops.py holds both
  * to the PyTorch formulas.
  * Rows x and r are contiguous with h elements, h a multiple of 16; rows are shared out by `run`.
- * Included by cpu_attention.c after `ld`, `st`, `exp_neg` and `run` (not built alone). */
-#if defined(__AVX512F__)
+ * Included by cpu_attention.c after `ld`, `st`, `exp_neg` and `run` (not built alone). AVX-512 with
+ * its byte/word and 256-bit forms (every AVX-512 CPU since Skylake-X); elsewhere the entry points
+ * refuse and `batchgen_layer_ops` says 0. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define LAYER_OPS 1
+#else
+#define LAYER_OPS 0
+#endif
+#if LAYER_OPS
 #include <math.h>
 
 /* 16 float32 to bfloat16, rounded to nearest even (NaN kept a NaN), as PyTorch's cast rounds. */
@@ -307,7 +314,7 @@ static int64_t per_item(int64_t width) { return width >= 16384 ? 1 : 16384 / wid
 
 int batchgen_add_rms_norm(int64_t n, int64_t h, int bf16, void *x, const void *r, const void *w, float eps,
                           void *out, int threads) {
-#if defined(__AVX512F__)
+#if LAYER_OPS
     if (h % W || n < 0) return 1;
     Norm job = {n, h, per_item(h), bf16, x, r, w, eps, out};
     int64_t items = (n + job.rows_per_item - 1) / job.rows_per_item;
@@ -318,7 +325,7 @@ int batchgen_add_rms_norm(int64_t n, int64_t h, int bf16, void *x, const void *r
 }
 
 int batchgen_silu_mul(int64_t n, int64_t m, int bf16, void *g, const void *u, int threads) {
-#if defined(__AVX512F__)
+#if LAYER_OPS
     if (m % W || n < 0) return 1;
     SiluMul job = {n, m, 16384, bf16, g, u};
     int64_t items = (n * m + job.per_item - 1) / job.per_item;
@@ -330,7 +337,7 @@ int batchgen_silu_mul(int64_t n, int64_t m, int bf16, void *g, const void *u, in
 
 int batchgen_rotary(int64_t t, int64_t heads, int64_t d, int bf16, void *x, int64_t x_tok, int64_t x_head,
                     const void *cos, const void *sin, int threads) {
-#if defined(__AVX512F__)
+#if LAYER_OPS
     if (d % 2 || t < 0) return 1;
     int64_t per = per_item(heads * d);
     Rotary job = {t, heads, d, x_tok, x_head, per, bf16, x, cos, sin};
@@ -343,7 +350,7 @@ int batchgen_rotary(int64_t t, int64_t heads, int64_t d, int bf16, void *x, int6
 }
 
 int batchgen_greedy(int64_t n, int64_t v, const float *logits, int64_t *best, uint8_t *finite, int threads) {
-#if defined(__AVX512F__)
+#if LAYER_OPS
     if (n < 0 || v < 1 || v > (int64_t)1 << 30) return 1;
     Greedy job = {n, v, logits, best, finite};
     return run(greedy_item, &job, (int)n, 64, n * v >= 1 << 18 ? threads : 1);
@@ -357,7 +364,7 @@ int batchgen_store_rows(int64_t n, int64_t heads, int64_t d, int bf16, const voi
                         const void *v, int64_t v_head, int64_t v_tok, int64_t t, void *kbuf, void *vbuf,
                         int64_t slots, int64_t cap, const int64_t *tokens, const int64_t *slot, const int64_t *at,
                         int threads) {
-#if defined(__AVX512F__)
+#if LAYER_OPS
     for (int64_t i = 0; i < n; i++)
         if (slot[i] < 0 || slot[i] >= slots || at[i] < 0 || at[i] >= cap || (tokens ? tokens[i] : i) < 0 ||
             (tokens ? tokens[i] : i) >= t)
@@ -372,3 +379,5 @@ int batchgen_store_rows(int64_t n, int64_t heads, int64_t d, int bf16, const voi
            (void)threads, 1;
 #endif
 }
+
+int batchgen_layer_ops(void) { return LAYER_OPS; }

@@ -94,6 +94,7 @@ def _build(fold: int, head: int) -> ctypes.CDLL:
                     (lib.batchgen_silu_mul, [i64, i64, i32, ptr, ptr, i32]),
                     (lib.batchgen_rotary, [i64, i64, i64, i32, ptr, i64, i64, ptr, ptr, i32]),
                     (lib.batchgen_greedy, [i64, i64, ptr, ptr, ptr, i32]),
+                    (lib.batchgen_layer_ops, []),
                     (lib.batchgen_store_rows, [i64, i64, i64, i32, ptr, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64, i64,
                                                ptr, ptr, ptr, i32])):
         f.argtypes = args
@@ -267,7 +268,7 @@ def layer_ops(dtype: torch.dtype, hq: int, hkv: int, d: int, hidden: int, interm
     ``BATCHGEN_LAYER_OPS=0`` (PyTorch's ops, the reference)."""
     if os.environ.get("BATCHGEN_LAYER_OPS", "1") == "0" or hidden % 16 or intermediate % 16:
         return None
-    if not supports(dtype, hq, hkv, d, d):
+    if not supports(dtype, hq, hkv, d, d) or not _lib(hq // hkv, d).batchgen_layer_ops():
         return None
     return LayerOps(_lib(hq // hkv, d))
 
