@@ -1,5 +1,8 @@
 """The compiled attention kernels (pipeline/cpu_attention.c) against the matmul reference, and the
 engine on them against the engine on PyTorch's kernels and against plain generate."""
+import os
+import platform
+
 import pytest
 import torch
 
@@ -352,3 +355,23 @@ def test_the_summary_says_which_kernels_ran(tmp_path, model_dir, monkeypatch):
         out = tmp_path / f"out{flag}.parquet"
         run(["process", str(src), "-o", str(out), "--max-new-tokens", "3"], model_dir)
         assert json.loads((tmp_path / f"out{flag}.parquet.summary.json").read_text())["attention_kernels"] == want
+
+
+@pytest.mark.parametrize("march", ["skylake-avx512", "cascadelake", "sapphirerapids", "x86-64-v3", "x86-64-v2"])
+def test_builds_for_other_cpus(march, tmp_path):
+    """The library compiles for the x86 CPUs batchgen meets, whatever this one is: AVX-512 without
+    BF16 or AMX (Skylake-X, Cascade Lake: their build once failed, and attention fell back to
+    PyTorch's kernels there), with AMX, and without AVX-512 (entry points that refuse)."""
+    import shutil
+    import subprocess
+
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None or platform.machine() != "x86_64":
+        pytest.skip("no C compiler for x86-64 here")
+    if subprocess.run([compiler, f"-march={march}", "-x", "c", "-c", "-o", os.devnull, "-"], input=b"",
+                      capture_output=True).returncode:
+        pytest.skip(f"this compiler does not know -march={march}")
+    flags = [f if f != "-march=native" else f"-march={march}" for f in native.FLAGS]
+    done = subprocess.run([compiler, *flags, "-fopenmp", "-DBATCHGEN_G=3", "-DBATCHGEN_D=64", "-o",
+                           str(tmp_path / "lib.so"), str(native.SOURCE)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
