@@ -264,9 +264,14 @@ class LayerOps:
 
 def layer_ops(dtype: torch.dtype, hq: int, hkv: int, d: int, hidden: int, intermediate: int) -> LayerOps | None:
     """The elementwise passes for a decoder of this layout on this CPU (its attention kernels'
-    library), or None: where `supports` says no, for widths that are not multiples of 16, or with
-    ``BATCHGEN_LAYER_OPS=0`` (PyTorch's ops, the reference)."""
+    library), or None: where `supports` says no, for widths that are not multiples of 16, where
+    ATen does not run its AVX-512 kernels, or with ``BATCHGEN_LAYER_OPS=0`` (PyTorch's ops, the
+    reference)."""
     if os.environ.get("BATCHGEN_LAYER_OPS", "1") == "0" or hidden % 16 or intermediate % 16:
+        return None
+    # their bits are PyTorch's as ATen's AVX-512 build runs (its silu's vectors and one-by-one tail):
+    # where ATen runs another build (ATEN_CPU_CAPABILITY, another CPU), PyTorch's ops run instead
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
         return None
     if not supports(dtype, hq, hkv, d, d) or not _lib(hq // hkv, d).batchgen_layer_ops():
         return None
