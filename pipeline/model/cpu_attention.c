@@ -616,4 +616,4 @@ int batchgen_prefill_attention(int nseg, int hq, int hkv, int d, int bf16, const
 #endif
 }
 
-#include "cpu_layer_ops.c" /* add_rms_norm, silu_mul: the decoder's elementwise passes */
+#include "cpu_layer_ops.c" /* the decoder's norms, gate and rotary; the engine's greedy pick and KV stores */

@@ -30,13 +30,14 @@ static inline __attribute__((always_inline)) vh to_bf16(vf f) {
     vh h;
     memcpy(&h, &b, sizeof h);
     return h;
-#endif
+#else
     vu u;
     memcpy(&u, &f, sizeof u);
     vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
     vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
     vu bits = (rounded & ~nan) | ((u >> 16 | 0x40u) & nan);
     return __builtin_convertvector(bits, vh);
+#endif
 }
 
 /* Stores 16 floats at p[i] in the dtype: float32 as they are, or rounded to bfloat16. */
@@ -55,6 +56,23 @@ static inline __attribute__((always_inline)) vf narrow(vf v, int bf16) {
     vu u = __builtin_convertvector(to_bf16(v), vu) << 16;
     memcpy(&v, &u, sizeof v);
     return v;
+}
+
+#define RN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC) /* rounded, no exceptions: an op the compiler cannot fuse */
+static inline __attribute__((always_inline)) vf ldm(const void *p, int64_t i, int bf16, __mmask16 m) {
+    if (!bf16) return (vf)_mm512_maskz_loadu_ps(m, (const float *)p + i);
+    __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)p + i);
+    return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline __attribute__((always_inline)) void stm(void *p, int64_t i, vf v, int bf16, __mmask16 m) {
+    if (!bf16) {
+        _mm512_mask_storeu_ps((float *)p + i, m, (__m512)v);
+    } else {
+        vh h = to_bf16(v);
+        __m256i b;
+        memcpy(&b, &h, sizeof b);
+        _mm256_mask_storeu_epi16((uint16_t *)p + i, m, b);
+    }
 }
 
 typedef struct {
@@ -118,7 +136,7 @@ static void norm_item(const void *job, int item, void *scratch) {
                 put(x, i, v, j->bf16);
             }
             /* rounded before it is summed, as pow(2) rounds it (a product the compiler cannot fuse) */
-            __m512 vv = _mm512_mul_round_ps((__m512)v, (__m512)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            __m512 vv = _mm512_mul_round_ps((__m512)v, (__m512)v, RN);
             memcpy(sq + i, &vv, sizeof vv);
         }
         float rs = 1.0f / __builtin_sqrtf(sum_squares(sq, j->h) / (float)j->h + j->eps);
@@ -128,7 +146,7 @@ static void norm_item(const void *job, int item, void *scratch) {
 }
 
 typedef struct {
-    int64_t n, m, per_item;
+    int64_t n, m, per_item, chunk;
     int bf16;
     void *g;
     const void *u;
@@ -140,7 +158,7 @@ typedef struct {
 static inline __attribute__((always_inline)) vf sleef_exp(vf d) {
     __m512 x = (__m512)d;
     __m512i q = _mm512_cvtps_epi32(_mm512_mul_round_ps(x, _mm512_set1_ps(1.442695040888963407359924681001892137f),
-                                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                                                       RN));
     __m512 qf = _mm512_cvtepi32_ps(q);
     __m512 r = _mm512_fmadd_ps(qf, _mm512_set1_ps(-0.693145751953125f), x);
     r = _mm512_fmadd_ps(qf, _mm512_set1_ps(-1.428606765330187045e-06f), r);
@@ -151,17 +169,26 @@ static inline __attribute__((always_inline)) vf sleef_exp(vf d) {
     u = _mm512_fmadd_ps(u, r, _mm512_set1_ps(0.166666671633720397949219f));
     u = _mm512_fmadd_ps(u, r, _mm512_set1_ps(0.5f));
     u = _mm512_add_round_ps(_mm512_set1_ps(1.0f),
-                            _mm512_fmadd_ps(_mm512_mul_round_ps(r, r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), u, r),
-                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                            _mm512_fmadd_ps(_mm512_mul_round_ps(r, r, RN), u, r),
+                            RN);
     /* times 2^(q >> 1), then 2^(q - (q >> 1)): each a float32 power of two built in its exponent bits */
     __m512i h = _mm512_srai_epi32(q, 1);
     __m512 p1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(h, _mm512_set1_epi32(127)), 23));
     __m512 p2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(q, h), _mm512_set1_epi32(127)), 23));
-    u = _mm512_mul_round_ps(_mm512_mul_round_ps(u, p1, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), p2,
-                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    u = _mm512_mul_round_ps(_mm512_mul_round_ps(u, p1, RN), p2,
+                            RN);
     u = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-104.0f), _CMP_NLT_UQ), u);
     u = _mm512_mask_mov_ps(u, _mm512_cmp_ps_mask(_mm512_set1_ps(100.0f), x, _CMP_LT_OQ), _mm512_set1_ps(__builtin_inff()));
     return (vf)u;
+}
+
+/* PyTorch's loop splits the elements into its threads' chunks (`chunk` each, the last shorter) and
+ * in each takes two of its vectors (32 floats, 64 bfloat16) at a time from the chunk's start, and
+ * the elements past the last such pair one by one, with the C library's exp: where element p's
+ * chunk's tail starts. */
+static inline int64_t tail_start(int64_t p, int64_t chunk, int64_t total, int64_t pair) {
+    int64_t s = p / chunk * chunk, e = s + chunk < total ? s + chunk : total;
+    return s + (e - s) / pair * pair;
 }
 
 static void silu_item(const void *job, int item, void *scratch) {
@@ -169,26 +196,27 @@ static void silu_item(const void *job, int item, void *scratch) {
     (void)scratch;
     int64_t first = item * j->per_item, last = first + j->per_item, total = j->n * j->m;
     if (last > total) last = total;
-    /* PyTorch's loop takes two of its vectors (32 floats, 64 bfloat16) at a time and the elements
-     * past the last such pair one by one, with the C library's exp */
-    int64_t vectors = total - total % (j->bf16 ? 64 : 32), i = first;
-    for (; i < last && i < vectors; i += W) {
-        vf x = ld(j->g, i, j->bf16);
+    const int64_t pair = j->bf16 ? 64 : 32;
+    for (int64_t i = first; i < last; i += W) {
+        __mmask16 vec = 0xffff; /* the lanes PyTorch computes in its vectors */
+        if (i + W > tail_start(i, j->chunk, total, pair) || (i + W - 1) / j->chunk != i / j->chunk)
+            for (int l = 0; l < W; l++)
+                if (i + l >= tail_start(i + l, j->chunk, total, pair)) vec &= (__mmask16)~(1u << l);
+        vf x = ldm(j->g, i, j->bf16, vec);
         vf s = narrow(x / (1.0f + sleef_exp(-x)), j->bf16); /* PyTorch's x / (1 + e^-x), in float32 */
-        put(j->g, i, s * ld(j->u, i, j->bf16), j->bf16);
-    }
-    for (; i < last; i++) {
-        if (!j->bf16) {
-            float x = ((float *)j->g)[i];
-            ((float *)j->g)[i] = x / (1.0f + expf(-x)) * ((const float *)j->u)[i];
-        } else {
-            uint16_t *g = (uint16_t *)j->g + i;
-            uint32_t bits = (uint32_t)*g << 16, ub = (uint32_t)((const uint16_t *)j->u)[i] << 16;
-            float x, u;
-            memcpy(&x, &bits, 4), memcpy(&u, &ub, 4);
-            vf v = narrow(SPLAT(x / (1.0f + expf(-x))), 1) * SPLAT(u);
-            vh h = to_bf16(v);
-            *g = h[0];
+        stm(j->g, i, s * ldm(j->u, i, j->bf16, vec), j->bf16, vec);
+        for (int l = 0; l < W; l++) {
+            if (vec >> l & 1) continue;
+            if (!j->bf16) {
+                float v = ((float *)j->g)[i + l];
+                ((float *)j->g)[i + l] = v / (1.0f + expf(-v)) * ((const float *)j->u)[i + l];
+            } else {
+                uint16_t *g = (uint16_t *)j->g + i + l;
+                uint32_t bits = (uint32_t)*g << 16, ub = (uint32_t)((const uint16_t *)j->u)[i + l] << 16;
+                float v, u;
+                memcpy(&v, &bits, 4), memcpy(&u, &ub, 4);
+                *g = to_bf16(narrow(SPLAT(v / (1.0f + expf(-v))), 1) * SPLAT(u))[0];
+            }
         }
     }
 }
@@ -203,23 +231,6 @@ typedef struct {
     void *x;
     const void *cos, *sin;
 } Rotary;
-
-#define RN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-static inline __attribute__((always_inline)) vf ldm(const void *p, int64_t i, int bf16, __mmask16 m) {
-    if (!bf16) return (vf)_mm512_maskz_loadu_ps(m, (const float *)p + i);
-    __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)p + i);
-    return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-static inline __attribute__((always_inline)) void stm(void *p, int64_t i, vf v, int bf16, __mmask16 m) {
-    if (!bf16) {
-        _mm512_mask_storeu_ps((float *)p + i, m, (__m512)v);
-    } else {
-        vh h = to_bf16(v);
-        __m256i b;
-        memcpy(&b, &h, sizeof b);
-        _mm256_mask_storeu_epi16((uint16_t *)p + i, m, b);
-    }
-}
 
 static void rotary_item(const void *job, int item, void *scratch) {
     const Rotary *j = job;
@@ -244,8 +255,6 @@ static void rotary_item(const void *job, int item, void *scratch) {
         }
     }
 }
-#undef RN
-
 /* Each row's first greatest logit (PyTorch's argmax: the first index among equal maxima), and
  * whether the row is all finite (else the engine fails the row), in one pass over float32 logits
  * (n, v) contiguous. */
@@ -324,14 +333,14 @@ int batchgen_add_rms_norm(int64_t n, int64_t h, int bf16, void *x, const void *r
 #endif
 }
 
-int batchgen_silu_mul(int64_t n, int64_t m, int bf16, void *g, const void *u, int threads) {
+int batchgen_silu_mul(int64_t n, int64_t m, int bf16, void *g, const void *u, int64_t chunk, int threads) {
 #if LAYER_OPS
-    if (m % W || n < 0) return 1;
-    SiluMul job = {n, m, 16384, bf16, g, u};
+    if (m % W || n < 0 || chunk < 1) return 1;
+    SiluMul job = {n, m, 16384, chunk, bf16, g, u};
     int64_t items = (n * m + job.per_item - 1) / job.per_item;
     return run(silu_item, &job, (int)items, 64, items > 1 ? threads : 1);
 #else
-    return (void)n, (void)m, (void)bf16, (void)g, (void)u, (void)threads, 1;
+    return (void)n, (void)m, (void)bf16, (void)g, (void)u, (void)chunk, (void)threads, 1;
 #endif
 }
 

@@ -9,7 +9,8 @@ Why it exists (the measurements are in BENCHMARKS.md):
   query/key/value GEMM, rotary embeddings for queries and keys in one pass over a per-position
   table, batchgen's attention (`attention.attend`), the SiLU MLP; the linear layers run on
   weights packed once for oneDNN (`kernels.linear`); each norm, with the residual sum before it,
-  and the MLP's gate are one pass (`native.LayerOps`: PyTorch's ops to the bit) where PyTorch runs several.
+  the MLP's gate and the rotary embeddings are one pass each (`native.LayerOps`: PyTorch's ops to the
+  bit) where PyTorch runs several.
   After the last layer's attention, whose keys and values later tokens read, nothing but the
   logits is wanted: its output projection and MLP run on the kept tokens' rows alone (none while
   a shared prefix is prefilled).
@@ -87,7 +88,7 @@ class Decoder:
         self.layers = [self._layer(weights, f"model.layers.{i}.") for i in range(c.num_hidden_layers)]
         self._cos = self._sin = torch.empty(0, self.d, dtype=dtype, device=device)
         self.adapters: lora.Adapters | None = None  # `set_adapters`
-        # the norms and the MLP's gate in one pass each (None: PyTorch's ops, the reference)
+        # the norms, the MLP's gate and the rotary embeddings in one pass each (None: PyTorch's ops, the reference)
         self.ops = native.layer_ops(dtype, self.hq, self.hkv, self.d, c.hidden_size, c.intermediate_size) \
             if device.type == "cpu" else None
         if device.type == "cpu":

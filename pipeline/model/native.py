@@ -91,7 +91,7 @@ def _build(fold: int, head: int) -> ctypes.CDLL:
                     (lib.batchgen_prefill_attention, [i32] * 5 + [ptr, i64, i64] + [ptr] * 10 + [f32, ptr, i32, i32]),
                     (lib.batchgen_supports, [i32] * 5), (lib.batchgen_amx, []), (lib.batchgen_bf16_dots, [i32]),
                     (lib.batchgen_add_rms_norm, [i64, i64, i32, ptr, ptr, ptr, f32, ptr, i32]),
-                    (lib.batchgen_silu_mul, [i64, i64, i32, ptr, ptr, i32]),
+                    (lib.batchgen_silu_mul, [i64, i64, i32, ptr, ptr, i64, i32]),
                     (lib.batchgen_rotary, [i64, i64, i64, i32, ptr, i64, i64, ptr, ptr, i32]),
                     (lib.batchgen_greedy, [i64, i64, ptr, ptr, ptr, i32]),
                     (lib.batchgen_layer_ops, []),
@@ -221,10 +221,13 @@ def prefill_attention(q: torch.Tensor, hkv: int, t0: torch.Tensor, t1: torch.Ten
         torch.get_num_threads(), PREFILL[kernel])
 
 
+_GRAIN = 32768  # ATen's grain size (at::internal::GRAIN_SIZE): elementwise ops split into threads' chunks above it
+
+
 class LayerOps:
-    """The decoder's elementwise passes (`cpu_layer_ops.c`) on rows of contiguous float32 or
-    bfloat16 activations: the norm with its residual sum, and the MLP's gate. The reference is
-    PyTorch's ops (`Decoder._add_norm`, `Decoder._gate`), which run where `layer_ops` gives None."""
+    """The decoder's elementwise passes (`cpu_layer_ops.c`) on float32 or bfloat16 activations:
+    the norm with its residual sum, the MLP's gate, the rotary embeddings. The reference is
+    PyTorch's ops (`Decoder._add_norm`, `_gate`, `_rotate`), which run where `layer_ops` gives None."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
@@ -243,13 +246,15 @@ class LayerOps:
         return out
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """gate = silu(gate) * up, in place; returns gate."""
+        """gate = silu(gate) * up, in place; returns gate. PyTorch computes the last elements of
+        each of its threads' chunks one by one (`cpu_layer_ops.c`): the chunks it would make now."""
         assert gate.is_contiguous() and up.is_contiguous() and gate.shape == up.shape and gate.dtype == up.dtype
+        total, threads = gate.numel(), torch.get_num_threads()
+        tasks = 1 if total < _GRAIN or threads == 1 else min(threads, -(-total // _GRAIN))
         if self._lib.batchgen_silu_mul(gate.shape[0], gate[0].numel() if gate.shape[0] else 0, DTYPES[gate.dtype],
-                                       gate.data_ptr(), up.data_ptr(), torch.get_num_threads()):
+                                       gate.data_ptr(), up.data_ptr(), max(1, -(-total // tasks)), threads):
             raise MemoryError("batchgen's MLP kernel got no scratch memory")
         return gate
-
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """`decoder._rotate_(x, cos, sin)` in place: x (T, H, D) with its last dim contiguous,
@@ -273,9 +278,15 @@ def layer_ops(dtype: torch.dtype, hq: int, hkv: int, d: int, hidden: int, interm
     # where ATen runs another build (ATEN_CPU_CAPABILITY, another CPU), PyTorch's ops run instead
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         return None
-    if not supports(dtype, hq, hkv, d, d) or not _lib(hq // hkv, d).batchgen_layer_ops():
+    if not supports(dtype, hq, hkv, d, d):
         return None
-    return LayerOps(_lib(hq // hkv, d))
+    lib = _lib(hq // hkv, d)
+    return LayerOps(lib) if lib.batchgen_layer_ops() else None
+
+
+def _built() -> ctypes.CDLL | None:
+    """A library already built in this process (any layout's: these kernels do not depend on it)."""
+    return next((lib for lib in _libs.values() if lib is not None), None)
 
 
 def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, list[bool]] | None:
@@ -283,7 +294,7 @@ def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, list[bool]] | None:
     from float32 logits (B, V) on the CPU in one pass (`cpu_layer_ops.c`), where a library of these
     kernels is already built in this process (the decoder's, or the attention kernels'); else None,
     and the caller takes PyTorch's ops."""
-    lib = next((lib for lib in _libs.values() if lib is not None), None)
+    lib = _built()
     if lib is None or logits.dtype != torch.float32 or logits.device.type != "cpu" or not logits.is_contiguous() \
             or logits.dim() != 2 or not logits.shape[1]:
         return None
@@ -302,7 +313,7 @@ def store_rows(k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: tor
     D] contiguous, `tokens` a slice of every token or an index. False where it did not run (no
     library built in this process, another dtype or layout, an index out of range): the caller
     assigns by indexing, which says what is wrong."""
-    lib = next((lib for lib in _libs.values() if lib is not None), None)
+    lib = _built()
     every = isinstance(tokens, slice)
     if (lib is None or k.dtype not in DTYPES or not k.dtype == v.dtype == k_buf.dtype == v_buf.dtype
             or k.device.type != "cpu" or k.stride(2) != 1 or v.stride(2) != 1 or not k_buf.is_contiguous()

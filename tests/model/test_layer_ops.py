@@ -54,6 +54,23 @@ def test_silu_mul_is_pytorch_bitwise(dtype, rows, width):
 
 
 @each_dtype
+@pytest.mark.parametrize("threads", [2, 3])
+def test_silu_mul_is_pytorch_bitwise_across_threads(dtype, threads):
+    """Above ATen's grain size PyTorch splits the elements into its threads' chunks, each with its
+    own one-by-one tail: 37 x 1,040 elements make chunks that are not a multiple of its vectors."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for seed in range(4):
+            g, u = _rand(37, 1040, dtype=dtype, seed=20 + seed, scale=6.0), _rand(37, 1040, dtype=dtype, seed=30 + seed)
+            want = F.silu(g) * u
+            got = OPS.silu_mul(g.clone(), u)
+            assert torch.equal(got, want), f"{int((got != want).sum())} of {got.numel()} differ"
+    finally:
+        torch.set_num_threads(before)
+
+
+@each_dtype
 @pytest.mark.parametrize("tokens,heads,d", [(1, 1, 16), (37, 6, 16), (300, 15, 64), (5, 3, 128), (9, 2, 40)])
 def test_rotate_is_decoders_bitwise(dtype, tokens, heads, d):
     """Queries and keys as the decoder hands them over (a view of the fused QKV output, the
