@@ -617,3 +617,4 @@ int batchgen_prefill_attention(int nseg, int hq, int hkv, int d, int bf16, const
 }
 
 #include "cpu_layer_ops.c" /* the decoder's norms, gate and rotary; the engine's greedy pick and KV stores */
+#include "cpu_gemm.c"      /* the decoder's float32 linear layers */

@@ -8,7 +8,8 @@ Why it exists (the measurements are in BENCHMARKS.md):
   a decode step beside the weight matmuls and attention. Here a layer is one fused
   query/key/value GEMM, rotary embeddings for queries and keys in one pass over a per-position
   table, batchgen's attention (`attention.attend`), the SiLU MLP; the linear layers run on
-  weights packed once for oneDNN (`kernels.linear`); each norm, with the residual sum before it,
+  weights packed once, in float32 for batchgen's GEMM (`native.Gemm`, on AVX-512 CPUs: faster at
+  decode's row counts), else for oneDNN (`kernels.linear`); each norm, with the residual sum before it,
   the MLP's gate and the rotary embeddings are one pass each (`native.LayerOps`: PyTorch's ops to the
   bit) where PyTorch runs several.
   After the last layer's attention, whose keys and values later tokens read, nothing but the
@@ -84,7 +85,10 @@ class Decoder:
         self.embed = weights.pop("model.embed_tokens.weight")  # (V, H)
         self.norm = weights.pop("model.norm.weight")
         head = self.embed if c.tie_word_embeddings else weights.pop("lm_head.weight")
-        self.lm_head = kernels.linear(head)
+        # float32 on an AVX-512 CPU: batchgen's GEMM (`native.Gemm`), else oneDNN's on packed weights
+        gemm = native.gemm(dtype, self.hq, self.hkv, self.d) if device.type == "cpu" else None
+        self.linear: Callable[..., Linear] = gemm.linear if gemm is not None else kernels.linear
+        self.lm_head = self.linear(head)
         self.layers = [self._layer(weights, f"model.layers.{i}.") for i in range(c.num_hidden_layers)]
         self._cos = self._sin = torch.empty(0, self.d, dtype=dtype, device=device)
         self.adapters: lora.Adapters | None = None  # `set_adapters`
@@ -94,12 +98,11 @@ class Decoder:
         if device.type == "cpu":
             kernels.keep_freed_memory()  # activations reuse memory instead of faulting in fresh pages
 
-    @staticmethod
-    def _layer(weights: dict[str, torch.Tensor], p: str) -> Layer:
+    def _layer(self, weights: dict[str, torch.Tensor], p: str) -> Layer:
         """Layer `p` out of the checkpoint's tensors (taken from `weights`, so each goes once used)."""
         def proj(part: str, *names: str) -> Linear:
             return _fused([weights.pop(f"{p}{part}.{x}_proj.weight") for x in names],
-                          [weights.pop(f"{p}{part}.{x}_proj.bias", None) for x in names])
+                          [weights.pop(f"{p}{part}.{x}_proj.bias", None) for x in names], self.linear)
 
         return Layer(input_norm=weights.pop(p + "input_layernorm.weight"), qkv=proj("self_attn", "q", "k", "v"),
                      o=proj("self_attn", "o"), post_norm=weights.pop(p + "post_attention_layernorm.weight"),
@@ -227,11 +230,12 @@ def _rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     x.mul_(cos).add_(turned)
 
 
-def _fused(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> Linear:
-    """Linear layers that read the same input as one GEMM (their weights stacked by output). The
-    weights may be views of the checkpoint's memory map: what is kept is always a copy."""
+def _fused(weights: list[torch.Tensor], biases: list[torch.Tensor | None], linear: Callable[..., Linear]) -> Linear:
+    """Linear layers that read the same input as one GEMM (their weights stacked by output), made by
+    `linear(weight, bias)`. The weights may be views of the checkpoint's memory map: what is kept
+    is always a copy (both packers copy)."""
     w = torch.cat(weights) if len(weights) > 1 else weights[0]
-    if w is weights[0] and not kernels.packs(w.device, w.dtype):
+    if w is weights[0] and linear is kernels.linear and not kernels.packs(w.device, w.dtype):
         w = w.clone()
     b = None
     if any(b is not None for b in biases):

@@ -227,8 +227,9 @@ def packs(device: torch.device, dtype: torch.dtype) -> bool:
 
 def linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
     """A linear layer's forward for batchgen's own decoder (`pipeline.model.decoder`), which owns its
-    weights: on a CPU in float32 or bfloat16, oneDNN on the weight packed once (where the probe
-    passes); elsewhere `F.linear`."""
+    weights, where batchgen's own GEMM does not serve it (`native.gemm`: float32 on AVX-512): on a
+    CPU in float32 or bfloat16, oneDNN on the weight packed once (where the probe passes);
+    elsewhere `F.linear`."""
     if packs(weight.device, weight.dtype):
         return _packed_linear(_pack(weight), bias)
     return lambda x: F.linear(x, weight, bias)

@@ -1,6 +1,7 @@
 """batchgen's compiled attention kernels for CPUs (`cpu_attention.c`, which includes `cpu_anchors.c`):
 decode tokens and runs of prefill tokens, each against its anchor and its own keys in one pass;
-and the decoder's norms and MLP gate in one pass each (`LayerOps`, `cpu_layer_ops.c`).
+the decoder's norms and MLP gate in one pass each (`LayerOps`, `cpu_layer_ops.c`); and its float32
+linear layers (`Gemm`, `cpu_gemm.c`).
 
 Built on first use with the machine's C compiler (`$CC`, else `cc`), one small library per head
 layout (query heads per key head, head size: a model has one), into batchgen's cache, keyed by
@@ -35,7 +36,7 @@ from pipeline.model.files import cache_dir
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 # #included by SOURCE: part of the cache key too
 INCLUDED = [Path(__file__).with_name(n) for n in ("cpu_anchors.c", "cpu_bf16.c", "cpu_amx_prefill.c",
-                                                                  "cpu_layer_ops.c")]
+                                                                  "cpu_layer_ops.c", "cpu_gemm.c")]
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-pthread"]
 # -fopenmp: the kernel's threads are torch's (the loader shares the libgomp.so.1 torch has loaded),
 # which still spin after torch's last op; new pthreads would fight them for the cores (slower:
@@ -96,7 +97,9 @@ def _build(fold: int, head: int) -> ctypes.CDLL:
                     (lib.batchgen_greedy, [i64, i64, ptr, ptr, ptr, i32]),
                     (lib.batchgen_layer_ops, []),
                     (lib.batchgen_store_rows, [i64, i64, i64, i32, ptr, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64, i64,
-                                               ptr, ptr, ptr, i32])):
+                                               ptr, ptr, ptr, i32]),
+                    (lib.batchgen_gemm_ok, []), (lib.batchgen_gemm_pack, [i64, i64, ptr, i64, ptr, i32]),
+                    (lib.batchgen_gemm, [i64, i64, i64, ptr, i64, ptr, ptr, ptr, i32])):
         f.argtypes = args
         f.restype = i32
     return lib
@@ -330,3 +333,47 @@ def store_rows(k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: tor
         slots.numel(), heads, d, DTYPES[k.dtype], k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
         v.stride(1), t, k_buf.data_ptr(), v_buf.data_ptr(), k_buf.shape[0], k_buf.shape[2],
         None if every else tokens.data_ptr(), slots.data_ptr(), at.data_ptr(), torch.get_num_threads())
+
+
+GEMM_PANEL = 48  # outputs per panel of a weight packed for `cpu_gemm.c`
+
+
+class Gemm:
+    """The decoder's float32 linear layers on `cpu_gemm.c`: `linear(weight, bias)` packs the weight
+    once (a copy: the checkpoint's memory is not kept) and returns the layer's forward."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+
+    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        assert weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
+        n, k = weight.shape
+        w = weight if weight.stride(1) == 1 else weight.contiguous()
+        packed = torch.empty(-(-n // GEMM_PANEL) * GEMM_PANEL * k, dtype=torch.float32)
+        self._lib.batchgen_gemm_pack(n, k, w.data_ptr(), w.stride(0), packed.data_ptr(), torch.get_num_threads())
+        b = bias.to(torch.float32).contiguous() if bias is not None else None
+        lib = self._lib
+
+        def forward(x: torch.Tensor) -> torch.Tensor:  # (..., K) -> (..., N)
+            assert x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[-1] == k
+            rows = x.reshape(-1, k)
+            if rows.stride(1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < k):
+                rows = rows.contiguous()
+            y = torch.empty(rows.shape[0], n, dtype=torch.float32)
+            if lib.batchgen_gemm(rows.shape[0], n, k, rows.data_ptr(), rows.stride(0), packed.data_ptr(),
+                                 None if b is None else b.data_ptr(), y.data_ptr(), torch.get_num_threads()):
+                raise MemoryError("batchgen's linear kernel got no scratch memory")
+            return y.view(*x.shape[:-1], n)
+
+        forward.packed = packed  # (what the layer holds: for the tests and memory accounting)
+        return forward
+
+
+def gemm(dtype: torch.dtype, hq: int, hkv: int, d: int) -> Gemm | None:
+    """The float32 linear layers' kernel for a decoder of this layout on this CPU (its attention
+    kernels' library), or None: another dtype (bfloat16 stays on oneDNN's AMX kernels), a layout
+    `supports` refuses, no AVX-512, or ``BATCHGEN_GEMM=0`` (oneDNN's, `kernels.linear`)."""
+    if dtype != torch.float32 or os.environ.get("BATCHGEN_GEMM", "1") == "0" or not supports(dtype, hq, hkv, d, d):
+        return None
+    lib = _lib(hq // hkv, d)
+    return Gemm(lib) if lib.batchgen_gemm_ok() else None

@@ -1,0 +1,128 @@
+"""batchgen's float32 GEMM (`pipeline/model/cpu_gemm.c`) against oneDNN's on packed weights.
+
+Two parts, both in one process:
+- the layers alone: a stack of the embedded default model's float32 layer shapes (SmolLM2-135M:
+  q/k/v 576 -> 960, o 576 -> 576, gate and up 576 -> 3,072 as one, down 1,536 -> 576), enough of
+  them that the weights stream from memory as in a forward, at each row count from a decode
+  step's to a prefill's; the two kernels alternate call by call, and the ratio is taken per round
+  (this VM drifts by tens of percent within minutes);
+- the engine: a `bench/corpus.py` workload through `Engine.generate` on two decoders of the default
+  model, one on each kernel (`BATCHGEN_GEMM=0` loads oneDNN's), in alternating turns, wall time
+  per run, and whether the greedy outputs agree.
+
+    python -m bench.bench_gemm --threads 2 --workload long_document --turns 4
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+HIDDEN, INTER = 576, 1536
+SHAPES = [(HIDDEN, 960), (HIDDEN, HIDDEN), (HIDDEN, 2 * INTER), (INTER, HIDDEN)]  # (k, n)
+
+
+def layers_alone(rows_list: list[int], layers: int, rounds: int) -> None:
+    from pipeline.model import kernels, native
+
+    gemm = native.gemm(torch.float32, 9, 3, 64)
+    if gemm is None:
+        raise SystemExit(f"no GEMM here: {native.why_not(torch.float32, 9, 3, 64, 64)}")
+    kernels.keep_freed_memory()  # as the decoder runs: outputs reuse memory
+    weights = [[torch.randn(n, k) * 0.02 for k, n in SHAPES] for _ in range(layers)]
+    ours = [[gemm.linear(w) for w in layer] for layer in weights]
+    theirs = [[kernels.linear(w) for w in layer] for layer in weights]
+    print(f"the layers alone: {layers} layers of SmolLM2-135M's shapes ({4 * sum(k * n for k, n in SHAPES) * layers / 1e6:.0f}"
+          f" MB of weights), {torch.get_num_threads()} threads, {rounds} rounds, GFLOP/s (medians) and"
+          f" oneDNN's time / batchgen's per round:")
+    print("| rows | batchgen GFLOP/s | oneDNN GFLOP/s | faster by (median of rounds) |")
+    print("|---:|---:|---:|---:|")
+    for m in rows_list:
+        x, xi = torch.randn(m, HIDDEN), torch.randn(m, INTER)
+
+        def run(stack):
+            for layer in stack:
+                for (k, _), f in zip(SHAPES, layer):
+                    f(xi if k == INTER else x)
+
+        flops = 2 * m * layers * sum(k * n for k, n in SHAPES)
+        run(ours), run(theirs)
+        a, b = [], []
+        for _ in range(rounds):
+            t = time.perf_counter()
+            run(ours)
+            a.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            run(theirs)
+            b.append(time.perf_counter() - t)
+        ratio = statistics.median(y / x for x, y in zip(a, b))
+        print(f"| {m} | {flops / statistics.median(a) / 1e9:.0f} | {flops / statistics.median(b) / 1e9:.0f} | "
+              f"{ratio:.2f}x |")
+
+
+def engine_turns(turns: int, jobs: int, workload: str) -> None:
+    from transformers import AutoTokenizer
+
+    from bench import corpus
+    from pipeline.engine.engine import Engine
+    from pipeline.engine.types import Request, SamplingParams
+    from pipeline.model import kernels
+    from pipeline.model.decoder import Decoder
+    from pipeline.model.load import load_model
+
+    ours, source = load_model(None, "cpu", "float32")
+    os.environ["BATCHGEN_GEMM"] = "0"
+    try:
+        theirs, _ = load_model(None, "cpu", "float32")
+    finally:
+        del os.environ["BATCHGEN_GEMM"]
+    if not isinstance(ours, Decoder) or ours.linear is kernels.linear or theirs.linear is not kernels.linear:
+        raise SystemExit("the default model is not on batchgen's decoder with its GEMM here")
+    tok = AutoTokenizer.from_pretrained(source)
+    rows = corpus.WORKLOADS[workload]()[:jobs]
+    reqs = [Request(i, tok(r["prompt"]).input_ids, SamplingParams(max_new_tokens=r["max_new_tokens"], n=r.get("n", 1)))
+            for i, r in enumerate(rows)]
+    models = {"batchgen GEMM": ours, "oneDNN": theirs}
+    runs: dict[str, list[float]] = {name: [] for name in models}
+    outs = {}
+    for model in models.values():  # warm-up
+        Engine.for_model(model, [tok.eos_token_id]).generate(reqs[:2])
+    for turn in range(turns):
+        for name in (list(models) if turn % 2 == 0 else list(models)[::-1]):
+            t = time.perf_counter()
+            done = Engine.for_model(models[name], [tok.eos_token_id]).generate(reqs)
+            runs[name].append(time.perf_counter() - t)
+            outs[name] = [c.token_ids for c in sorted(done, key=lambda c: (c.key, c.sample_index))]
+    ratios = [b / a for a, b in zip(runs["batchgen GEMM"], runs["oneDNN"])]
+    same = sum(a == b for a, b in zip(*outs.values()))
+    print(f"the engine, {workload} ({len(reqs)} jobs), float32, {torch.get_num_threads()} threads, {turns} turns:")
+    for name, times in runs.items():
+        print(f"  {name:14s} s: {' '.join(f'{x:.2f}' for x in times)}")
+    print(f"  faster by, per turn: {' '.join(f'{r:.2f}' for r in ratios)}; median {statistics.median(ratios):.2f}x")
+    print(f"  greedy outputs equal: {same}/{len(outs['oneDNN'])}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rows", default="1,8,32,64,128,256,512,2048", help="row counts for the layers alone")
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--jobs", type=int, default=64)
+    p.add_argument("--workload", default="long_document")
+    p.add_argument("--skip-engine", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    os.system("lscpu | grep -E 'Model name|CPU family|^Model:'")
+    layers_alone([int(r) for r in args.rows.split(",")], args.layers, args.rounds)
+    if not args.skip_engine:
+        engine_turns(args.turns, args.jobs, args.workload)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

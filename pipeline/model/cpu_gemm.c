@@ -1,0 +1,174 @@
+/* The decoder's float32 linear layers: y[m][n] = sum_k x[m][k] w[n][k] (+ b[n]).
+ *
+ * Why a kernel of our own: at decode's row counts (8-128 rows a step) oneDNN's float32 GEMM ran at
+ * 105-175 GFLOP/s on the Xeon measured, against about 220 at thousands of rows: a step's weights
+ * stream from memory once, and its kernel waits for them. Here each thread walks its weight panels
+ * in order and, while one panel's tiles run, prefetches the next panel into L2 (a few lines per
+ * k step), so the stream overlaps the FMAs (BENCHMARKS.md, "float32 linear layers").
+ *
+ * Layout: the weight is packed once (`batchgen_gemm_pack`) into panels of 48 outputs,
+ * [ceil(n / 48)][k][48], zero past n. A tile is 8 rows x 48 outputs in 24 AVX-512 accumulators:
+ * per k, 3 loads of the panel, 8 broadcasts of x, 24 FMAs. Rows are taken in blocks (whose x stays in
+ * L2 while every panel passes), blocks x panels shared out in order among the threads.
+ *
+ * Each output is a sum of blocks of 128 k steps (each one FMA chain, in order), the blocks added in
+ * order, then + bias, whatever the row count, the tiling or the threads: a row's outputs do not
+ * depend on the batch it runs in. (One chain over all of k lost up to 2x oneDNN's accuracy at
+ * k = 1,536; in blocks it is as accurate as `F.linear`.)
+ * Included by cpu_attention.c after `run` (not built alone); AVX-512 only, elsewhere the entry
+ * points refuse and `batchgen_gemm_ok` says 0. */
+#if defined(__AVX512F__)
+#define GEMM_NR 48 /* outputs of a panel: 3 vectors */
+#define GEMM_MR 8  /* rows of a tile */
+#define GEMM_KB 128 /* k steps summed in registers, then added to the output's partial sum */
+
+typedef struct {
+    const float *x, *p, *bias;
+    float *y;
+    int64_t m, n, k, ldx, rows; /* rows: of a block */
+    int threads;
+} Gemm;
+
+/* A tile's k steps [k0, k1) added to its partial sums in y (k0 = 0: they start them), + bias after
+ * the last; prefetching `npf` lines from `pf` meanwhile. */
+static inline __attribute__((always_inline)) void gemm_tile(const float *x, int64_t ldx, const float *bp, int64_t k0,
+                                                            int64_t k1, int last, float *y, int64_t ldy,
+                                                            const float *bias, int mr, int64_t cols, const char *pf,
+                                                            int64_t npf) {
+    /* registers: 24 accumulators, 3 of the panel, 1 of x; the bias and the masks only at the stores */
+    int64_t per = k1 > k0 ? (npf + (k1 - k0) - 1) / (k1 - k0) : 0; /* lines to prefetch per k step */
+    const char *pe = pf + 64 * npf;
+    __m512 c[GEMM_MR][3];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < 3; j++) c[i][j] = _mm512_setzero_ps();
+    for (int64_t kk = k0; kk < k1; kk++) {
+        const float *b = bp + kk * GEMM_NR;
+        __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16), b2 = _mm512_loadu_ps(b + 32);
+        for (int64_t r = 0; r < per && pf < pe; r++, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
+#pragma GCC unroll 8
+        for (int i = 0; i < mr; i++) {
+            __m512 a = _mm512_set1_ps(x[i * ldx + kk]);
+            c[i][0] = _mm512_fmadd_ps(a, b0, c[i][0]);
+            c[i][1] = _mm512_fmadd_ps(a, b1, c[i][1]);
+            c[i][2] = _mm512_fmadd_ps(a, b2, c[i][2]);
+        }
+    }
+    for (int j = 0; j < 3; j++) {
+        int64_t left = cols - 16 * j;
+        __mmask16 mask = left >= 16 ? (__mmask16)0xffff : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+        __m512 add = last && bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();
+        for (int i = 0; i < mr; i++) {
+            float *at = y + i * ldy + 16 * j;
+            __m512 v = k0 ? _mm512_add_ps(_mm512_maskz_loadu_ps(mask, at), c[i][j]) : c[i][j];
+            if (last && bias) v = _mm512_add_ps(v, add);
+            _mm512_mask_storeu_ps(at, mask, v);
+        }
+    }
+}
+
+/* The rows [i0, i1) (at most one block) against panel pj, a block of k steps at a time across all
+ * the tiles (that block of the panel stays in L1); prefetching `npf` lines at `pf` meanwhile. */
+static void gemm_block(const Gemm *g, int64_t i0, int64_t i1, int64_t pj, const char *pf, int64_t npf) {
+    const float *bp = g->p + pj * GEMM_NR * g->k;
+    int64_t cols = g->n - pj * GEMM_NR < GEMM_NR ? g->n - pj * GEMM_NR : GEMM_NR;
+    const float *bias = g->bias ? g->bias + pj * GEMM_NR : NULL;
+    int64_t k = g->k, tiles = (i1 - i0 + GEMM_MR - 1) / GEMM_MR, blocks = k ? (k + GEMM_KB - 1) / GEMM_KB : 1;
+    int64_t share = (npf + tiles * blocks - 1) / (tiles * blocks), from = 0;
+    for (int64_t k0 = 0; k0 < k || k0 == 0; k0 += GEMM_KB) { /* (k = 0: one block, of zeros) */
+        int64_t k1 = k0 + GEMM_KB < k ? k0 + GEMM_KB : k;
+        int last = k1 >= k;
+        for (int64_t i = i0; i < i1; i += GEMM_MR, from += share) {
+            const float *x = g->x + i * g->ldx;
+            float *y = g->y + i * g->n + pj * GEMM_NR;
+            int64_t mine = from >= npf ? 0 : npf - from < share ? npf - from : share;
+            const char *at = mine ? pf + 64 * from : pf;
+            switch (i1 - i < GEMM_MR ? (int)(i1 - i) : GEMM_MR) { /* each row count its own unrolled tile */
+            case 1: gemm_tile(x, g->ldx, bp, k0, k1, last, y, g->n, bias, 1, cols, at, mine); break;
+            case 2: gemm_tile(x, g->ldx, bp, k0, k1, last, y, g->n, bias, 2, cols, at, mine); break;
+            case 3: gemm_tile(x, g->ldx, bp, k0, k1, last, y, g->n, bias, 3, cols, at, mine); break;
+            case 4: gemm_tile(x, g->ldx, bp, k0, k1, last, y, g->n, bias, 4, cols, at, mine); break;
+            case 5: gemm_tile(x, g->ldx, bp, k0, k1, last, y, g->n, bias, 5, cols, at, mine); break;
+            case 6: gemm_tile(x, g->ldx, bp, k0, k1, last, y, g->n, bias, 6, cols, at, mine); break;
+            case 7: gemm_tile(x, g->ldx, bp, k0, k1, last, y, g->n, bias, 7, cols, at, mine); break;
+            default: gemm_tile(x, g->ldx, bp, k0, k1, last, y, g->n, bias, 8, cols, at, mine); break;
+            }
+        }
+    }
+}
+
+/* Thread w's share: a contiguous range of (block, panel) items in block-major order, so that it
+ * walks panels in order and the next one it needs is the one it prefetches. */
+static void gemm_item(const void *arg, int w, void *scratch) {
+    (void)scratch;
+    const Gemm *g = arg;
+    int64_t panels = (g->n + GEMM_NR - 1) / GEMM_NR, blocks = (g->m + g->rows - 1) / g->rows;
+    int64_t items = panels * blocks, a = items * w / g->threads, b = items * (w + 1) / g->threads;
+    int64_t lines = GEMM_NR * g->k * (int64_t)sizeof(float) / 64;
+    for (int64_t it = a; it < b; it++) {
+        int64_t blk = it / panels, pj = it % panels, next = (it + 1) % panels;
+        int64_t i0 = blk * g->rows, i1 = i0 + g->rows < g->m ? i0 + g->rows : g->m;
+        const char *pf = it + 1 < b ? (const char *)(g->p + next * GEMM_NR * g->k) : NULL;
+        gemm_block(g, i0, i1, pj, pf, pf ? lines : 0);
+    }
+}
+#endif
+
+/* Whether this build has the kernel (AVX-512). */
+int batchgen_gemm_ok(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512F__)
+typedef struct {
+    const float *w;
+    float *p;
+    int64_t n, k, ldw;
+    int threads;
+} GemmPack;
+
+static void gemm_pack_item(const void *arg, int w, void *scratch) {
+    (void)scratch;
+    const GemmPack *a = arg;
+    int64_t panels = (a->n + GEMM_NR - 1) / GEMM_NR, k = a->k;
+    for (int64_t pj = panels * w / a->threads; pj < panels * (w + 1) / a->threads; pj++) {
+        float *panel = a->p + pj * GEMM_NR * k;
+        for (int64_t j = 0; j < GEMM_NR; j++) { /* w's rows read in order; the panel written 48 apart */
+            int64_t row = pj * GEMM_NR + j;
+            for (int64_t kk = 0; kk < k; kk++) panel[kk * GEMM_NR + j] = row < a->n ? a->w[row * a->ldw + kk] : 0.0f;
+        }
+    }
+}
+#endif
+
+/* w [n][k] (rows ldw apart) into p: ceil(n / 48) * 48 * k floats, as the kernel reads them. */
+int batchgen_gemm_pack(int64_t n, int64_t k, const float *w, int64_t ldw, float *p, int threads) {
+#if defined(__AVX512F__)
+    int64_t panels = (n + GEMM_NR - 1) / GEMM_NR;
+    threads = threads < 1 ? 1 : (int64_t)threads > panels ? (int)(panels ? panels : 1) : threads;
+    GemmPack a = {w, p, n, k, ldw, threads};
+    return run(gemm_pack_item, &a, threads, 64, threads);
+#else
+    return (void)n, (void)k, (void)w, (void)ldw, (void)p, (void)threads, 1;
+#endif
+}
+
+/* y [m][n] (contiguous) = x [m][k] (rows ldx apart) times the packed weight, + bias [n] (or none). */
+int batchgen_gemm(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx, const float *p, const float *bias,
+                  float *y, int threads) {
+#if defined(__AVX512F__)
+    if (m <= 0 || n <= 0) return 0;
+    /* a block's x within ~512 KB of L2 (rows of k floats), in whole tiles, at most 128 rows */
+    int64_t rows = 512 * 1024 / (4 * (k ? k : 1)) / GEMM_MR * GEMM_MR;
+    rows = rows < GEMM_MR ? GEMM_MR : rows > 128 ? 128 : rows;
+    int64_t items = ((n + GEMM_NR - 1) / GEMM_NR) * ((m + rows - 1) / rows);
+    threads = threads < 1 ? 1 : (int64_t)threads > items ? (int)items : threads;
+    Gemm g = {x, p, bias, y, m, n, k, ldx, rows, threads};
+    return run(gemm_item, &g, threads, 64, threads);
+#else
+    return (void)m, (void)n, (void)k, (void)x, (void)ldx, (void)p, (void)bias, (void)y, (void)threads, 1;
+#endif
+}

@@ -1,0 +1,90 @@
+"""The decoder's float32 linear layers on batchgen's GEMM (pipeline/model/cpu_gemm.c): against a
+float64 product (at least as close as `F.linear`), the same bits for a row whatever batch and
+threads it runs with, every tail of rows, outputs and k blocks, the bias; then the decoder's
+logits and greedy tokens against oneDNN's layers (`BATCHGEN_GEMM=0`)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeline.model import native
+from pipeline.model.kv import PrefixKV
+from pipeline.model.step import Segment, build
+from tests.helpers.tiny_models import make_decoder
+
+GEMM = native.gemm(torch.float32, 4, 2, 16)
+pytestmark = pytest.mark.skipif(GEMM is None, reason=f"no native GEMM here: {native.why_not(torch.float32, 4, 2, 16, 16)}")
+
+
+def _rand(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+# rows: 1 and 7 (one short tile), 8, 9, 65 and 130 (a tile and some rows), 300 (blocks of rows);
+# outputs: panels of 48 and tails of 1, 47, 2; k: 1, within one block of 128 steps, 129, several
+@pytest.mark.parametrize("m,n,k", [(1, 5, 3), (7, 49, 17), (8, 48, 128), (9, 97, 129), (65, 200, 576),
+                                   (130, 95, 1536), (300, 1000, 100), (3, 4096, 1), (0, 10, 5)])
+@pytest.mark.parametrize("bias", [False, True], ids=["plain", "bias"])
+def test_linear_matches_float64(m, n, k, bias):
+    w, x = _rand(n, k, seed=1), _rand(m, k, seed=2)
+    b = _rand(n, seed=3) if bias else None
+    got = GEMM.linear(w, b)(x)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    ref = x.double() @ w.double().T + (b.double() if bias else 0)
+    if m:
+        err = (got.double() - ref).abs().max().item()
+        theirs = (F.linear(x, w, b).double() - ref).abs().max().item()
+        assert err <= 2 * theirs + 1e-6, (err, theirs)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_rows_bits_do_not_depend_on_its_batch_or_threads(threads):
+    """Each output is the same sum in the same order however many rows run with it and however
+    the work is shared out: a row alone, in a tile's tail, or in a block of 300 gives one result."""
+    w, x, b = _rand(200, 700, seed=4), _rand(300, 700, seed=5), _rand(200, seed=6)
+    layer = GEMM.linear(w, b)
+    was = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = layer(x)
+        torch.set_num_threads(threads)
+        assert torch.equal(layer(x), want)
+        for lo, hi in [(0, 1), (5, 12), (299, 300), (128, 300), (0, 64)]:
+            assert torch.equal(layer(x[lo:hi]), want[lo:hi])
+    finally:
+        torch.set_num_threads(was)
+
+
+def test_inputs_of_any_layout():
+    w = _rand(96, 64, seed=7)
+    layer = GEMM.linear(w.t().contiguous().t())  # a weight with its rows strided
+    x = _rand(2, 5, 128, seed=8)[..., ::2]  # (2, 5, 64), strided rows
+    got = layer(x)
+    assert got.shape == (2, 5, 96)
+    assert torch.equal(got, GEMM.linear(w)(x.contiguous()))
+    assert torch.allclose(got, F.linear(x, w), atol=1e-5)
+
+
+def test_refused_where_it_does_not_serve(monkeypatch):
+    assert native.gemm(torch.bfloat16, 4, 2, 16) is None  # bfloat16 stays on oneDNN's AMX kernels
+    monkeypatch.setenv("BATCHGEN_GEMM", "0")
+    assert native.gemm(torch.float32, 4, 2, 16) is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: biases on q, k and v
+def test_decoder_on_it_agrees_with_onednn(arch, tmp_path, monkeypatch):
+    """A 40-token prefill: every position's logits close to the decoder's on oneDNN's layers, the
+    same greedy tokens."""
+    _, dec = make_decoder(arch, tmp_path)
+    monkeypatch.setenv("BATCHGEN_GEMM", "0")
+    _, ref = make_decoder(arch, tmp_path / "ref")
+    assert dec.linear is not ref.linear
+    ids = torch.randint(3, 250, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    logits = []
+    for model in (dec, ref):
+        kv = PrefixKV(model.layer_shapes(), len(ids), torch.float32, torch.device("cpu"))
+        step = build([], [], [(Segment(0, 0, kv.k, kv.v, 0, 0, 0), ids)], None, torch.device("cpu"))
+        with torch.inference_mode():
+            logits.append(model.forward(step, torch.arange(len(ids))))
+    ours, theirs = logits
+    assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4), (ours - theirs).abs().max()
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
