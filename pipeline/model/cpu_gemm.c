@@ -9,7 +9,7 @@
  * Layout: the weight is packed once (`batchgen_gemm_pack`) into panels of 48 outputs,
  * [ceil(n / 48)][k][48], zero past n. A tile is 8 rows x 48 outputs in 24 AVX-512 accumulators:
  * per k, 3 loads of the panel, 8 broadcasts of x, 24 FMAs. Rows are taken in blocks (whose x stays in
- * L2 while every panel passes), blocks x panels shared out in order among the threads.
+ * L2 while every panel passes), each thread taking its own range of panels in every block.
  *
  * Each output is a sum of blocks of 128 k steps (each one FMA chain, in order), the blocks added in
  * order, then + bias, whatever the row count, the tiling or the threads: a row's outputs do not
@@ -96,19 +96,22 @@ static void gemm_block(const Gemm *g, int64_t i0, int64_t i1, int64_t pj, const 
     }
 }
 
-/* Thread w's share: a contiguous range of (block, panel) items in block-major order, so that it
- * walks panels in order and the next one it needs is the one it prefetches. */
+/* Thread w's share: its own range of panels in every block of rows, blocks in order. In a block
+ * the threads read one x (which stays in L2) against disjoint panels; each thread walks its panels
+ * in order, and the next one it needs is the one it prefetches. */
 static void gemm_item(const void *arg, int w, void *scratch) {
     (void)scratch;
     const Gemm *g = arg;
     int64_t panels = (g->n + GEMM_NR - 1) / GEMM_NR, blocks = (g->m + g->rows - 1) / g->rows;
-    int64_t items = panels * blocks, a = items * w / g->threads, b = items * (w + 1) / g->threads;
+    int64_t a = panels * w / g->threads, b = panels * (w + 1) / g->threads;
     int64_t lines = GEMM_NR * g->k * (int64_t)sizeof(float) / 64;
-    for (int64_t it = a; it < b; it++) {
-        int64_t blk = it / panels, pj = it % panels, next = (it + 1) % panels;
+    for (int64_t blk = 0; blk < blocks; blk++) {
         int64_t i0 = blk * g->rows, i1 = i0 + g->rows < g->m ? i0 + g->rows : g->m;
-        const char *pf = it + 1 < b ? (const char *)(g->p + next * GEMM_NR * g->k) : NULL;
-        gemm_block(g, i0, i1, pj, pf, pf ? lines : 0);
+        for (int64_t pj = a; pj < b; pj++) {
+            int64_t next = pj + 1 < b ? pj + 1 : a; /* (then the next block's first) */
+            const char *pf = pj + 1 < b || blk + 1 < blocks ? (const char *)(g->p + next * GEMM_NR * g->k) : NULL;
+            gemm_block(g, i0, i1, pj, pf, pf ? lines : 0);
+        }
     }
 }
 #endif
@@ -164,8 +167,8 @@ int batchgen_gemm(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx, 
     /* a block's x within ~512 KB of L2 (rows of k floats), in whole tiles, at most 128 rows */
     int64_t rows = 512 * 1024 / (4 * (k ? k : 1)) / GEMM_MR * GEMM_MR;
     rows = rows < GEMM_MR ? GEMM_MR : rows > 128 ? 128 : rows;
-    int64_t items = ((n + GEMM_NR - 1) / GEMM_NR) * ((m + rows - 1) / rows);
-    threads = threads < 1 ? 1 : (int64_t)threads > items ? (int)items : threads;
+    int64_t panels = (n + GEMM_NR - 1) / GEMM_NR;
+    threads = threads < 1 ? 1 : (int64_t)threads > panels ? (int)panels : threads;
     Gemm g = {x, p, bias, y, m, n, k, ldx, rows, threads};
     return run(gemm_item, &g, threads, 64, threads);
 #else
