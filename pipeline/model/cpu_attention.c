@@ -195,17 +195,27 @@ static void tile_keys(Tile *t, const char *keys, const char *values, int64_t len
         const float *k = rows_f32(keys, j0, n, bf16, t->tmp);
         vf s[W];
         for (int j = 0; j < W; j++) s[j] = SPLAT(0.0f);
-        for (int i = 0; i < D; i++) {
-            vf qi = ld(t->qt, i * W, 0);
-            for (int j = 0; j < W; j++) s[j] += qi * k[(j < n ? j : 0) * D + i];
-        }
+        if (n == W) /* a whole block (all but a head's last): no key index to clamp, loops of fixed trips */
+            for (int i = 0; i < D; i++) {
+                vf qi = ld(t->qt, i * W, 0);
+                for (int j = 0; j < W; j++) s[j] += qi * k[j * D + i];
+            }
+        else
+            for (int i = 0; i < D; i++) {
+                vf qi = ld(t->qt, i * W, 0);
+                for (int j = 0; j < W; j++) s[j] += qi * k[(j < n ? j : 0) * D + i];
+            }
         vf rescale = fold_scores(s, n, causal, j0, first, t->pos, &t->m, &t->sum);
         const float *v = rows_f32(values, j0, n, bf16, t->tmp);
         for (int c = 0; c < D / W; c++) { /* ot [16 dims][16 lanes] += values^T x weights */
             vf o[W];
             for (int i = 0; i < W; i++) o[i] = ld(t->ot, (W * c + i) * W, 0) * rescale;
-            for (int j = 0; j < n; j++)
-                for (int i = 0; i < W; i++) o[i] += s[j] * v[j * D + W * c + i];
+            if (n == W)
+                for (int j = 0; j < W; j++)
+                    for (int i = 0; i < W; i++) o[i] += s[j] * v[j * D + W * c + i];
+            else
+                for (int j = 0; j < n; j++)
+                    for (int i = 0; i < W; i++) o[i] += s[j] * v[j * D + W * c + i];
             for (int i = 0; i < W; i++) st(t->ot + (W * c + i) * W, o[i]);
         }
     }
