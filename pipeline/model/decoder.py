@@ -240,7 +240,7 @@ def _fused(weights: list[torch.Tensor], biases: list[torch.Tensor | None], linea
     b = None
     if any(b is not None for b in biases):
         b = torch.cat([b if b is not None else w.new_zeros(x.shape[0]) for b, x in zip(biases, weights)])
-    return kernels.linear(w, b)
+    return linear(w, b)
 
 
 _DTYPES = dict(zip(FLOAT_DTYPES, (torch.float32, torch.bfloat16, torch.float16, torch.float64)))

@@ -77,7 +77,10 @@ def test_decoder_on_it_agrees_with_onednn(arch, tmp_path, monkeypatch):
     _, dec = make_decoder(arch, tmp_path)
     monkeypatch.setenv("BATCHGEN_GEMM", "0")
     _, ref = make_decoder(arch, tmp_path / "ref")
-    assert dec.linear is not ref.linear
+    # every linear layer of the decoder on it, none of the reference's
+    layers = [dec.lm_head] + [f for layer in dec.layers for f in (layer.qkv, layer.o, layer.gate, layer.up, layer.down)]
+    assert all(hasattr(f, "packed") for f in layers)
+    assert not any(hasattr(f, "packed") for f in [ref.lm_head, ref.layers[0].qkv, ref.layers[0].down])
     ids = torch.randint(3, 250, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     logits = []
     for model in (dec, ref):
