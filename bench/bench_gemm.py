@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from bench.bench_attention import cpu_model
+
 HIDDEN, INTER = 576, 1536
 SHAPES = [(HIDDEN, 960), (HIDDEN, HIDDEN), (HIDDEN, 2 * INTER), (INTER, HIDDEN)]  # (k, n)
 
@@ -117,7 +119,7 @@ def main() -> int:
     p.add_argument("--skip-engine", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    os.system("lscpu | grep -E 'Model name|CPU family|^Model:'")
+    print(cpu_model())
     layers_alone([int(r) for r in args.rows.split(",")], args.layers, args.rounds)
     if not args.skip_engine:
         engine_turns(args.turns, args.jobs, args.workload)

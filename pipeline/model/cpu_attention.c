@@ -187,6 +187,29 @@ static inline __attribute__((always_inline)) vf fold_scores(vf *s, int n, int ca
     return rescale;
 }
 
+/* The scores s[j] of a block's n keys (lanes: the tile's queries; keys j >= n repeat key 0, masked
+ * later). Called with n = W as a constant for whole blocks, so that the compiler drops the clamp. */
+static inline __attribute__((always_inline)) void tile_scores(vf *s, const float *qt, const float *k, int n) {
+    for (int j = 0; j < W; j++) s[j] = SPLAT(0.0f);
+    for (int i = 0; i < D; i++) {
+        vf qi = ld(qt, i * W, 0);
+        for (int j = 0; j < W; j++) s[j] += qi * k[(j < n ? j : 0) * D + i];
+    }
+}
+
+/* ot [D dims][16 lanes] = ot * rescale + the block's n values^T x weights s (n = W a constant for
+ * whole blocks: loops of fixed trips). */
+static inline __attribute__((always_inline)) void tile_values(float *ot, const vf *s, const float *v, int n,
+                                                               vf rescale) {
+    for (int c = 0; c < D / W; c++) {
+        vf o[W];
+        for (int i = 0; i < W; i++) o[i] = ld(ot, (W * c + i) * W, 0) * rescale;
+        for (int j = 0; j < n; j++)
+            for (int i = 0; i < W; i++) o[i] += s[j] * v[j * D + W * c + i];
+        for (int i = 0; i < W; i++) st(ot + (W * c + i) * W, o[i]);
+    }
+}
+
 /* The tile's lanes against keys/values [0, len) of one head; `causal`: lane l sees keys <= pos[l]. */
 static void tile_keys(Tile *t, const char *keys, const char *values, int64_t len, int causal, int bf16) {
     float first = t->pos[0];
@@ -194,30 +217,17 @@ static void tile_keys(Tile *t, const char *keys, const char *values, int64_t len
         int n = len - j0 < W ? (int)(len - j0) : W;
         const float *k = rows_f32(keys, j0, n, bf16, t->tmp);
         vf s[W];
-        for (int j = 0; j < W; j++) s[j] = SPLAT(0.0f);
-        if (n == W) /* a whole block (all but a head's last): no key index to clamp, loops of fixed trips */
-            for (int i = 0; i < D; i++) {
-                vf qi = ld(t->qt, i * W, 0);
-                for (int j = 0; j < W; j++) s[j] += qi * k[j * D + i];
-            }
+        /* a whole block (all but a head's last) with n a constant: no key index to clamp, loops of fixed trips */
+        if (n == W)
+            tile_scores(s, t->qt, k, W);
         else
-            for (int i = 0; i < D; i++) {
-                vf qi = ld(t->qt, i * W, 0);
-                for (int j = 0; j < W; j++) s[j] += qi * k[(j < n ? j : 0) * D + i];
-            }
+            tile_scores(s, t->qt, k, n);
         vf rescale = fold_scores(s, n, causal, j0, first, t->pos, &t->m, &t->sum);
         const float *v = rows_f32(values, j0, n, bf16, t->tmp);
-        for (int c = 0; c < D / W; c++) { /* ot [16 dims][16 lanes] += values^T x weights */
-            vf o[W];
-            for (int i = 0; i < W; i++) o[i] = ld(t->ot, (W * c + i) * W, 0) * rescale;
-            if (n == W)
-                for (int j = 0; j < W; j++)
-                    for (int i = 0; i < W; i++) o[i] += s[j] * v[j * D + W * c + i];
-            else
-                for (int j = 0; j < n; j++)
-                    for (int i = 0; i < W; i++) o[i] += s[j] * v[j * D + W * c + i];
-            for (int i = 0; i < W; i++) st(t->ot + (W * c + i) * W, o[i]);
-        }
+        if (n == W)
+            tile_values(t->ot, s, v, W, rescale);
+        else
+            tile_values(t->ot, s, v, n, rescale);
     }
 }
 

@@ -116,6 +116,14 @@ static void gemm_item(const void *arg, int w, void *scratch) {
 }
 #endif
 
+#if defined(__AVX512F__)
+/* Threads for n outputs: each takes a range of whole panels (at least one), so no more than panels. */
+static int gemm_threads(int threads, int64_t n) {
+    int64_t panels = (n + GEMM_NR - 1) / GEMM_NR;
+    return threads < 1 || panels < 1 ? 1 : (int64_t)threads > panels ? (int)panels : threads;
+}
+#endif
+
 /* Whether this build has the kernel (AVX-512). */
 int batchgen_gemm_ok(void) {
 #if defined(__AVX512F__)
@@ -150,8 +158,7 @@ static void gemm_pack_item(const void *arg, int w, void *scratch) {
 /* w [n][k] (rows ldw apart) into p: ceil(n / 48) * 48 * k floats, as the kernel reads them. */
 int batchgen_gemm_pack(int64_t n, int64_t k, const float *w, int64_t ldw, float *p, int threads) {
 #if defined(__AVX512F__)
-    int64_t panels = (n + GEMM_NR - 1) / GEMM_NR;
-    threads = threads < 1 ? 1 : (int64_t)threads > panels ? (int)(panels ? panels : 1) : threads;
+    threads = gemm_threads(threads, n);
     GemmPack a = {w, p, n, k, ldw, threads};
     return run(gemm_pack_item, &a, threads, 64, threads);
 #else
@@ -167,8 +174,7 @@ int batchgen_gemm(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx, 
     /* a block's x within ~512 KB of L2 (rows of k floats), in whole tiles, at most 128 rows */
     int64_t rows = 512 * 1024 / (4 * (k ? k : 1)) / GEMM_MR * GEMM_MR;
     rows = rows < GEMM_MR ? GEMM_MR : rows > 128 ? 128 : rows;
-    int64_t panels = (n + GEMM_NR - 1) / GEMM_NR;
-    threads = threads < 1 ? 1 : (int64_t)threads > panels ? (int)panels : threads;
+    threads = gemm_threads(threads, n);
     Gemm g = {x, p, bias, y, m, n, k, ldx, rows, threads};
     return run(gemm_item, &g, threads, 64, threads);
 #else
