@@ -57,8 +57,9 @@ def infer_extra_schema(extras: Iterable[Mapping[str, Any]],
     """Schema for carried-through columns, in first-seen order.
 
     Types come from ``hint`` (see readers.input_schema) where it has the column,
-    else from the values. A column whose values Arrow cannot unify (a dict in one
-    JSONL row, a string in the next) becomes a string column of JSON text.
+    else from the values. A column whose values are of mixed kinds (a dict in one JSONL
+    row, a string in the next; a date and an int) or that Arrow cannot unify becomes a
+    string column of JSON text, which keeps every value as it was.
     """
     inference = ExtraSchema(hint)
     chunk: list[Mapping[str, Any]] = []
@@ -71,12 +72,32 @@ def infer_extra_schema(extras: Iterable[Mapping[str, Any]],
     return inference.schema()
 
 
+def value_kind(value: Any) -> type:
+    """What a carried value is at its top level: a column holds one kind or becomes JSON text.
+
+    Arrow's own inference over mixed kinds depends on their order (a date and then an int give a
+    date column that turns 1 into 1970-01-02; an int and then a date fail), so batchgen decides
+    mixing itself. Ints and floats are one kind (Arrow joins them to double).
+    """
+    if isinstance(value, bool):
+        return bool
+    if isinstance(value, (int, float)):
+        return float
+    if isinstance(value, Mapping):
+        return dict
+    if isinstance(value, (list, tuple)):
+        return list
+    return type(value)
+
+
 class ExtraSchema:
     """`infer_extra_schema` over a stream of rows, chunk by chunk, with the same result.
 
-    Arrow infers a column's type from all its values as a join (ints and floats give double,
-    structs merge their fields, a conflict fails), so one chunk of values per distinct chunk type
-    holds everything the whole column would tell: the kept chunks are inferred together at the end.
+    A column whose non-null values are of more than one kind (:func:`value_kind`), or whose values
+    Arrow cannot convert to one type, is JSON text. Within one kind Arrow infers a column's type as
+    a join (ints and floats give double, structs merge their fields, a conflict fails), so one chunk
+    of values per distinct chunk type holds everything the whole column would tell: the kept chunks
+    are inferred together at the end.
     """
 
     CHUNK = 4096
@@ -84,7 +105,9 @@ class ExtraSchema:
     def __init__(self, hint: pa.Schema | None = None) -> None:
         self.hint = hint
         self._names: dict[str, None] = {}  # first-seen order
-        self._kept: dict[str, dict[Any, list[Any]]] = {}  # column -> chunk type -> that chunk's values
+        self._kinds: dict[str, set[type]] = {}  # column -> the kinds of its non-null values so far
+        self._text: set[str] = set()  # columns already known to be JSON text
+        self._kept: dict[str, dict[pa.DataType, list[Any]]] = {}  # column -> chunk type -> that chunk's values
 
     def update(self, extras: Sequence[Mapping[str, Any]]) -> None:
         for extra in extras:
@@ -92,16 +115,18 @@ class ExtraSchema:
                 self._names.setdefault(name, None)
         hinted = self.hint.names if self.hint is not None else ()
         for name in self._names:
-            if name in hinted:
+            if name in hinted or name in self._text or not extras:
                 continue
             values = [e.get(name) for e in extras]
-            if not values:
-                continue
+            kinds = self._kinds.setdefault(name, set())
+            kinds.update(value_kind(v) for v in values if v is not None)
             try:
-                key: Any = pa.array(values).type
+                if len(kinds) > 1:
+                    raise pa.ArrowInvalid("mixed kinds")
+                self._kept.setdefault(name, {}).setdefault(pa.array(values).type, values)
             except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
-                key = "conflict"
-            self._kept.setdefault(name, {}).setdefault(key, values)
+                self._text.add(name)
+                self._kept.pop(name, None)  # its values no longer matter
 
     def schema(self) -> pa.Schema:
         out = []
@@ -109,11 +134,13 @@ class ExtraSchema:
             if self.hint is not None and name in self.hint.names:
                 out.append(self.hint.field(name))
                 continue
-            values = [v for chunk in self._kept.get(name, {}).values() for v in chunk]
-            try:
-                dtype = pa.array(values).type
-            except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
-                dtype = pa.string()
+            dtype = pa.string()
+            if name not in self._text:
+                values = [v for chunk in self._kept.get(name, {}).values() for v in chunk]
+                try:
+                    dtype = pa.array(values).type
+                except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+                    pass
             out.append(pa.field(name, pa.string() if pa.types.is_null(dtype) else dtype))
         return pa.schema(out)
 
@@ -273,5 +300,5 @@ def write_summary(path: str | os.PathLike[str], summary: Mapping[str, Any]) -> N
 
 __all__ = ["result_schema", "id_type_for", "infer_extra_schema", "ParquetWriter", "JsonlWriter",
            "OpenAIBatchWriter", "OpenAIErrorWriter", "ErrorWriter", "CREATED", "open_error_writer",
-           "open_result_writer", "errors_path", "summary_path", "write_summary", "write_table", "conform_rows", "ExtraSchema",
+           "open_result_writer", "errors_path", "summary_path", "write_summary", "write_table", "conform_rows", "ExtraSchema", "value_kind",
            "remove_stale_temps", "AtomicWriter", "RESULT_COLUMNS", "OUTPUT_COLUMNS", "outputs_of", "ERROR_SCHEMA", "FORMATS"]

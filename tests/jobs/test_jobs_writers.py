@@ -18,7 +18,7 @@ from hypothesis import given, settings, strategies as st
 from jobs.schema import InvalidRow, JobError, Location
 from jobs.writers import (ERROR_SCHEMA, ErrorWriter, ExtraSchema, JsonlWriter, OpenAIBatchWriter,
                           ParquetWriter, errors_path, id_type_for, infer_extra_schema,
-                          open_result_writer, result_schema, write_summary)
+                          open_result_writer, result_schema, value_kind, write_summary)
 
 EXTRA = pa.schema([("subject", pa.string()), ("score", pa.int32())])
 SCHEMA = result_schema(EXTRA, pa.string())
@@ -62,11 +62,24 @@ VALUES = st.sampled_from([1, 2.5, "x", None, [1, 2], [1.5], {"a": 1}, {"b": "t"}
                           Decimal("12.345"), True, b"by", datetime.date(2020, 1, 1), 2**63, -1, [], {}])
 
 
+def test_mixed_kinds_are_json_text_whatever_their_order(tmp_path: Path) -> None:
+    """Arrow alone makes [date, 1] a date column (1 would be written as 1970-01-02) and fails on [1, date]."""
+    day = datetime.date(2020, 1, 1)
+    for extras in ([{"r": day}, {"r": 1}], [{"r": 1}, {"r": day}]):
+        schema = infer_extra_schema(extras)
+        assert schema.field("r").type == pa.string()
+        target = tmp_path / "out.parquet"
+        with ParquetWriter(target, result_schema(schema, pa.int64()), overwrite=True) as w:
+            w.write([result(i, **e) for i, e in enumerate(extras)])
+        assert sorted(pq.read_table(target).column("r").to_pylist()) == ['"2020-01-01"', "1"]
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.dictionaries(st.sampled_from("pqr"), VALUES, max_size=3), min_size=1, max_size=25),
        st.integers(1, 6))
 def test_extra_schema_streamed_in_chunks_is_inferred_from_all_values(extras, chunk) -> None:
-    """Run by run, one chunk per distinct chunk type is kept: the result is the whole column's."""
+    """Run by run, one chunk per distinct chunk type is kept: the result is the whole column's,
+    in any order of the rows (Arrow's inference over mixed kinds is not)."""
     streamed = ExtraSchema()
     for i in range(0, len(extras), chunk):
         streamed.update(extras[i:i + chunk])
@@ -79,11 +92,23 @@ def test_extra_schema_streamed_in_chunks_is_inferred_from_all_values(extras, chu
     fields = []
     for name, values in columns.items():
         try:
+            if len({value_kind(v) for v in values if v is not None}) > 1:
+                raise pa.ArrowInvalid("mixed kinds")
             dtype = pa.array(values).type
         except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
             dtype = pa.string()
         fields.append(pa.field(name, pa.string() if pa.types.is_null(dtype) else dtype))
     assert streamed.schema() == pa.schema(fields)
+    backwards = infer_extra_schema(extras[::-1])  # the same types, but for structs' field order
+    assert {f.name: unordered(f.type) for f in backwards} == {f.name: unordered(f.type) for f in fields}
+
+
+def unordered(dtype: pa.DataType) -> Any:
+    if pa.types.is_struct(dtype):
+        return frozenset((f.name, unordered(f.type)) for f in dtype)
+    if pa.types.is_list(dtype):
+        return ("list", unordered(dtype.value_type))
+    return dtype
 
 
 def test_parquet_writer_roundtrip(tmp_path: Path) -> None:
