@@ -38,11 +38,7 @@ def old_library(rev: str, fold: int, head: int, out: Path) -> ctypes.CDLL:
     target = out / "old.so"
     subprocess.run(["cc", *native.FLAGS, native.THREADING[0][0], f"-DBATCHGEN_G={fold}", f"-DBATCHGEN_D={head}",
                     "-o", str(target), str(out / native.SOURCE.name)], check=True)
-    new = native._lib(fold, head)
-    lib = ctypes.CDLL(str(target))
-    for name in ("batchgen_decode_attention", "batchgen_prefill_attention", "batchgen_supports", "batchgen_amx"):
-        getattr(lib, name).argtypes, getattr(lib, name).restype = getattr(new, name).argtypes, getattr(new, name).restype
-    return lib
+    return native.declare(ctypes.CDLL(str(target)))
 
 
 def main() -> int:

@@ -616,8 +616,8 @@ int batchgen_prefill_attention(int nseg, int hq, int hkv, int d, int bf16, const
     if (!list) return 1;
     int k = 0;
     for (int s = 0; s < nseg; s++)
-        for (int64_t r = 0; r < G * (t1[s] - t0[s]); r += lanes)
-            for (int h = 0; h < hkv; h++, k++) list[3 * k] = s, list[3 * k + 1] = h, list[3 * k + 2] = r;
+        for (int h = 0; h < hkv; h++)
+            for (int64_t r = 0; r < G * (t1[s] - t0[s]); r += lanes, k++) list[3 * k] = s, list[3 * k + 1] = h, list[3 * k + 2] = r;
     Prefill job = {hq, hkv, bf16, q, q_tok, q_head, t0, t1, own_k, own_v, own_cap, own_index,
                    offset, anc_k, anc_v, anc_len, scale, out, list, kernel};
     int failed;

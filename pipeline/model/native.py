@@ -85,7 +85,12 @@ def _build(fold: int, head: int) -> ctypes.CDLL:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    lib = ctypes.CDLL(str(target))
+    return declare(ctypes.CDLL(str(target)))
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """The library's entry points with their C signatures (also for a build of another revision's
+    sources, bench_kernel_turns'): ctypes would pass the 64-bit arguments as ints and crash."""
     i32, i64, ptr, f32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     for f, args in ((lib.batchgen_decode_attention, [i32] * 5 + [ptr, i64, i64, ptr, ptr, i64] + [ptr] * 5
                      + [f32, ptr, i32, i32]),
