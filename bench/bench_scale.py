@@ -11,7 +11,8 @@ model instead (SmolLM2's byte-level BPE, about 4 characters a token), the prompt
 what a user's file meets.
 
 Every command runs as its own process (`python -m pipeline ...`); its peak RSS is the kernel's
-(`os.wait4`), file-backed pages included. "model" is the peak RSS of a process that only imports
+(`os.wait4`), file-backed pages included; the worker processes `validate` and `plan` start on a
+big input (pipeline/run/workers.py) are reported apart, their peaks summed. "model" is the peak RSS of a process that only imports
 batchgen's engine and loads the model: `process` is reported above it too. After each `process`
 the output is checked: every input row once, in the output or in the errors file.
 
@@ -26,6 +27,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -69,14 +71,37 @@ def make_jobs(path: Path, n: int, tokens_per_char: float = 1.0, carried: bool = 
             f.write(json.dumps(row) + "\n")
 
 
-def measure(args: list[str], env: dict[str, str]) -> tuple[float, float, int, str]:
-    """(wall s, peak RSS MB, exit code, stderr tail) of one command in its own process."""
+def _children_peaks(pid: int, peaks: dict[int, int], done: threading.Event) -> None:
+    """Each child process's peak RSS (VmHWM, kB), read every 0.2 s until `done`: the kernel's
+    wait4 reports the largest of a process and its children, not their sum."""
+    while not done.wait(0.2):
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != pid:
+                    continue
+                status = (stat.parent / "status").read_text()
+            except (OSError, IndexError, ValueError):
+                continue
+            for line in status.splitlines():
+                if line.startswith("VmHWM:"):
+                    peaks[int(stat.parent.name)] = max(peaks.get(int(stat.parent.name), 0), int(line.split()[1]))
+
+
+def measure(args: list[str], env: dict[str, str]) -> tuple[float, float, int, str, float]:
+    """(wall s, peak RSS MB, exit code, stderr tail, the peak RSS of its worker processes summed, MB)
+    of one command in its own process."""
     start = time.monotonic()
     proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    peaks: dict[int, int] = {}
+    done = threading.Event()
+    watch = threading.Thread(target=_children_peaks, args=(proc.pid, peaks, done), daemon=True)
+    watch.start()
     err = proc.stderr.read()
     _, status, usage = os.wait4(proc.pid, 0)
+    done.set()
+    watch.join()
     proc.returncode = os.waitstatus_to_exitcode(status)
-    return time.monotonic() - start, usage.ru_maxrss / 1024, proc.returncode, err[-600:]
+    return time.monotonic() - start, usage.ru_maxrss / 1024, proc.returncode, err[-600:], sum(peaks.values()) / 1024
 
 
 def check_exactly_once(src: Path, out: Path) -> str:
@@ -117,7 +142,7 @@ def main() -> None:
     py = [sys.executable, "-m", "pipeline"]
     probe = [sys.executable, "-c", "import pipeline.engine.engine; from pipeline.model.load import load_model; "
              f"load_model({str(model)!r}, 'cpu', 'float32')"]
-    _, model_rss, _, _ = measure(probe, env)
+    _, model_rss, _, _, _ = measure(probe, env)
     print(f"model loaded: peak RSS {model_rss:.0f} MB", flush=True)
     rows = []
     for n in (int(x) for x in args.sizes.split(",")):
@@ -132,17 +157,18 @@ def main() -> None:
             if command == "process":
                 out = work / f"out-{n}.parquet"
                 cmd += ["-o", str(out), "--overwrite", "--progress-every", "600"]
-            wall, rss, code, err = measure(cmd, env)
+            wall, rss, code, err, workers = measure(cmd, env)
             if command == "process" and code == 0:
                 note = check_exactly_once(src, out)
             elif code not in (0, 1):  # validate exits 1: the malformed lines are reported
                 note = f"exit {code}: {err}"
             above = f"{rss - model_rss:,.0f}" if command == "process" else ""
-            rows.append((n, command, wall, rss, above, note))
-            print(f"| {n:,} | {command} | {wall:,.1f} | {rss:,.0f} | {above} | {note} |", flush=True)
-    print("\n| jobs | command | wall s | peak RSS MB | RSS above model MB | check |\n|---:|---|---:|---:|---:|---|")
-    for n, command, wall, rss, above, note in rows:
-        print(f"| {n:,} | `{command}` | {wall:,.1f} | {rss:,.0f} | {above} | {note} |")
+            rows.append((n, command, wall, rss, workers, above, note))
+            print(f"| {n:,} | {command} | {wall:,.1f} | {rss:,.0f} | {workers:,.0f} | {above} | {note} |", flush=True)
+    print("\n| jobs | command | wall s | peak RSS MB | workers' peak RSS MB | RSS above model MB | check |"
+          "\n|---:|---|---:|---:|---:|---:|---|")
+    for n, command, wall, rss, workers, above, note in rows:
+        print(f"| {n:,} | `{command}` | {wall:,.1f} | {rss:,.0f} | {workers:,.0f} | {above} | {note} |")
 
 
 if __name__ == "__main__":

@@ -253,11 +253,13 @@ def plan(inputs, model, trust_remote_code, adapters, dataset, split, prompt_temp
          max_batch_tokens, top, as_json, window_jobs, window_tokens, **gen):
     """Show how INPUTS share prefixes and the predicted prefill saving (tokenizer only, no model)."""
     from pipeline.run.planning import describe
+    from pipeline.run.workers import worker_count
 
     report = _guard(describe, list(inputs), _guard(_defaults, gen), model=model, dataset=dataset, split=split,
                     prompt_template=prompt_template, system=system, min_shared_tokens=min_shared_tokens,
                     max_batch_tokens=max_batch_tokens, top=top, trust_remote_code=trust_remote_code,
-                    window_jobs=window_jobs, window_tokens=window_tokens, adapters=tuple(adapters))
+                    window_jobs=window_jobs, window_tokens=window_tokens, adapters=tuple(adapters),
+                    workers=worker_count())
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
@@ -293,10 +295,12 @@ def validate(inputs, model, trust_remote_code, adapters, dataset, split, prompt_
     that `process` will run with: they refuse jobs of their own (a scoring job under openai or ray)."""
     from pipeline.run.preflight import check_inputs
     from pipeline.run.options import RunOptions
+    from pipeline.run.workers import worker_count
 
     options = RunOptions(model=model, defaults=_guard(_defaults, gen), prompt_template=prompt_template, system=system,
                          dataset=dataset, split=split, trust_remote_code=trust_remote_code,
-                         output_format=output_format, engine=engine, adapters=tuple(adapters))
+                         output_format=output_format, engine=engine, adapters=tuple(adapters),
+                         workers=worker_count())
     checked = _guard(check_inputs, list(inputs), options, purpose="validate")
     for line in checked.invalid.lines():
         click.echo(line)

@@ -29,7 +29,7 @@ from jobs.writers import ExtraSchema, conform_rows, outputs_of
 from pipeline.text.expand import length_problem, plain_entries, plain_shapes, whole_key
 from pipeline.run.prefix_index import Entries, pack_keys
 from pipeline.text.pieces import unpack_ids
-from pipeline.text.tokenize import Tokenizer
+from pipeline.text.tokenize import Tokenizer, torch_hidden
 
 if TYPE_CHECKING:
     from pipeline.run.adapters import Adapters
@@ -216,6 +216,20 @@ def tokenize_plain(tokenizer: Tokenizer, plain: list[PlainRows], width: int | No
             entries = Entries.of(pack_keys(found, width), requests)
         out.append((lengths, entries))
     return out
+
+
+_loaded: dict[tuple[str, bool], Tokenizer] = {}  # a worker process's tokenizer (pipeline/run/workers.py)
+
+
+def tokenize_in_worker(source: str, trust_remote_code: bool, prompts: list[list[str]], width: int | None,
+                       template: Job | None, window: int | None) -> list[tuple[np.ndarray, Entries | None]]:
+    """`tokenize_plain` of groups of prompts in a worker process, which loads the tokenizer once
+    (without torch, as `validate` and `plan` do)."""
+    key = (source, trust_remote_code)
+    if key not in _loaded:
+        with torch_hidden(True):
+            _loaded[key] = Tokenizer.load(source, trust_remote_code=trust_remote_code, without_torch=True)
+    return tokenize_plain(_loaded[key], [PlainRows("", prompts=p) for p in prompts], width, template, window)
 
 
 class PlainCheck:

@@ -44,6 +44,9 @@ class RunOptions:
     # LoRA adapters: `--adapter` values, NAME=PATH (a name jobs select) or PATH (every job's default);
     # resolved and checked by pipeline/run/adapters.py
     adapters: tuple[str, ...] = ()
+    # worker processes for `validate`'s and `plan`'s Python work on a big input (tokenizing plain
+    # rows, planning windows: pipeline/run/workers.py); 0: none. The CLI gives one per core.
+    workers: int = 0
 
 
 def run_settings(options: RunOptions, model_name: str, precision: dict[str, str],

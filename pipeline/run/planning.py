@@ -27,6 +27,7 @@ from pipeline.engine.schedule import MAX_BATCH_TOKENS, MIN_SHARED_TOKENS, plan, 
 from pipeline.engine.sortedplan import WindowPlan, plan_sorted
 from pipeline.engine.types import RequestShape
 from pipeline.run.windows import WINDOW_JOBS, WINDOW_TOKENS, reused, units, windows
+from pipeline.run.workers import Workers
 
 
 def describe(inputs: Sequence[str], defaults: GenerationDefaults, *, model: str | None = None,
@@ -34,22 +35,26 @@ def describe(inputs: Sequence[str], defaults: GenerationDefaults, *, model: str 
              system: str | None = None, min_shared_tokens: int = MIN_SHARED_TOKENS,
              max_batch_tokens: int = MAX_BATCH_TOKENS,
              top: int = 10, trust_remote_code: bool = False, window_jobs: int = WINDOW_JOBS,
-             window_tokens: int = WINDOW_TOKENS, adapters: tuple[str, ...] = ()) -> dict[str, Any]:
+             window_tokens: int = WINDOW_TOKENS, adapters: tuple[str, ...] = (),
+             workers: int = 0) -> dict[str, Any]:
     from pipeline.run.preflight import check_inputs
     from pipeline.run.options import RunOptions
 
     options = RunOptions(model=model, defaults=defaults, dataset=dataset, split=split, prompt_template=prompt_template,
-                         system=system, trust_remote_code=trust_remote_code, adapters=adapters)
-    checked = check_inputs(list(inputs), options, purpose="plan")
-    return summarize(checked.index, invalid=len(checked.invalid), min_shared_tokens=min_shared_tokens,
-                     max_batch_tokens=max_batch_tokens, top=top, decode=checked.tokenizer.decode,
-                     window_jobs=window_jobs, window_tokens=window_tokens, labels=checked.adapters.labels())
+                         system=system, trust_remote_code=trust_remote_code, adapters=adapters, workers=workers)
+    with Workers(workers) as pool:  # `workers` processes tokenize a big input, then plan its windows
+        checked = check_inputs(list(inputs), options, purpose="plan", workers=pool if workers else None)
+        return summarize(checked.index, invalid=len(checked.invalid), min_shared_tokens=min_shared_tokens,
+                         max_batch_tokens=max_batch_tokens, top=top, decode=checked.tokenizer.decode,
+                         window_jobs=window_jobs, window_tokens=window_tokens, labels=checked.adapters.labels(),
+                         workers=pool if workers else None)
 
 
 def summarize(index: PrefixIndex, *, invalid: int = 0, min_shared_tokens: int = MIN_SHARED_TOKENS,
               max_batch_tokens: int = MAX_BATCH_TOKENS,
               top: int = 10, decode=None, window_jobs: int = WINDOW_JOBS, window_tokens: int = WINDOW_TOKENS,
-              reference: bool = False, labels: dict[int, str | None] | None = None) -> dict[str, Any]:
+              reference: bool = False, labels: dict[int, str | None] | None = None,
+              workers: Workers | None = None) -> dict[str, Any]:
     """Pure: the plan's numbers for the indexed prompts: the engine runs exactly this plan (the
     same prefixes, rows and batches), whatever lengths the outputs turn out to have. Each window
     is planned from the index's numbers (`sortedplan`); `reference`: with the engine's own
@@ -69,15 +74,18 @@ def summarize(index: PrefixIndex, *, invalid: int = 0, min_shared_tokens: int = 
     ranked = [k for k in np.lexsort((groups.starts, -groups.depth, -weight)).tolist() if groups.grouped[k]][:top]
     prefixes_in = np.zeros(len(groups), dtype=np.int64)  # cached prefixes the run prefills per group
     shared = batches = prefill = 0
-    for a, b in cuts:
-        # the window's requests, numbered from 0
-        mine = first[a : b + 1] - first[a], RequestShape(*(c[first[a] : first[b]] for c in shapes))
-        kind = adapter[a:b] if adapter is not None else None
-        if reference:
-            work = _reference_window(index, positions[a:b], held[a:b], *mine, min_shared_tokens, max_batch_tokens,
-                                     kind)
-        else:
-            work = _window(lengths[a:b], held[a:b], weights[a:b], *mine, min_shared_tokens, max_batch_tokens, kind)
+
+    def window(a: int, b: int) -> tuple[Any, ...]:  # the window's requests, numbered from 0
+        return (first[a : b + 1] - first[a], RequestShape(*(c[first[a] : first[b]] for c in shapes)),
+                min_shared_tokens, max_batch_tokens, adapter[a:b] if adapter is not None else None)
+
+    if reference:
+        plans = [_reference_window(index, positions[a:b], held[a:b], *window(a, b)) for a, b in cuts]
+    else:
+        calls = [(lengths[a:b], held[a:b], weights[a:b], *window(a, b)) for a, b in cuts]
+        plans = workers.map(plan_window, calls) if workers is not None and len(cuts) > 1 else \
+            [plan_window(*c) for c in calls]
+    for (a, _), work in zip(cuts, plans):
         shared += len(work.prefixes)
         batches += len(work.batches)
         prefill += work.prefill_tokens
@@ -132,7 +140,7 @@ def summarize(index: PrefixIndex, *, invalid: int = 0, min_shared_tokens: int = 
     return report
 
 
-def _window(lengths: np.ndarray, held: np.ndarray, weights: np.ndarray, first: np.ndarray, shapes: RequestShape,
+def plan_window(lengths: np.ndarray, held: np.ndarray, weights: np.ndarray, first: np.ndarray, shapes: RequestShape,
             min_shared_tokens: int, max_batch_tokens: int, adapters: np.ndarray | None = None) -> WindowPlan:
     # a window's plan is millions of small lists and tuples, none in a cycle (refcounts free them):
     # without the collector's passes over the whole heap they trigger, it takes half the time

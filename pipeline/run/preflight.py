@@ -20,9 +20,10 @@ import hashlib
 import json
 import os
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -31,10 +32,11 @@ from jobs import InvalidRow, Job, JobError
 from jobs.errors import OptionError, option
 from jobs.chunks import PlainRows
 from pipeline.run.adapters import Adapters
-from pipeline.run.inputrows import PlainCheck, Rows, tokenize_plain
+from pipeline.run.inputrows import CHUNK_ROWS, PlainCheck, Rows, tokenize_in_worker, tokenize_plain
 from pipeline.run.jobstore import JobSpool, Problems
 from pipeline.run.overlap import check_apart
 from pipeline.run.prefix_index import Entries, IndexBuilder, PrefixIndex, pack_keys
+from pipeline.run.workers import Workers
 from pipeline.text.tokenize import Tokenizer, TokenizerError, torch_hidden
 from pipeline.text.expand import JobTokens, index_entry, job_requests, token_problem, tokenize_jobs
 from pipeline.engine.types import Request
@@ -43,6 +45,9 @@ if TYPE_CHECKING:
     from pipeline.run.options import RunOptions
 
 _PARQUET_NAMES = (".parquet", ".pq")
+# `validate` and `plan` hand plain rows to worker processes once the input has shown this many:
+# a worker costs a Python start and the tokenizer's load (about half a second)
+MIN_WORKER_ROWS = 3 * CHUNK_ROWS
 _LINE_NAMES = (".jsonl", ".json", ".ndjson", ".jsonl.gz", ".json.gz", ".ndjson.gz")
 _UNSUPPORTED_COMPRESSION = (".zst", ".zstd", ".bz2", ".xz", ".lz4")
 
@@ -136,10 +141,12 @@ def _probe_writable(parent: str, output: str) -> None:
     os.unlink(probe)
 
 
-def check_inputs(inputs: list[str], options: RunOptions, purpose: str = "process") -> Checked:
+def check_inputs(inputs: list[str], options: RunOptions, purpose: str = "process",
+                 workers: Workers | None = None) -> Checked:
     """Read, validate and tokenize every row, with the model's tokenizer and config (no weights).
     `purpose`: "validate" keeps only the problems, "plan" also the prompt index, "process" also the
-    jobs and the job set's digest. The first two never import torch (`tokenize.torch_hidden`)."""
+    jobs and the job set's digest. The first two never import torch (`tokenize.torch_hidden`), and
+    tokenize a big input's plain rows in `workers` (else in `options.workers` of their own, if any)."""
     from pipeline.model.load import load_config, model_source
 
     check_options(options)
@@ -158,20 +165,36 @@ def check_inputs(inputs: list[str], options: RunOptions, purpose: str = "process
     keep = _Keep(tokenizer, window, vocab, plain, adapters,
                  IndexBuilder(tokenizer.vocab_size) if purpose != "validate" else None,
                  JobSpool() if purpose == "process" else None, JobDigest() if purpose == "process" else None)
+    own = workers is None and light and options.workers > 0
+    if not light:
+        workers = None  # `process` tokenizes in its thread (its jobs become Jobs; the model loads meanwhile)
+    elif own:
+        workers = Workers(options.workers)
+
+    def remote(plain_rows: list[PlainRows]) -> Any:  # a chunk's plain rows in a worker
+        return workers.submit(tokenize_in_worker, source, options.trust_remote_code,  # type: ignore[union-attr]
+                              [r.prompts for r in plain_rows], keep.width, plain.template, window)
+
+    ahead = workers.count + 1 if workers is not None else 1  # chunks in flight, each tokenizing while the next are read
     try:
         with ThreadPoolExecutor(1, thread_name_prefix="batchgen-tokenize") as pool:
-            pending = None
-            for jobs, bad, plain in rows.chunks():
-                ahead = pool.submit(keep.tokenize, jobs, plain)  # runs while the next chunk is read
-                if pending is not None:
-                    keep(*pending)
-                pending = (jobs, bad, plain, ahead)
-            if pending is not None:
-                keep(*pending)
+            pending: deque[tuple[Any, ...]] = deque()
+            seen = 0
+            for jobs, bad, plain_rows in rows.chunks():
+                seen += sum(map(len, plain_rows))
+                far = workers is not None and seen > MIN_WORKER_ROWS and plain_rows
+                pending.append((jobs, bad, plain_rows, keep.submit(pool, remote if far else None, jobs, plain_rows)))
+                while len(pending) > ahead:
+                    keep(*pending.popleft())
+            while pending:
+                keep(*pending.popleft())
     except BaseException:
         if keep.spool is not None:
             keep.spool.close()
         raise
+    finally:
+        if own:
+            workers.close()  # type: ignore[union-attr]
     index, digest = keep.index, keep.digest
     return Checked(rows.total, keep.invalid, np.frombuffer(keep.orders, dtype=np.int64),
                    index.build() if index is not None else None, keep.spool, rows.schema(), tokenizer,
@@ -193,11 +216,18 @@ class _Keep:
         self.orders = array.array("q")
         self.custom_ids: dict[int, tuple[str, int]] = {}
 
-    def tokenize(self, jobs: Mapping[int, Job], plain: list[PlainRows]):
-        """In the tokenizer's thread: the jobs' tokens, the plain rows' counts and index entries."""
-        width = self.index.width if self.index is not None else None
-        return tokenize_jobs(self.tokenizer, list(jobs.values())), tokenize_plain(
-            self.tokenizer, plain, width, self.plain.template, self.window)
+    @property
+    def width(self) -> int | None:
+        return self.index.width if self.index is not None else None
+
+    def submit(self, pool: ThreadPoolExecutor, remote: Callable[[list[PlainRows]], Any] | None,
+               jobs: Mapping[int, Job], plain: list[PlainRows]) -> _Tokenized:
+        """The jobs' tokens (in the tokenizer's thread) and the plain rows' counts and index entries
+        (there too, or `remote`), to come."""
+        general = pool.submit(tokenize_jobs, self.tokenizer, list(jobs.values()))
+        counted = remote(plain) if remote is not None else pool.submit(
+            tokenize_plain, self.tokenizer, plain, self.width, self.plain.template, self.window)
+        return _Tokenized(general, counted)
 
     def __call__(self, jobs: dict[int, Job], bad: list[tuple[int, InvalidRow]], plain: list[PlainRows],
                  tokenized) -> None:
@@ -243,6 +273,15 @@ class _Keep:
                 self.index.add_entries(e)
         if self.spool is not None:
             self.spool.add([j for _, j, _ in kept])
+
+
+@dataclass
+class _Tokenized:
+    general: Future
+    counted: Any  # a Future, or a worker's `workers.Answer`
+
+    def result(self) -> tuple[Any, Any]:
+        return self.general.result(), self.counted.result()
 
 
 class JobDigest:
