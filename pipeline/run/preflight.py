@@ -191,10 +191,11 @@ def check_inputs(inputs: list[str], options: RunOptions, purpose: str = "process
     except BaseException:
         if keep.spool is not None:
             keep.spool.close()
-        raise
-    finally:
         if own:
-            workers.close()  # type: ignore[union-attr]
+            workers.close(now=True)  # type: ignore[union-attr]
+        raise
+    if own:
+        workers.close()  # type: ignore[union-attr]
     index, digest = keep.index, keep.digest
     return Checked(rows.total, keep.invalid, np.frombuffer(keep.orders, dtype=np.int64),
                    index.build() if index is not None else None, keep.spool, rows.schema(), tokenizer,

@@ -66,7 +66,17 @@ class _Worker:
             raise value
         return value
 
-    def close(self) -> None:
+    def send(self, task: Any) -> None:
+        try:
+            _write(self.proc.stdin, task)  # type: ignore[arg-type]
+        except OSError:  # it stopped: its answers end, and `answer` says so
+            pass
+
+    def close(self, now: bool = False) -> None:
+        """Its stdin closed, it exits once its tasks are done; `now`: stopped at once (a run that
+        failed does not wait for the chunks it had sent ahead)."""
+        if now:
+            self.proc.kill()
         try:
             self.proc.stdin.close()  # type: ignore[union-attr]
         except OSError:
@@ -75,6 +85,7 @@ class _Worker:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait()
         self.reader.join(timeout=5)
 
 
@@ -103,22 +114,22 @@ class Workers:
             self._workers = [_Worker() for _ in range(self.count)]
         worker = self._workers[self._sent % self.count]
         self._sent += 1
-        _write(worker.proc.stdin, (fn, args))  # type: ignore[arg-type]
+        worker.send((fn, args))
         return Answer(worker)
 
     def map(self, fn: Callable[..., Any], calls: Iterable[tuple[Any, ...]]) -> list[Any]:
         return [a.result() for a in [self.submit(fn, *args) for args in calls]]
 
-    def close(self) -> None:
+    def close(self, now: bool = False) -> None:
         for w in self._workers:
-            w.close()
+            w.close(now)
         self._workers = []
 
     def __enter__(self) -> Workers:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: object, *exc: object) -> None:
+        self.close(now=kind is not None)
 
 
 def main() -> None:
@@ -132,7 +143,10 @@ def main() -> None:
             answer: tuple[str, Any] = ("ok", fn(*args))
         except Exception as e:  # noqa: BLE001 - handed to the parent, which raises it where its thread would
             answer = ("error", e)
-        _write(out, answer)
+        try:
+            _write(out, answer)
+        except (pickle.PicklingError, TypeError, AttributeError) as e:  # an answer or error pickle cannot carry
+            _write(out, ("error", RuntimeError(f"{answer[0]} of a batchgen worker's task could not be sent: {e}")))
 
 
 if __name__ == "__main__":

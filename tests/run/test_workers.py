@@ -7,6 +7,8 @@ import operator
 import os
 import random
 import sys
+import threading
+import time
 
 import pytest
 from click.testing import CliRunner
@@ -36,6 +38,24 @@ def test_a_worker_that_dies_is_an_error_not_a_hang():
         gone = pool.submit(os._exit, 3)
         with pytest.raises(RuntimeError, match="worker process stopped .exit status 3"):
             gone.result()
+
+
+def test_an_answer_that_cannot_travel_is_an_error():
+    with Workers(1) as pool:
+        with pytest.raises(RuntimeError, match="could not be sent"):
+            pool.submit(threading.Lock).result()  # a lock does not pickle
+        assert pool.submit(abs, -2).result() == 2
+
+
+def test_a_failed_run_stops_its_workers_at_once():
+    """Leaving with an error kills them: a run does not wait for the chunks it had sent ahead."""
+    start = time.monotonic()
+    with pytest.raises(KeyError):
+        with Workers(2) as pool:
+            pool.map(abs, [(1,), (2,)])  # started
+            pool.submit(time.sleep, 30)
+            raise KeyError("boom")
+    assert time.monotonic() - start < 20
 
 
 def test_a_script_without_a_main_guard_can_use_them(tmp_path):
