@@ -45,11 +45,11 @@ if TYPE_CHECKING:
     from pipeline.run.options import RunOptions
 
 _PARQUET_NAMES = (".parquet", ".pq")
+_LINE_NAMES = (".jsonl", ".json", ".ndjson", ".jsonl.gz", ".json.gz", ".ndjson.gz")
+_UNSUPPORTED_COMPRESSION = (".zst", ".zstd", ".bz2", ".xz", ".lz4")
 # `validate` and `plan` hand plain rows to worker processes once the input has shown this many:
 # a worker costs a Python start and the tokenizer's load (about half a second)
 MIN_WORKER_ROWS = 3 * CHUNK_ROWS
-_LINE_NAMES = (".jsonl", ".json", ".ndjson", ".jsonl.gz", ".json.gz", ".ndjson.gz")
-_UNSUPPORTED_COMPRESSION = (".zst", ".zstd", ".bz2", ".xz", ".lz4")
 
 
 @dataclass
