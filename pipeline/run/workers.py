@@ -26,10 +26,13 @@ import sys
 import threading
 from typing import IO, Any, Callable, Iterable
 
+from pipeline.model.cpus import available_cpus
+
 
 def worker_count() -> int:
-    """One worker per core this process may use (the reader takes its share of them too)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """One worker per core this process may use, as torch's threads are counted (the reader takes
+    its share of them too)."""
+    return available_cpus()
 
 
 def _write(out: IO[bytes], value: Any) -> None:

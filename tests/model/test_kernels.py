@@ -4,23 +4,23 @@ import os
 import pytest
 import torch
 
-from pipeline.model import kernels
+from pipeline.model import cpus, kernels
 from tests.helpers.tiny_models import make_model
 
 
 def test_a_cgroup_quota_caps_the_threads(tmp_path, monkeypatch):
     (tmp_path / "cpu.max").write_text("150000 100000\n")  # 1.5 CPUs
-    assert kernels._cgroup_quota(str(tmp_path)) == 1.5
+    assert cpus._cgroup_quota(str(tmp_path)) == 1.5
     (tmp_path / "cpu.max").write_text("max 100000\n")
-    assert kernels._cgroup_quota(str(tmp_path)) is None
+    assert cpus._cgroup_quota(str(tmp_path)) is None
     v1 = tmp_path / "v1"
     (v1 / "cpu").mkdir(parents=True)
     (v1 / "cpu" / "cpu.cfs_quota_us").write_text("300000")
     (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000")
-    assert kernels._cgroup_quota(str(v1)) == 3.0
-    monkeypatch.setattr(kernels, "_cgroup_quota", lambda: 1.5)
+    assert cpus._cgroup_quota(str(v1)) == 3.0
+    monkeypatch.setattr(cpus, "_cgroup_quota", lambda: 1.5)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    assert kernels.available_cpus() == 2  # a quota of 1.5 CPUs rounds up to 2 threads
+    assert cpus.available_cpus() == 2  # a quota of 1.5 CPUs rounds up to 2 threads
 
 
 def test_threads_follow_omp_num_threads_then_the_available_cores(monkeypatch):
