@@ -90,6 +90,14 @@ def value_kind(value: Any) -> type:
     return type(value)
 
 
+def _arrow_type(values: list[Any]) -> pa.DataType | None:
+    """The type Arrow infers for these values, or None where it cannot convert them to one."""
+    try:
+        return pa.array(values).type
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+        return None
+
+
 class ExtraSchema:
     """`infer_extra_schema` over a stream of rows, chunk by chunk, with the same result.
 
@@ -120,13 +128,12 @@ class ExtraSchema:
             values = [e.get(name) for e in extras]
             kinds = self._kinds.setdefault(name, set())
             kinds.update(value_kind(v) for v in values if v is not None)
-            try:
-                if len(kinds) > 1:
-                    raise pa.ArrowInvalid("mixed kinds")
-                self._kept.setdefault(name, {}).setdefault(pa.array(values).type, values)
-            except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+            dtype = _arrow_type(values) if len(kinds) <= 1 else None
+            if dtype is None:
                 self._text.add(name)
                 self._kept.pop(name, None)  # its values no longer matter
+            else:
+                self._kept.setdefault(name, {}).setdefault(dtype, values)
 
     def schema(self) -> pa.Schema:
         out = []
@@ -134,14 +141,10 @@ class ExtraSchema:
             if self.hint is not None and name in self.hint.names:
                 out.append(self.hint.field(name))
                 continue
-            dtype = pa.string()
+            dtype = None
             if name not in self._text:
-                values = [v for chunk in self._kept.get(name, {}).values() for v in chunk]
-                try:
-                    dtype = pa.array(values).type
-                except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
-                    pass
-            out.append(pa.field(name, pa.string() if pa.types.is_null(dtype) else dtype))
+                dtype = _arrow_type([v for chunk in self._kept.get(name, {}).values() for v in chunk])
+            out.append(pa.field(name, pa.string() if dtype is None or pa.types.is_null(dtype) else dtype))
         return pa.schema(out)
 
 
