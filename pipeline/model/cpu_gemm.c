@@ -114,9 +114,7 @@ static void gemm_item(const void *arg, int w, void *scratch) {
         }
     }
 }
-#endif
 
-#if defined(__AVX512F__)
 /* Threads for n outputs: each takes a range of whole panels (at least one), so no more than panels. */
 static int gemm_threads(int threads, int64_t n) {
     int64_t panels = (n + GEMM_NR - 1) / GEMM_NR;

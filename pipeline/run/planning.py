@@ -17,6 +17,7 @@ the tokens each may share, so prompt, prefill and cached tokens are `process`'s 
 from __future__ import annotations
 
 import gc
+from contextlib import nullcontext
 from typing import Any, Sequence
 
 import numpy as np
@@ -41,13 +42,14 @@ def describe(inputs: Sequence[str], defaults: GenerationDefaults, *, model: str 
     from pipeline.run.options import RunOptions
 
     options = RunOptions(model=model, defaults=defaults, dataset=dataset, split=split, prompt_template=prompt_template,
-                         system=system, trust_remote_code=trust_remote_code, adapters=adapters, workers=workers)
-    with Workers(workers) as pool:  # `workers` processes tokenize a big input, then plan its windows
-        checked = check_inputs(list(inputs), options, purpose="plan", workers=pool if workers else None)
+                         system=system, trust_remote_code=trust_remote_code, adapters=adapters)
+    # `workers` processes tokenize a big input, then plan its windows
+    with Workers(workers) if workers else nullcontext() as pool:
+        checked = check_inputs(list(inputs), options, purpose="plan", workers=pool)
         return summarize(checked.index, invalid=len(checked.invalid), min_shared_tokens=min_shared_tokens,
                          max_batch_tokens=max_batch_tokens, top=top, decode=checked.tokenizer.decode,
                          window_jobs=window_jobs, window_tokens=window_tokens, labels=checked.adapters.labels(),
-                         workers=pool if workers else None)
+                         workers=pool)
 
 
 def summarize(index: PrefixIndex, *, invalid: int = 0, min_shared_tokens: int = MIN_SHARED_TOKENS,
