@@ -6,8 +6,8 @@ chunk, so at a million rows `plan` took the sum of both (BENCHMARKS.md, "A milli
 is a module-level function and its arguments; its result is the value the caller's own thread
 would have computed, so nothing after it changes.
 
-A worker is `python -m pipeline.run.workers`, fed pickled tasks on its stdin and answering on its
-stdout, one frame each (8-byte length, then the pickle), in order. Not multiprocessing: its
+A worker is a Python process running this module's `main` (imported by its name, not as
+`__main__`), fed pickled tasks on its stdin and answering on its stdout, one frame each (8-byte length, then the pickle), in order. Not multiprocessing: its
 `spawn` start imports the caller's main module again, which a script calling the Python API
 without a `__main__` guard would run again; and forking this process would fork the reader's
 thread and the Rust tokenizer's pool. Task i goes to worker i mod N, so answers are taken in
@@ -26,7 +26,13 @@ import sys
 import threading
 from typing import IO, Any, Callable, Iterable
 
+from pipeline.errors import BatchgenError
 from pipeline.model.cpus import available_cpus
+
+
+class WorkerError(BatchgenError, RuntimeError):
+    """A worker process stopped before it answered (killed, as by the kernel's out-of-memory killer),
+    or a task's answer could not be sent back."""
 
 
 def worker_count() -> int:
@@ -49,8 +55,9 @@ def _read(src: IO[bytes]) -> bytes | None:
 class _Worker:
     def __init__(self) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # this process's modules
-        self.proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env=env)
+        # imported by its name, not run as __main__: what it pickles (its own WorkerError) unpickles here
+        self.proc = subprocess.Popen([sys.executable, "-c", f"from {__name__} import main; main()"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self.answers: queue.Queue[bytes | None] = queue.Queue()
         self.reader = threading.Thread(target=self._drain, daemon=True, name="batchgen-worker-answers")
         self.reader.start()
@@ -63,7 +70,8 @@ class _Worker:
     def answer(self) -> Any:
         frame = self.answers.get()
         if frame is None:
-            raise RuntimeError(f"a batchgen worker process stopped (exit status {self.proc.wait()})")
+            raise WorkerError(f"a batchgen worker process stopped (exit status {self.proc.wait()}) before it "
+                              "answered; rerun the command (with less memory in use, if it was killed for it)")
         kind, value = pickle.loads(frame)
         if kind == "error":
             raise value
@@ -149,8 +157,4 @@ def main() -> None:
         try:
             _write(out, answer)
         except (pickle.PicklingError, TypeError, AttributeError) as e:  # an answer or error pickle cannot carry
-            _write(out, ("error", RuntimeError(f"{answer[0]} of a batchgen worker's task could not be sent: {e}")))
-
-
-if __name__ == "__main__":
-    main()
+            _write(out, ("error", WorkerError(f"the {answer[0]} answer of a batchgen worker's task could not be sent: {e}")))

@@ -1,5 +1,6 @@
 """The CLI as the end-to-end tests drive it: job files written, `batchgen` invoked in-process."""
 import json
+import os
 
 from click.testing import CliRunner
 
@@ -18,3 +19,8 @@ def run(args, model_dir, ok=True):
     if ok:
         assert result.exit_code == 0, result.output + repr(result.exception)
     return result
+
+
+def die(*args, **kwargs):
+    """A worker process's task that kills its process (tests/run/test_workers.py)."""
+    os._exit(9)

@@ -20,6 +20,7 @@ from pipeline.run.options import RunOptions
 from pipeline.run.planning import describe
 from pipeline.run.preflight import check_inputs
 from pipeline.run.workers import Workers
+from tests.helpers.cli_helpers import die
 
 
 def test_answers_come_in_submission_order_and_errors_are_raised_here():
@@ -110,6 +111,16 @@ def test_plan_and_validate_are_the_same_with_workers(many_chunks, model_dir, mon
     assert list(checked[0].invalid.lines()) == list(checked[1].invalid.lines())
     assert (checked[0].orders == checked[1].orders).all() and checked[0].total == checked[1].total == 1204
     assert tasks.count("tokenize_in_worker") >= 40
+
+
+def test_a_worker_killed_mid_run_is_one_line_from_the_cli(many_chunks, model_dir, monkeypatch):
+    """As the out-of-memory killer would: the command fails with one line, no traceback."""
+    monkeypatch.setattr(preflight, "tokenize_in_worker", die)
+    monkeypatch.setattr("pipeline.run.workers.worker_count", lambda: 2)
+    for command in (["plan", "--json"], ["validate"]):
+        res = CliRunner().invoke(main, [command[0], str(many_chunks), *command[1:], "--model", str(model_dir)])
+        assert res.exit_code == 1 and isinstance(res.exception, SystemExit), res.output
+        assert "worker process stopped (exit status 9)" in res.output and "Traceback" not in res.output
 
 
 def test_the_cli_uses_workers_and_says_the_same(many_chunks, model_dir, monkeypatch):
