@@ -41,7 +41,9 @@
 #define G BATCHGEN_G
 #define D BATCHGEN_D
 enum { W = 16 }; /* floats per vector; keys per prefill tile */
-enum { PREFILL_WIDEN = 0, PREFILL_DOTS = 1, PREFILL_AMX = 2 }; /* prefill_attention's kernels (native.PREFILL) */
+/* prefill_attention's kernels (native.PREFILL): float32 on the 32-lane tile (bfloat16 widened onto the
+ * 16-lane one), AVX-512 BF16 dot products, AMX tiles, and the 16-lane tile for either (the reference) */
+enum { PREFILL_WIDEN = 0, PREFILL_DOTS = 1, PREFILL_AMX = 2, PREFILL_TILE16 = 3 };
 _Static_assert(D % W == 0 && D <= 8 * W && G >= 1 && G <= 8, "head size 16-128 in steps of 16, 1-8 query heads a key head");
 
 #if defined(__AVX512F__)
@@ -67,6 +69,12 @@ static inline __attribute__((always_inline)) vf ld(const void *p, int64_t i, int
 }
 
 static inline __attribute__((always_inline)) void st(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+/* a * b + c rounded once, written out: where a tile writes `c += a * b`, GCC contracts it or not
+ * case by case (it did not in a partial block's scores), and the tiles must round alike */
+static inline __attribute__((always_inline)) vf fma16(vf a, vf b, vf c) {
+    return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+}
 
 /* e^x for x <= 0, 0 below -87 (Cephes' expf: range reduction by ln 2, degree-6 polynomial; n
  * rounded by adding and taking away 1.5 x 2^23, the power of two applied by vscalefps: fewer
@@ -193,7 +201,7 @@ static inline __attribute__((always_inline)) void tile_scores(vf *s, const float
     for (int j = 0; j < W; j++) s[j] = SPLAT(0.0f);
     for (int i = 0; i < D; i++) {
         vf qi = ld(qt, i * W, 0);
-        for (int j = 0; j < W; j++) s[j] += qi * k[(j < n ? j : 0) * D + i];
+        for (int j = 0; j < W; j++) s[j] = fma16(qi, SPLAT(k[(j < n ? j : 0) * D + i]), s[j]);
     }
 }
 
@@ -203,9 +211,9 @@ static inline __attribute__((always_inline)) void tile_values(float *ot, const v
                                                                vf rescale) {
     for (int c = 0; c < D / W; c++) {
         vf o[W];
-        for (int i = 0; i < W; i++) o[i] = ld(ot, (W * c + i) * W, 0) * rescale;
+        for (int i = 0; i < W; i++) o[i] = (vf)_mm512_mul_ps((__m512)ld(ot, (W * c + i) * W, 0), (__m512)rescale);
         for (int j = 0; j < n; j++)
-            for (int i = 0; i < W; i++) o[i] += s[j] * v[j * D + W * c + i];
+            for (int i = 0; i < W; i++) o[i] = fma16(s[j], SPLAT(v[j * D + W * c + i]), o[i]);
         for (int i = 0; i < W; i++) st(ot + (W * c + i) * W, o[i]);
     }
 }
@@ -228,6 +236,95 @@ static void tile_keys(Tile *t, const char *keys, const char *values, int64_t len
             tile_values(t->ot, s, v, W, rescale);
         else
             tile_values(t->ot, s, v, n, rescale);
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * The float32 prefill tile: 32 query rows (two vectors of lanes) against the same blocks of 16
+ * keys. Each key element broadcast (scores) and each value element broadcast (weighted values)
+ * feeds two FMAs, one per half: 10 loads per 16 FMAs where the 16-lane tile has 17, which bound it
+ * on a core with two 512-bit FMA ports (BENCHMARKS.md). Each half is the 16-lane tile's lanes with
+ * the tile's every operation in its order (scores a chain over the dimensions, the softmax folded
+ * per block of 16 keys, the values scaled then summed key by key), so its outputs are the same
+ * bits as two 16-lane tiles'; the multiply-adds are written out so that no contraction differs. */
+enum { PW = 2 * W, KH = 8 }; /* lanes of the tile; keys (scores) and dimensions (values) per register block */
+typedef struct {
+    float qt[D * PW]; /* [D][32] queries, scaled: half h in lanes 16h..16h+15 */
+    float ot[D * PW]; /* [D][32] weighted values, not yet divided by sum */
+    float tmp[W * D]; /* 16 keys or values widened from bfloat16 */
+    vf m[2], sum[2], pos[2]; /* per half, as in Tile */
+} Tile32;
+
+static void tile32_start(Tile32 *t, const void *q, int64_t q_tok, int64_t q_head, const int64_t *tok,
+                         const int64_t *head, const float *pos, float scale, int bf16) {
+    for (int l = 0; l < PW; l++)
+        for (int c = 0; c < D / W; c++) {
+            vf x = ld(q, tok[l] * q_tok + head[l] * q_head + W * c, bf16) * scale;
+            for (int i = 0; i < W; i++) t->qt[(W * c + i) * PW + l] = x[i];
+        }
+    for (int h = 0; h < 2; h++) {
+        memcpy(&t->pos[h], pos + W * h, sizeof(vf));
+        t->m[h] = SPLAT(-1e30f), t->sum[h] = SPLAT(0.0f);
+    }
+    memset(t->ot, 0, sizeof t->ot);
+}
+
+/* Both halves' scores s[h][j] of a block's n keys, 8 keys at a time (16 accumulators); keys j >= n
+ * repeat key 0, masked later (n = W a constant for whole blocks). */
+static inline __attribute__((always_inline)) void tile32_scores(vf s[2][W], const float *qt, const float *k, int n) {
+    for (int j0 = 0; j0 < W; j0 += KH) {
+        vf a0[KH], a1[KH];
+        for (int j = 0; j < KH; j++) a0[j] = a1[j] = SPLAT(0.0f);
+        for (int i = 0; i < D; i++) {
+            vf q0 = ld(qt, i * PW, 0), q1 = ld(qt, i * PW + W, 0);
+            for (int j = 0; j < KH; j++) {
+                vf kj = SPLAT(k[(j0 + j < n ? j0 + j : 0) * D + i]);
+                a0[j] = fma16(q0, kj, a0[j]), a1[j] = fma16(q1, kj, a1[j]);
+            }
+        }
+        for (int j = 0; j < KH; j++) s[0][j0 + j] = a0[j], s[1][j0 + j] = a1[j];
+    }
+}
+
+/* ot = ot * rescale (per half) + the block's n values^T x weights, 8 dimensions at a time. */
+static inline __attribute__((always_inline)) void tile32_values(float *ot, vf s[2][W], const float *v, int n,
+                                                                 vf r0, vf r1) {
+    for (int c = 0; c < D / KH; c++) {
+        vf o0[KH], o1[KH];
+        for (int i = 0; i < KH; i++) {
+            o0[i] = (vf)_mm512_mul_ps((__m512)ld(ot, (KH * c + i) * PW, 0), (__m512)r0);
+            o1[i] = (vf)_mm512_mul_ps((__m512)ld(ot, (KH * c + i) * PW + W, 0), (__m512)r1);
+        }
+        for (int j = 0; j < n; j++) {
+            vf s0 = s[0][j], s1 = s[1][j];
+            for (int i = 0; i < KH; i++) {
+                vf vj = SPLAT(v[j * D + KH * c + i]);
+                o0[i] = fma16(s0, vj, o0[i]), o1[i] = fma16(s1, vj, o1[i]);
+            }
+        }
+        for (int i = 0; i < KH; i++) st(ot + (KH * c + i) * PW, o0[i]), st(ot + (KH * c + i) * PW + W, o1[i]);
+    }
+}
+
+/* As tile_keys, for both halves: keys [0, len) of one head; `causal`: lane l sees keys <= pos[l]
+ * (a half past its own last position meets keys that give it no weight, and leaves it as it was). */
+static void tile32_keys(Tile32 *t, const char *keys, const char *values, int64_t len, int causal, int bf16) {
+    float first0 = t->pos[0][0], first1 = t->pos[1][0];
+    for (int64_t j0 = 0; j0 < len; j0 += W) {
+        int n = len - j0 < W ? (int)(len - j0) : W;
+        const float *k = rows_f32(keys, j0, n, bf16, t->tmp);
+        vf s[2][W];
+        if (n == W)
+            tile32_scores(s, t->qt, k, W);
+        else
+            tile32_scores(s, t->qt, k, n);
+        vf r0 = fold_scores(s[0], n, causal, j0, first0, t->pos[0], &t->m[0], &t->sum[0]);
+        vf r1 = fold_scores(s[1], n, causal, j0, first1, t->pos[1], &t->m[1], &t->sum[1]);
+        const float *v = rows_f32(values, j0, n, bf16, t->tmp);
+        if (n == W)
+            tile32_values(t->ot, s, v, W, r0, r1);
+        else
+            tile32_values(t->ot, s, v, n, r0, r1);
     }
 }
 
@@ -467,6 +564,31 @@ static void prefill_item(const void *arg, int w, void *scratch) {
     }
 }
 
+/* As prefill_item, with 32 lanes (r0..r0+31) on the float32 tile of two halves. */
+static void prefill32_item(const void *arg, int w, void *scratch) {
+    const Prefill *job = arg;
+    Tile32 *t = scratch;
+    int64_t seg = job->items[3 * w], h = job->items[3 * w + 1], r0 = job->items[3 * w + 2];
+    int64_t t0 = job->t0[seg], rows = (job->t1[seg] - t0) * G, off = job->offset[seg], tok[PW], head[PW];
+    float pos[PW];
+    for (int l = 0; l < PW; l++) { /* lanes past the end repeat the last row; their outputs are dropped */
+        int64_t r = r0 + l < rows ? r0 + l : rows - 1;
+        tok[l] = t0 + r / G, head[l] = h * G + r % G, pos[l] = (float)(off + r / G);
+    }
+    int64_t la = job->anc_k[seg] ? job->anc_len[seg] : 0, cap = job->own_cap[seg];
+    int64_t own = (job->own_index[seg] * job->hkv + h) * cap * D * 4;
+    tile32_start(t, job->q, job->q_tok, job->q_head, tok, head, pos, job->scale, 0);
+    if (la)
+        tile32_keys(t, (const char *)job->anc_k[seg] + h * la * D * 4, (const char *)job->anc_v[seg] + h * la * D * 4,
+                    la, 0, 0);
+    tile32_keys(t, (const char *)job->own_k[seg] + own, (const char *)job->own_v[seg] + own, (int64_t)pos[PW - 1] + 1,
+                1, 0);
+    for (int l = 0; l < PW && r0 + l < rows; l++) {
+        float *dst = job->out + (tok[l] * job->hq + head[l]) * D, inv = 1.0f / t->sum[l / W][l % W];
+        for (int i = 0; i < D; i++) dst[i] = t->ot[i * PW + l] * inv;
+    }
+}
+
 /* Slices of the anchors' keys for phase A: more items than `items` when they would leave threads
  * idle at the end (as flash decoding splits a long context), each slice at least `least` keys of
  * the shortest anchor. */
@@ -602,14 +724,15 @@ int batchgen_prefill_attention(int nseg, int hq, int hkv, int d, int bf16, const
                                const int64_t *own_v, const int64_t *own_cap, const int64_t *own_index,
                                const int64_t *offset, const int64_t *anc_k, const int64_t *anc_v,
                                const int64_t *anc_len, float scale, float *out, int threads, int kernel) {
-    if (!ok(hq, hkv, d, bf16) || kernel < PREFILL_WIDEN || kernel > PREFILL_AMX) return 1;
+    if (!ok(hq, hkv, d, bf16) || kernel < PREFILL_WIDEN || kernel > PREFILL_TILE16) return 1;
 #if defined(__AVX512F__)
     int amx = kernel == PREFILL_AMX;
     if (amx && !(bf16 && batchgen_amx())) return 1; /* asked for tiles this CPU or build does not have */
+    int wide = !bf16 && kernel == PREFILL_WIDEN; /* float32 on the 32-lane tile */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-    int lanes = amx ? AL : W, items = 0;
+    int lanes = amx ? AL : wide ? PW : W, items = 0;
 #else
-    int lanes = W, items = 0; /* (amx was refused above: no tiles in this build) */
+    int lanes = wide ? PW : W, items = 0; /* (amx was refused above: no tiles in this build) */
 #endif
     for (int s = 0; s < nseg; s++) items += hkv * (int)((G * (t1[s] - t0[s]) + lanes - 1) / lanes);
     int64_t *list = malloc(sizeof(int64_t) * 3 * (size_t)(items ? items : 1));
@@ -626,7 +749,8 @@ int batchgen_prefill_attention(int nseg, int hq, int hkv, int d, int bf16, const
         failed = amx_prefill(&job, nseg, items, threads);
     else
 #endif
-        failed = run(prefill_item, &job, items, sizeof(Tile), threads);
+        failed = wide ? run(prefill32_item, &job, items, sizeof(Tile32), threads)
+                      : run(prefill_item, &job, items, sizeof(Tile), threads);
     free(list);
     return failed;
 #else

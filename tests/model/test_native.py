@@ -3,6 +3,8 @@ engine on them against the engine on PyTorch's kernels and against plain generat
 import os
 import platform
 
+import random
+
 import pytest
 import torch
 
@@ -146,8 +148,8 @@ def _reference(q, keys, values, anchor, last):
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype,kernel", [(torch.float32, "widen"), (torch.bfloat16, "widen"), (torch.bfloat16, "dots"),
-                                          (torch.bfloat16, "amx")])
+@pytest.mark.parametrize("dtype,kernel", [(torch.float32, "widen"), (torch.float32, "tile16"), (torch.bfloat16, "widen"),
+                                          (torch.bfloat16, "dots"), (torch.bfloat16, "amx")])
 @pytest.mark.parametrize("hq,hkv,d", [(4, 2, 16), (9, 3, 64), (8, 8, 32), (8, 1, 128), (12, 2, 80), (6, 2, 48)])
 @pytest.mark.parametrize("uniform", [False, True])
 def test_prefill_kernel_equals_reference(hq, hkv, d, dtype, kernel, uniform):
@@ -155,7 +157,8 @@ def test_prefill_kernel_equals_reference(hq, hkv, d, dtype, kernel, uniform):
     continuing its row's stored keys under a long anchor, and a prefix prefilled in its own buffer
     after tokens copied from its parent, a second segment under the long anchor; causal by own index, the
     rows' keys already stored. `kernel`: bfloat16 on AVX-512 BF16 dot products (where this CPU has them,
-    else widened), on AMX tiles (refused where `native.amx` says no), or widened to float32.
+    else widened), on AMX tiles (refused where `native.amx` says no), or widened to float32; float32
+    on its 32-lane tile ("widen") or the 16-lane one ("tile16").
     `uniform`: zero queries and values of whole numbers, so every weight is exactly 1 (in bfloat16
     too) and each output the exact mean of the values it reads: a key read twice or missed shows."""
     g = torch.Generator().manual_seed(2)
@@ -195,6 +198,36 @@ def test_prefill_kernel_equals_reference(hq, hkv, d, dtype, kernel, uniform):
         # moves by at most 2^-9 of the largest value it reads
         atol += 2.0 ** -9 * max(x[1].abs().max().item() for x in (*buffers.values(), *anchors))
     assert torch.allclose(out, want, atol=atol, rtol=1e-5), (out - want).abs().max()
+
+
+@needs_kernel
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 16), (9, 3, 64), (8, 8, 32), (8, 1, 128), (12, 2, 80), (3, 1, 48)])
+def test_prefill_32_lanes_are_the_16_lane_tiles_bits(hq, hkv, d):
+    """float32 prefill on its 32-lane tile gives the 16-lane tile's outputs bit for bit: segments of
+    1 to 70 tokens (lane counts on both sides of every multiple of 16 and 32, tiles with one half
+    past the rows), fresh or continuing after up to 40 stored keys, under anchors of 0 to 100 keys."""
+    g = torch.Generator().manual_seed(9)
+    rng = random.Random(9)
+    for trial in range(6):
+        n_seg = rng.randint(1, 6)
+        sizes = [rng.choice([1, 2, 5, 6, 11, 16, 21, 33, 70]) for _ in range(n_seg)]
+        offsets = [rng.choice([0, 0, 3, 17, 40]) for _ in range(n_seg)]
+        cap = max(o + n for o, n in zip(offsets, sizes))
+        own_k, own_v = (torch.randn(n_seg, hkv, cap, d, generator=g) for _ in range(2))
+        lens = [rng.choice([0, 1, 15, 16, 17, 100]) for _ in range(n_seg)]
+        anchors = [tuple(torch.randn(1, hkv, max(n, 1), d, generator=g) for _ in range(2)) for n in lens]
+        t = sum(sizes)
+        q = torch.randn(t, hq, d, generator=g)
+        starts = [sum(sizes[:i]) for i in range(n_seg)]
+        lt = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+        args = (q, hkv, lt(starts), lt([a + n for a, n in zip(starts, sizes)]), lt([own_k.data_ptr()] * n_seg),
+                lt([own_v.data_ptr()] * n_seg), lt([cap] * n_seg), lt(list(range(n_seg))), lt(offsets),
+                lt([a[0].data_ptr() if n else 0 for a, n in zip(anchors, lens)]),
+                lt([a[1].data_ptr() if n else 0 for a, n in zip(anchors, lens)]), lt(lens), d ** -0.5)
+        wide, narrow = torch.full((t, hq, d), float("nan")), torch.full((t, hq, d), float("nan"))
+        assert native.prefill_attention(*args, wide, kernel="widen")
+        assert native.prefill_attention(*args, narrow, kernel="tile16")
+        assert torch.equal(wide, narrow), (trial, sizes, offsets, lens, (wide - narrow).abs().max())
 
 
 def test_bf16_dots_where_the_cpu_runs_them_fast():
