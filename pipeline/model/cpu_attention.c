@@ -527,63 +527,71 @@ static int by_anchor(const void *a, const void *b) { /* (anchor pointer, row or 
 
 #include "cpu_amx_prefill.c" /* amx_prefill: the prefill pass on AMX tiles */
 
+/* Item w of a prefill pass: its segment, key head and first row, the segment's rows, its anchor's
+ * keys and where its key head's own keys start (bytes into the own buffer); with `lanes` lanes
+ * filled in: lane l is query head head[l] of token tok[l] at own index pos[l] (ascending; lanes past
+ * the end repeat the last row, their outputs dropped). */
+typedef struct {
+    int64_t seg, h, r0, rows, la, own;
+} PrefillLanes;
+
+static PrefillLanes prefill_lanes(const Prefill *job, int w, int lanes, int64_t *tok, int64_t *head, float *pos) {
+    PrefillLanes p = {job->items[3 * w], job->items[3 * w + 1], job->items[3 * w + 2], 0, 0, 0};
+    int64_t t0 = job->t0[p.seg], off = job->offset[p.seg];
+    p.rows = (job->t1[p.seg] - t0) * G;
+    for (int l = 0; l < lanes; l++) {
+        int64_t r = p.r0 + l < p.rows ? p.r0 + l : p.rows - 1;
+        tok[l] = t0 + r / G, head[l] = p.h * G + r % G, pos[l] = (float)(off + r / G);
+    }
+    p.la = job->anc_k[p.seg] ? job->anc_len[p.seg] : 0;
+    p.own = (job->own_index[p.seg] * job->hkv + p.h) * job->own_cap[p.seg] * D * (job->bf16 ? 2 : 4);
+    return p;
+}
+
 static void prefill_item(const void *arg, int w, void *scratch) {
     const Prefill *job = arg;
     Tile *t = scratch;
-    int64_t seg = job->items[3 * w], h = job->items[3 * w + 1], r0 = job->items[3 * w + 2];
-    int64_t t0 = job->t0[seg], rows = (job->t1[seg] - t0) * G, off = job->offset[seg], tok[W], head[W];
+    int64_t tok[W], head[W], es = job->bf16 ? 2 : 4;
     float pos[W];
-    for (int l = 0; l < W; l++) { /* lanes past the end repeat the last row; their outputs are dropped */
-        int64_t r = r0 + l < rows ? r0 + l : rows - 1;
-        tok[l] = t0 + r / G, head[l] = h * G + r % G, pos[l] = (float)(off + r / G);
-    }
-    int64_t la = job->anc_k[seg] ? job->anc_len[seg] : 0, cap = job->own_cap[seg], es = job->bf16 ? 2 : 4;
-    int64_t own = (job->own_index[seg] * job->hkv + h) * cap * D * es;
+    PrefillLanes p = prefill_lanes(job, w, W, tok, head, pos);
+    const char *ak = (const char *)job->anc_k[p.seg], *av = (const char *)job->anc_v[p.seg];
+    const char *mk = (const char *)job->own_k[p.seg] + p.own, *mv = (const char *)job->own_v[p.seg] + p.own;
 #if defined(__AVX512BF16__)
     if (job->bf16 && job->kernel == PREFILL_DOTS) {
         TileBf *b = scratch;
         tile_bf16_start(b, job->q, job->q_tok, job->q_head, tok, head, pos);
-        if (la)
-            tile_bf16_keys(b, (const uint16_t *)job->anc_k[seg] + h * la * D, (const uint16_t *)job->anc_v[seg] + h * la * D,
-                           la, 0, job->scale);
-        tile_bf16_keys(b, (const uint16_t *)((const char *)job->own_k[seg] + own),
-                       (const uint16_t *)((const char *)job->own_v[seg] + own), (int64_t)pos[W - 1] + 1, 1, job->scale);
-        tile_bf16_out(b, job->out, job->hq, tok, head, rows - r0);
+        if (p.la)
+            tile_bf16_keys(b, (const uint16_t *)ak + p.h * p.la * D, (const uint16_t *)av + p.h * p.la * D, p.la, 0,
+                           job->scale);
+        tile_bf16_keys(b, (const uint16_t *)mk, (const uint16_t *)mv, (int64_t)pos[W - 1] + 1, 1, job->scale);
+        tile_bf16_out(b, job->out, job->hq, tok, head, p.rows - p.r0);
         return;
     }
 #endif
     tile_start(t, job->q, job->q_tok, job->q_head, tok, head, pos, job->scale, job->bf16);
-    if (la)
-        tile_keys(t, (const char *)job->anc_k[seg] + h * la * D * es, (const char *)job->anc_v[seg] + h * la * D * es,
-                  la, 0, job->bf16);
-    tile_keys(t, (const char *)job->own_k[seg] + own, (const char *)job->own_v[seg] + own, (int64_t)pos[W - 1] + 1, 1,
-              job->bf16);
-    for (int l = 0; l < W && r0 + l < rows; l++) {
+    if (p.la)
+        tile_keys(t, ak + p.h * p.la * D * es, av + p.h * p.la * D * es, p.la, 0, job->bf16);
+    tile_keys(t, mk, mv, (int64_t)pos[W - 1] + 1, 1, job->bf16);
+    for (int l = 0; l < W && p.r0 + l < p.rows; l++) {
         float *dst = job->out + (tok[l] * job->hq + head[l]) * D, inv = 1.0f / t->sum[l];
         for (int i = 0; i < D; i++) dst[i] = t->ot[i * W + l] * inv;
     }
 }
 
-/* As prefill_item, with 32 lanes (r0..r0+31) on the float32 tile of two halves. */
+/* As prefill_item, float32 only, with 32 lanes (r0..r0+31) on the tile of two halves. */
 static void prefill32_item(const void *arg, int w, void *scratch) {
     const Prefill *job = arg;
     Tile32 *t = scratch;
-    int64_t seg = job->items[3 * w], h = job->items[3 * w + 1], r0 = job->items[3 * w + 2];
-    int64_t t0 = job->t0[seg], rows = (job->t1[seg] - t0) * G, off = job->offset[seg], tok[PW], head[PW];
+    int64_t tok[PW], head[PW];
     float pos[PW];
-    for (int l = 0; l < PW; l++) { /* lanes past the end repeat the last row; their outputs are dropped */
-        int64_t r = r0 + l < rows ? r0 + l : rows - 1;
-        tok[l] = t0 + r / G, head[l] = h * G + r % G, pos[l] = (float)(off + r / G);
-    }
-    int64_t la = job->anc_k[seg] ? job->anc_len[seg] : 0, cap = job->own_cap[seg];
-    int64_t own = (job->own_index[seg] * job->hkv + h) * cap * D * 4;
+    PrefillLanes p = prefill_lanes(job, w, PW, tok, head, pos);
+    const char *ak = (const char *)job->anc_k[p.seg], *av = (const char *)job->anc_v[p.seg];
     tile32_start(t, job->q, job->q_tok, job->q_head, tok, head, pos, job->scale, 0);
-    if (la)
-        tile32_keys(t, (const char *)job->anc_k[seg] + h * la * D * 4, (const char *)job->anc_v[seg] + h * la * D * 4,
-                    la, 0, 0);
-    tile32_keys(t, (const char *)job->own_k[seg] + own, (const char *)job->own_v[seg] + own, (int64_t)pos[PW - 1] + 1,
-                1, 0);
-    for (int l = 0; l < PW && r0 + l < rows; l++) {
+    if (p.la)
+        tile32_keys(t, ak + p.h * p.la * D * 4, av + p.h * p.la * D * 4, p.la, 0, 0);
+    tile32_keys(t, (const char *)job->own_k[p.seg] + p.own, (const char *)job->own_v[p.seg] + p.own,
+                (int64_t)pos[PW - 1] + 1, 1, 0);
+    for (int l = 0; l < PW && p.r0 + l < p.rows; l++) {
         float *dst = job->out + (tok[l] * job->hq + head[l]) * D, inv = 1.0f / t->sum[l / W][l % W];
         for (int i = 0; i < D; i++) dst[i] = t->ot[i * PW + l] * inv;
     }
