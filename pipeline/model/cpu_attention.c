@@ -147,14 +147,20 @@ typedef struct {
     vf m, sum, pos;  /* running maximum and sum of weights; each lane's own index (causal part) */
 } Tile;
 
+/* A tile's queries, scaled, as qt [D][lanes]: lane l is query head head[l] of token tok[l]. */
+static void tile_queries(float *qt, int lanes, const void *q, int64_t q_tok, int64_t q_head, const int64_t *tok,
+                         const int64_t *head, float scale, int bf16) {
+    for (int l = 0; l < lanes; l++)
+        for (int c = 0; c < D / W; c++) {
+            vf x = ld(q, tok[l] * q_tok + head[l] * q_head + W * c, bf16) * scale;
+            for (int i = 0; i < W; i++) qt[(W * c + i) * lanes + l] = x[i];
+        }
+}
+
 /* Lane l is query head head[l] of token tok[l], at own index pos[l] (ascending). */
 static void tile_start(Tile *t, const void *q, int64_t q_tok, int64_t q_head, const int64_t *tok,
                        const int64_t *head, const float *pos, float scale, int bf16) {
-    for (int l = 0; l < W; l++)
-        for (int c = 0; c < D / W; c++) {
-            vf x = ld(q, tok[l] * q_tok + head[l] * q_head + W * c, bf16) * scale;
-            for (int i = 0; i < W; i++) t->qt[(W * c + i) * W + l] = x[i];
-        }
+    tile_queries(t->qt, W, q, q_tok, q_head, tok, head, scale, bf16);
     memcpy(&t->pos, pos, sizeof t->pos);
     t->m = SPLAT(-1e30f), t->sum = SPLAT(0.0f);
     memset(t->ot, 0, sizeof t->ot);
@@ -251,17 +257,12 @@ enum { PW = 2 * W, KH = 8 }; /* lanes of the tile; keys (scores) and dimensions 
 typedef struct {
     float qt[D * PW]; /* [D][32] queries, scaled: half h in lanes 16h..16h+15 */
     float ot[D * PW]; /* [D][32] weighted values, not yet divided by sum */
-    float tmp[W * D]; /* 16 keys or values widened from bfloat16 */
     vf m[2], sum[2], pos[2]; /* per half, as in Tile */
 } Tile32;
 
-static void tile32_start(Tile32 *t, const void *q, int64_t q_tok, int64_t q_head, const int64_t *tok,
-                         const int64_t *head, const float *pos, float scale, int bf16) {
-    for (int l = 0; l < PW; l++)
-        for (int c = 0; c < D / W; c++) {
-            vf x = ld(q, tok[l] * q_tok + head[l] * q_head + W * c, bf16) * scale;
-            for (int i = 0; i < W; i++) t->qt[(W * c + i) * PW + l] = x[i];
-        }
+static void tile32_start(Tile32 *t, const float *q, int64_t q_tok, int64_t q_head, const int64_t *tok,
+                         const int64_t *head, const float *pos, float scale) {
+    tile_queries(t->qt, PW, q, q_tok, q_head, tok, head, scale, 0);
     for (int h = 0; h < 2; h++) {
         memcpy(&t->pos[h], pos + W * h, sizeof(vf));
         t->m[h] = SPLAT(-1e30f), t->sum[h] = SPLAT(0.0f);
@@ -306,13 +307,13 @@ static inline __attribute__((always_inline)) void tile32_values(float *ot, vf s[
     }
 }
 
-/* As tile_keys, for both halves: keys [0, len) of one head; `causal`: lane l sees keys <= pos[l]
- * (a half past its own last position meets keys that give it no weight, and leaves it as it was). */
-static void tile32_keys(Tile32 *t, const char *keys, const char *values, int64_t len, int causal, int bf16) {
+/* As tile_keys, for both halves: keys [0, len) of one float32 head; `causal`: lane l sees keys <=
+ * pos[l] (a half past its own last position meets keys that give it no weight, and leaves it as it was). */
+static void tile32_keys(Tile32 *t, const float *keys, const float *values, int64_t len, int causal) {
     float first0 = t->pos[0][0], first1 = t->pos[1][0];
     for (int64_t j0 = 0; j0 < len; j0 += W) {
         int n = len - j0 < W ? (int)(len - j0) : W;
-        const float *k = rows_f32(keys, j0, n, bf16, t->tmp);
+        const float *k = keys + j0 * D, *v = values + j0 * D;
         vf s[2][W];
         if (n == W)
             tile32_scores(s, t->qt, k, W);
@@ -320,7 +321,6 @@ static void tile32_keys(Tile32 *t, const char *keys, const char *values, int64_t
             tile32_scores(s, t->qt, k, n);
         vf r0 = fold_scores(s[0], n, causal, j0, first0, t->pos[0], &t->m[0], &t->sum[0]);
         vf r1 = fold_scores(s[1], n, causal, j0, first1, t->pos[1], &t->m[1], &t->sum[1]);
-        const float *v = rows_f32(values, j0, n, bf16, t->tmp);
         if (n == W)
             tile32_values(t->ot, s, v, W, r0, r1);
         else
@@ -585,12 +585,12 @@ static void prefill32_item(const void *arg, int w, void *scratch) {
     int64_t tok[PW], head[PW];
     float pos[PW];
     PrefillLanes p = prefill_lanes(job, w, PW, tok, head, pos);
-    const char *ak = (const char *)job->anc_k[p.seg], *av = (const char *)job->anc_v[p.seg];
-    tile32_start(t, job->q, job->q_tok, job->q_head, tok, head, pos, job->scale, 0);
+    const float *ak = (const float *)job->anc_k[p.seg], *av = (const float *)job->anc_v[p.seg];
+    tile32_start(t, job->q, job->q_tok, job->q_head, tok, head, pos, job->scale);
     if (p.la)
-        tile32_keys(t, ak + p.h * p.la * D * 4, av + p.h * p.la * D * 4, p.la, 0, 0);
-    tile32_keys(t, (const char *)job->own_k[p.seg] + p.own, (const char *)job->own_v[p.seg] + p.own,
-                (int64_t)pos[PW - 1] + 1, 1, 0);
+        tile32_keys(t, ak + p.h * p.la * D, av + p.h * p.la * D, p.la, 0);
+    tile32_keys(t, (const float *)((const char *)job->own_k[p.seg] + p.own),
+                (const float *)((const char *)job->own_v[p.seg] + p.own), (int64_t)pos[PW - 1] + 1, 1);
     for (int l = 0; l < PW && p.r0 + l < p.rows; l++) {
         float *dst = job->out + (tok[l] * job->hq + head[l]) * D, inv = 1.0f / t->sum[l / W][l % W];
         for (int i = 0; i < D; i++) dst[i] = t->ot[i * PW + l] * inv;
