@@ -143,7 +143,7 @@ def summarize(index: PrefixIndex, *, invalid: int = 0, min_shared_tokens: int = 
 
 
 def plan_window(lengths: np.ndarray, held: np.ndarray, weights: np.ndarray, first: np.ndarray, shapes: RequestShape,
-            min_shared_tokens: int, max_batch_tokens: int, adapters: np.ndarray | None = None) -> WindowPlan:
+                min_shared_tokens: int, max_batch_tokens: int, adapters: np.ndarray | None = None) -> WindowPlan:
     # a window's plan is millions of small lists and tuples, none in a cycle (refcounts free them):
     # without the collector's passes over the whole heap they trigger, it takes half the time
     enabled = gc.isenabled()
