@@ -7,22 +7,24 @@ Suffixes of 30-400 tokens over anchors of 400 (the engine's shape on a few-shot 
 heads (9 query heads, 3 key heads of 64). FLOPs: 4 x head size per (query head, key) pair a token
 reads (its anchor and its own keys up to itself). Systems take turns in one process, since this
 machine is shared and its speed drifts; medians, GFLOP/s, and each system's ratio to float32.
+A path this CPU lacks (AMX tiles, AVX-512 BF16) is left out. `--old REV` adds each bfloat16 path
+again on the kernels built from another revision's sources ("old ...", as `bench_kernel_turns`).
 
-    python -m bench.bench_prefill --turns 21 --threads 1
+    python -m bench.bench_prefill --turns 21 --threads 1 [--old HEAD]
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from bench.bench_attention import cpu_model
+from bench.bench_kernel_turns import old_library
 from pipeline.model import native
-
-SYSTEMS = ["float32", "bf16-widened", "bf16-dots", "bf16-amx"]
-
 
 def case(dtype: torch.dtype, hq: int, hkv: int, d: int, suffixes: int, anchor: int, seed: int = 0):
     """The call's arguments and its FLOPs: `suffixes` rows of 30-400 tokens in row slots, each over
@@ -51,30 +53,44 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--suffixes", type=int, default=16)
     p.add_argument("--anchor", type=int, default=400)
+    p.add_argument("--old", default=None, help="a git revision whose kernels to run beside these")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     hq, hkv, d = 9, 3, 64
     cases = {"float32": case(torch.float32, hq, hkv, d, a.suffixes, a.anchor),
              "bf16": case(torch.bfloat16, hq, hkv, d, a.suffixes, a.anchor)}
-    calls = {"float32": lambda: native.prefill_attention(*cases["float32"][0]),
-             "bf16-widened": lambda: native.prefill_attention(*cases["bf16"][0], kernel="widen"),
-             "bf16-dots": lambda: native.prefill_attention(*cases["bf16"][0], kernel="dots"),
-             "bf16-amx": lambda: native.prefill_attention(*cases["bf16"][0], kernel="amx")}
-    times = {s: [] for s in SYSTEMS}
-    for s in SYSTEMS:
-        assert calls[s]()  # built and warm
+    kernels = {"float32": ("float32", None), "bf16-widened": ("bf16", "widen"), "bf16-dots": ("bf16", "dots"),
+               "bf16-amx": ("bf16", "amx")}
+    libs = {"": native._lib(hq // hkv, d)}
+    if a.old:
+        libs["old "] = old_library(a.old, hq // hkv, d, Path(tempfile.mkdtemp()))
+
+    def call(lib, dtype: str, kernel: str | None) -> bool:
+        native._libs[(hq // hkv, d)] = lib
+        return native.prefill_attention(*cases[dtype][0], kernel=kernel)
+
+    calls = {}
+    for tag, lib in libs.items():
+        for s, (dtype, kernel) in kernels.items():
+            if (tag and dtype == "float32") or (s == "bf16-amx" and not native.amx(torch.bfloat16, hq, hkv, d)) \
+                    or (s == "bf16-dots" and not native.bf16_dots(hq, hkv, d, fast_only=False)):
+                continue  # the old float32 tile is not what this compares; a path this CPU lacks
+            calls[tag + s] = (lambda lib=lib, dtype=dtype, kernel=kernel: call(lib, dtype, kernel))
+    times = {s: [] for s in calls}
+    for s in calls:
+        assert calls[s](), s  # built and warm
     for _ in range(a.turns):
-        for s in SYSTEMS:
+        for s in calls:
             t0 = time.perf_counter()
             calls[s]()
             times[s].append(time.perf_counter() - t0)
     print(f"{cpu_model()}; {a.threads} thread(s); bf16 dot products: {native.bf16_dots(hq, hkv, d)}; "
           f"{a.suffixes} suffixes over anchors of {a.anchor}; {a.turns} turns")
     base = statistics.median(times["float32"])
-    for s in SYSTEMS:
+    for s in calls:
         m = statistics.median(times[s])
         flops = cases["float32" if s == "float32" else "bf16"][1]
-        print(f"{s:13s} {m * 1e3:8.2f} ms  {flops / m / 1e9:7.1f} GFLOP/s  float32 / this {base / m:5.2f}")
+        print(f"{s:17s} {m * 1e3:8.2f} ms  {flops / m / 1e9:7.1f} GFLOP/s  float32 / this {base / m:5.2f}")
     return 0
 
 
