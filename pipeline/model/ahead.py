@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import BatchgenError
 from pipeline.model import load
 from pipeline.model.load import _own_decoder_config, model_source, resolve_device
+
+if TYPE_CHECKING:
+    from pipeline.model.prepack import Prepack
 
 # While the model loads, a thread holding the GIL hands it on this often (Python's default is
 # 5 ms): each of the loader's torch ops needs the GIL back to return, and waiting the default at
@@ -34,8 +37,10 @@ class ModelAhead:
     where that overlaps (see the module's docstring), else run by `result`."""
 
     def __init__(self, name_or_path: str | None, device: str = "auto", dtype: str = "auto",
-                 trust_remote_code: bool = False) -> None:
+                 trust_remote_code: bool = False, prepack: Prepack | None = None) -> None:
+        """`prepack`: layers packed while torch was imported, for `load_model` (`pipeline.model.prepack`)."""
         self._args = (name_or_path, device, dtype, trust_remote_code)
+        self._prepack = prepack
         self._future: Future | None = None
         self._interval = sys.getswitchinterval()
         if _own_decoder_on_cpu(name_or_path, device):
@@ -52,7 +57,7 @@ class ModelAhead:
     def result(self) -> tuple[Any, str]:
         """`load_model`'s result (or its error)."""
         if self._future is None:
-            return load.load_model(*self._args)
+            return self._load()
         return self._future.result()
 
     def discard(self) -> None:
@@ -61,10 +66,12 @@ class ModelAhead:
         if self._future is not None:
             wait([self._future])
             self._future = None
+        if self._prepack is not None:
+            self._prepack.discard()
 
     def _load(self) -> tuple[Any, str]:
         try:
-            return load.load_model(*self._args)
+            return load.load_model(*self._args, prepack=self._prepack)
         finally:
             sys.setswitchinterval(self._interval)
 

@@ -133,9 +133,11 @@ int batchgen_gemm_ok(void) {
 
 #if defined(__AVX512F__)
 typedef struct {
-    const float *w;
+    int64_t parts;              /* the weight's parts, stacked by output: */
+    const float *const *w;      /*   each one's rows, */
+    const int64_t *rows, *ldw;  /*   how many, how many floats apart */
     float *p;
-    int64_t n, k, ldw;
+    int64_t n, k;
     int threads;
 } GemmPack;
 
@@ -145,9 +147,13 @@ static void gemm_pack_item(const void *arg, int w, void *scratch) {
     int64_t panels = (a->n + GEMM_NR - 1) / GEMM_NR, k = a->k;
     for (int64_t pj = panels * w / a->threads; pj < panels * (w + 1) / a->threads; pj++) {
         float *panel = a->p + pj * GEMM_NR * k;
-        for (int64_t j = 0; j < GEMM_NR; j++) { /* w's rows read in order; the panel written 48 apart */
+        int64_t part = 0, first = 0; /* the part holding the panel's first row, and that part's first row */
+        for (; part < a->parts && first + a->rows[part] <= pj * GEMM_NR; part++) first += a->rows[part];
+        for (int64_t j = 0; j < GEMM_NR; j++) { /* the rows read in order; the panel written 48 apart */
             int64_t row = pj * GEMM_NR + j;
-            for (int64_t kk = 0; kk < k; kk++) panel[kk * GEMM_NR + j] = row < a->n ? a->w[row * a->ldw + kk] : 0.0f;
+            for (; part < a->parts && row >= first + a->rows[part]; part++) first += a->rows[part];
+            const float *src = part < a->parts ? a->w[part] + (row - first) * a->ldw[part] : NULL;
+            for (int64_t kk = 0; kk < k; kk++) panel[kk * GEMM_NR + j] = src ? src[kk] : 0.0f;
         }
     }
 }
@@ -157,10 +163,25 @@ static void gemm_pack_item(const void *arg, int w, void *scratch) {
 int batchgen_gemm_pack(int64_t n, int64_t k, const float *w, int64_t ldw, float *p, int threads) {
 #if defined(__AVX512F__)
     threads = gemm_threads(threads, n);
-    GemmPack a = {w, p, n, k, ldw, threads};
+    GemmPack a = {1, &w, &n, &ldw, p, n, k, threads};
     return run(gemm_pack_item, &a, threads, 64, threads);
 #else
     return (void)n, (void)k, (void)w, (void)ldw, (void)p, (void)threads, 1;
+#endif
+}
+
+/* The same for a weight in `parts` parts stacked by output (a fused layer's, each where it lies in
+ * the checkpoint: no concatenated copy first): part i has rows[i] rows of k floats, ldw[i] apart, at w[i]. */
+int batchgen_gemm_pack_parts(int64_t parts, const float *const *w, const int64_t *rows, const int64_t *ldw, int64_t k,
+                             float *p, int threads) {
+#if defined(__AVX512F__)
+    int64_t n = 0;
+    for (int64_t i = 0; i < parts; i++) n += rows[i];
+    threads = gemm_threads(threads, n);
+    GemmPack a = {parts, w, rows, ldw, p, n, k, threads};
+    return run(gemm_pack_item, &a, threads, 64, threads);
+#else
+    return (void)parts, (void)w, (void)rows, (void)ldw, (void)k, (void)p, (void)threads, 1;
 #endif
 }
 

@@ -74,7 +74,10 @@ class Decoder:
     model_code = "batchgen"
     decoder_declined = None
 
-    def __init__(self, config: DecoderConfig, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, config: DecoderConfig, device: torch.device, dtype: torch.dtype,
+                 packed: dict[str, torch.Tensor] | None = None) -> None:
+        """`packed`: linear layers' weights packed for batchgen's GEMM already, by key of
+        `config.linears()` (`pipeline.model.prepack`); used where that GEMM runs them."""
         self.config = config
         self.device, self.dtype = device, dtype
         self.eos_token_ids = eos_list(config.eos_token_id)
@@ -84,11 +87,16 @@ class Decoder:
         weights = _read(c, device, dtype)
         self.embed = weights.pop("model.embed_tokens.weight")  # (V, H)
         self.norm = weights.pop("model.norm.weight")
-        head = self.embed if c.tie_word_embeddings else weights.pop("lm_head.weight")
         # float32 on an AVX-512 CPU: batchgen's GEMM (`native.Gemm`), else oneDNN's on packed weights
-        gemm = native.gemm(dtype, self.hq, self.hkv, self.d) if device.type == "cpu" else None
-        self.linear: Callable[..., Linear] = gemm.linear if gemm is not None else kernels.linear
-        self.lm_head = self.linear(head)
+        self._gemm = native.gemm(dtype, self.hq, self.hkv, self.d) if device.type == "cpu" else None
+        self.linear: Callable[..., Linear] = self._gemm.linear if self._gemm is not None else kernels.linear
+        self._packed = dict(packed or {}) if self._gemm is not None else {}
+        self.prepacked = len(self._packed)  # layers taken packed (the tests read it)
+        # (`Forward.packed_weights`; `load_model` says "cache" or "ahead" for layers it hands over)
+        self.packed_weights = None if self._gemm is None else "ahead" if self._packed else "load"
+        self._linears = {key: (names, bias) for key, names, bias in c.linears()}
+        weights["model.embed_tokens.weight"] = self.embed  # the tied head's weight
+        self.lm_head = self._proj(weights, "lm_head")
         self.layers = [self._layer(weights, f"model.layers.{i}.") for i in range(c.num_hidden_layers)]
         self._cos = self._sin = torch.empty(0, self.d, dtype=dtype, device=device)
         self.adapters: lora.Adapters | None = None  # `set_adapters`
@@ -100,15 +108,24 @@ class Decoder:
 
     def _layer(self, weights: dict[str, torch.Tensor], p: str) -> Layer:
         """Layer `p` out of the checkpoint's tensors (taken from `weights`, so each goes once used)."""
-        def proj(part: str, *names: str) -> Linear:
-            return _fused([weights.pop(f"{p}{part}.{x}_proj.weight") for x in names],
-                          [weights.pop(f"{p}{part}.{x}_proj.bias", None) for x in names], self.linear)
-
-        return Layer(input_norm=weights.pop(p + "input_layernorm.weight"), qkv=proj("self_attn", "q", "k", "v"),
-                     o=proj("self_attn", "o"), post_norm=weights.pop(p + "post_attention_layernorm.weight"),
-                     gate=proj("mlp", "gate"), up=proj("mlp", "up"), down=proj("mlp", "down"),
-                     q_norm=weights.pop(p + "self_attn.q_norm.weight", None),
+        return Layer(input_norm=weights.pop(p + "input_layernorm.weight"), qkv=self._proj(weights, p + "qkv"),
+                     o=self._proj(weights, p + "o"), post_norm=weights.pop(p + "post_attention_layernorm.weight"),
+                     gate=self._proj(weights, p + "gate"), up=self._proj(weights, p + "up"),
+                     down=self._proj(weights, p + "down"), q_norm=weights.pop(p + "self_attn.q_norm.weight", None),
                      k_norm=weights.pop(p + "self_attn.k_norm.weight", None))
+
+    def _proj(self, weights: dict[str, torch.Tensor], key: str) -> Linear:
+        """The linear layer `key` of `config.linears()`: its weights (stacked by output) and biases
+        taken from `weights`, packed here unless they came packed."""
+        names, has_bias = self._linears[key]
+        parts = [weights.pop(n) for n in names]
+        biases = [weights.pop(n.removesuffix("weight") + "bias") for n in names] if has_bias else []
+        bias = torch.cat(biases) if biases else None
+        if key in self._packed:
+            return self._gemm.packed(self._packed.pop(key), sum(w.shape[0] for w in parts), parts[0].shape[1], bias)
+        if self._gemm is not None:  # packed from the parts where they are, no concatenated copy
+            return self._gemm.linear(parts, bias)
+        return _fused(parts, bias, self.linear)
 
     def layer_shapes(self) -> list[LayerShape]:
         return [LayerShape(self.hkv, self.d, self.d)] * self.config.num_hidden_layers
@@ -230,17 +247,14 @@ def _rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     x.mul_(cos).add_(turned)
 
 
-def _fused(weights: list[torch.Tensor], biases: list[torch.Tensor | None], linear: Callable[..., Linear]) -> Linear:
+def _fused(weights: list[torch.Tensor], bias: torch.Tensor | None, linear: Callable[..., Linear]) -> Linear:
     """Linear layers that read the same input as one GEMM (their weights stacked by output), made by
     `linear(weight, bias)`. The weights may be views of the checkpoint's memory map: what is kept
     is always a copy (both packers copy)."""
     w = torch.cat(weights) if len(weights) > 1 else weights[0]
     if w is weights[0] and linear is kernels.linear and not kernels.packs(w.device, w.dtype):
         w = w.clone()
-    b = None
-    if any(b is not None for b in biases):
-        b = torch.cat([b if b is not None else w.new_zeros(x.shape[0]) for b, x in zip(biases, weights)])
-    return linear(w, b)
+    return linear(w, bias)
 
 
 _DTYPES = dict(zip(FLOAT_DTYPES, (torch.float32, torch.bfloat16, torch.float16, torch.float64)))
@@ -250,7 +264,8 @@ def _read(config: DecoderConfig, device: torch.device, dtype: torch.dtype) -> di
     """The checkpoint's tensors the forward reads, in `dtype` on `device`. The files are memory-
     mapped: a linear layer's weight in the checkpoint's dtype is a view of the map, which its packed
     copy replaces, so loading never holds a second copy of every weight (transformers' loader maps
-    the files too); every other tensor is copied out, and the map goes once the views do."""
+    the files too); so is the embedding, which nothing writes; every other tensor is copied out.
+    The map goes once the views do."""
     want, out = config.tensor_names(), {}
     for path in config.files:
         data, tensors = header(path)
@@ -269,6 +284,8 @@ def _read(config: DecoderConfig, device: torch.device, dtype: torch.dtype) -> di
                 warnings.simplefilter("ignore", UserWarning)
                 t = torch.frombuffer(mm, dtype=kind, count=(end - start) // kind.itemsize, offset=data + start)
             t = t.view(meta["shape"])
-            view_ok = name.endswith("_proj.weight") or name == "lm_head.weight"
+            # read only: the linear layers' weights (their packed copies replace them) and the
+            # embedding (its rows are only read; a copy of it was most of the loading's page faults)
+            view_ok = name.endswith("_proj.weight") or name in ("lm_head.weight", "model.embed_tokens.weight")
             out[name] = t.to(device=device, dtype=dtype, copy=not view_ok)
     return out

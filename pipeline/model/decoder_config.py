@@ -115,6 +115,22 @@ class DecoderConfig:
     def tensor_names(self) -> set[str]:
         return set(self.tensor_shapes())
 
+    def linears(self) -> list[tuple[str, tuple[str, ...], bool]]:
+        """The decoder's linear layers: (key, the checkpoint's weights it stacks by output, whether
+        they have biases), in the order the decoder builds them. The weights that read one input
+        are one layer (queries, keys and values; gate and up stay two: fused they were no faster,
+        and oneDNN's scratch for the fused one held more memory at long steps)."""
+        out = []
+        for n in range(self.num_hidden_layers):
+            p = f"model.layers.{n}."
+            for key, part, names, bias in (("qkv", "self_attn", ("q", "k", "v"), self.qkv_bias),
+                                           ("o", "self_attn", ("o",), self.o_bias),
+                                           ("gate", "mlp", ("gate",), self.mlp_bias), ("up", "mlp", ("up",), self.mlp_bias),
+                                           ("down", "mlp", ("down",), self.mlp_bias)):
+                out.append((p + key, tuple(f"{p}{part}.{x}_proj.weight" for x in names), bias))
+        head = "model.embed_tokens.weight" if self.tie_word_embeddings else "lm_head.weight"
+        return out + [("lm_head", (head,), False)]
+
 
 def read(model_dir: str | Path) -> tuple[DecoderConfig | None, str | None]:
     """`(config, None)` if the decoder runs this model directory, else `(None, why not)`: then

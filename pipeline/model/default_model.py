@@ -133,6 +133,13 @@ def _drop_quantization_config(model_dir: Path) -> bool:
     return True
 
 
+def converted_path() -> Path | None:
+    """The converted default model's directory where it is there and needs nothing done to it;
+    None where `default_model_path` would convert or repair it first."""
+    target = cache_dir() / "models" / _CONVERTED_NAME
+    return target if (target / _MARKER).is_file() and not _needs_repair(target) else None
+
+
 def default_model_path() -> Path:
     """Directory of the converted default model, converting it on first use.
 

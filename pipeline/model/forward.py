@@ -30,6 +30,10 @@ class Forward(Protocol):
     # tokenizer's then apply)
     eos_token_ids: list[int] | None
     decoder_declined: str | None  # why batchgen's own decoder does not run it (the summary's `decoder_declined`)
+    # where batchgen's GEMM got its packed float32 layers: "cache" (`pipeline.model.prepack`'s file),
+    # "ahead" (packed under torch's import), "load" (packed loading the model); None: not that GEMM
+    # (the summary's `packed_weights`)
+    packed_weights: str | None
 
     def layer_shapes(self) -> list[LayerShape]:
         """Per layer, the key/value heads and sizes the engine's KV buffers are made for."""

@@ -42,6 +42,7 @@ class HFModel:
         self.config = model.config
         self.eos_token_ids = eos_list(getattr(getattr(model, "generation_config", None), "eos_token_id", None))
         self.decoder_declined = getattr(model, "batchgen_decoder_declined", None)  # set by `load_model`
+        self.packed_weights = None
         # float32 on CPU: oneDNN's GEMM, not MKL's (batchgen's decoder packs its own)
         self.linears = kernels.fast_linears(model)
         if self.device.type == "cpu":

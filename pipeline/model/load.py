@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from pipeline.model.decoder import Decoder
+    from pipeline.model.prepack import Prepack
 
 _DAMAGED = "its weights cannot be read: a safetensors file is damaged or truncated; copy or download it again"
 
@@ -169,6 +170,7 @@ def load_model(
     trust_remote_code: bool = False,
     pack_weights: bool = True,
     own_decoder: bool | None = None,
+    prepack: Prepack | None = None,
 ) -> tuple[PreTrainedModel | Decoder, str]:
     """Load a causal LM for inference on ``device``.
 
@@ -179,6 +181,8 @@ def load_model(
     CPU its linear layers' weights are packed for oneDNN in place (`kernels.pack_in_place`):
     the model is batchgen's, for inference; `pack_weights=False` keeps plain Hugging Face layers.
     A model neither model code runs as transformers' uncached `generate` would (`pipeline.model.runnable`), or whose tensors disagree with its config, is a one-line ModelLoadError.
+    `prepack`: the layers packed while torch was imported (`pipeline.model.prepack`), taken where
+    they are this model's as the decoder runs it.
     Returns ``(model, tokenizer_source)``: the local directory or hub id the
     tokenizer should be loaded from (for the default model, the converted dir).
     """
@@ -196,8 +200,16 @@ def load_model(
     if config is not None:
         from pipeline.model.decoder import Decoder
 
+        import torch
+
+        packed = prepack.take(config, torch_device.type, torch_dtype == torch.float32) if prepack else None
+        tensors = {k: torch.frombuffer(packed.buffer, dtype=torch.float32, count=n, offset=at)
+                   for k, (at, n) in packed.layers.items()} if packed is not None else None
         try:
-            return Decoder(config, torch_device, torch_dtype), source
+            decoder = Decoder(config, torch_device, torch_dtype, packed=tensors)
+            if decoder.prepacked and packed.cached:
+                decoder.packed_weights = "cache"
+            return decoder, source
         except OSError as e:
             raise ModelLoadError(f"model {label!r}: {_DAMAGED} ({e})") from e
 

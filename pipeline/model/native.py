@@ -3,11 +3,8 @@ decode tokens and runs of prefill tokens, each against its anchor and its own ke
 the decoder's norms and MLP gate in one pass each (`LayerOps`, `cpu_layer_ops.c`); and its float32
 linear layers (`Gemm`, `cpu_gemm.c`).
 
-Built on first use with the machine's C compiler (`$CC`, else `cc`), one small library per head
-layout (query heads per key head, head size: a model has one), into batchgen's cache, keyed by
-the source, the flags, the layout and the CPU's instruction set (`-march=native`: a cache shared
-by machines of different CPUs gets one library per CPU); loaded with ctypes. Plain C with no
-Python or torch headers compiles in well under a second, where a torch extension takes a minute.
+Built on first use with the machine's C compiler and loaded with ctypes (`pipeline.model.native_build`,
+which needs no torch).
 
 The kernels need AVX-512 (on AVX2 their 16-float vectors spill: the decode kernel ran slower
 than PyTorch's kernels, BENCHMARKS.md). Decode reads each anchor as matrix products: in AVX-512 registers (with
@@ -22,116 +19,28 @@ kernels (`pipeline.model.attention`): the same results, more slowly. `why_not` s
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-from pipeline.model.files import cache_dir
+from pipeline.model.native_build import (FLAGS, INCLUDED, MAX_FOLD, MAX_HEAD, SOURCE, THREADING,  # noqa: F401
+                                         _cpu_key, _errors, _lib, _libs, declare, enabled, gemm_enabled, layout_ok,
+                                         pack_parts)
 
-SOURCE = Path(__file__).with_name("cpu_attention.c")
-# #included by SOURCE: part of the cache key too
-INCLUDED = [Path(__file__).with_name(n) for n in ("cpu_anchors.c", "cpu_bf16.c", "cpu_amx_prefill.c",
-                                                                  "cpu_layer_ops.c", "cpu_gemm.c")]
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-pthread"]
-# -fopenmp: the kernel's threads are torch's (the loader shares the libgomp.so.1 torch has loaded),
-# which still spin after torch's last op; new pthreads would fight them for the cores (slower:
-# BENCHMARKS.md). A compiler without OpenMP builds the pthreads version.
-THREADING = (["-fopenmp"], ["-fopenmp-simd"])
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 ANCHORS = {"tiles": 0, "matmul": 1, "matmul-avx512": 2}  # decode_attention's kernels for the anchors
 # prefill_attention's kernels: "widen" is float32's 32-lane tile (bfloat16 widened onto the 16-lane one),
 # "dots" and "amx" bfloat16's, "tile16" the 16-lane tile for either (the reference the 32-lane one matches bit for bit)
 PREFILL = {"widen": 0, "dots": 1, "amx": 2, "tile16": 3}
-MAX_FOLD, MAX_HEAD = 8, 128
-
-_libs: dict[tuple[int, int], ctypes.CDLL | None] = {}
-_errors: dict[tuple[int, int], str] = {}
-
-
-def _cpu_key() -> str:
-    """The CPU's feature flags (what -march=native compiles for), else its name."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _build(fold: int, head: int) -> ctypes.CDLL:
-    compiler = os.environ.get("CC", "cc")
-    layout = [f"-DBATCHGEN_G={fold}", f"-DBATCHGEN_D={head}"]
-    source = b"".join(p.read_bytes() for p in [SOURCE, *INCLUDED])
-    key = hashlib.sha256(source + " ".join([compiler, *FLAGS, *layout, _cpu_key()]).encode())
-    target = cache_dir() / "native" / f"cpu_attention-g{fold}-d{head}-{key.hexdigest()[:16]}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # another process may build it too
-        os.close(fd)
-        try:
-            for i, threading in enumerate(THREADING):
-                try:
-                    subprocess.run([compiler, *FLAGS, *threading, *layout, "-o", tmp, str(SOURCE)], check=True,
-                                   capture_output=True, timeout=120)
-                    break
-                except subprocess.CalledProcessError:
-                    if i == len(THREADING) - 1:
-                        raise
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    return declare(ctypes.CDLL(str(target)))
-
-
-def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """The library's entry points with their C signatures (also for a build of another revision's
-    sources, bench_kernel_turns'): ctypes would pass the 64-bit arguments as ints and crash."""
-    i32, i64, ptr, f32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    for f, args in ((lib.batchgen_decode_attention, [i32] * 5 + [ptr, i64, i64, ptr, ptr, i64] + [ptr] * 5
-                     + [f32, ptr, i32, i32]),
-                    (lib.batchgen_prefill_attention, [i32] * 5 + [ptr, i64, i64] + [ptr] * 10 + [f32, ptr, i32, i32]),
-                    (lib.batchgen_supports, [i32] * 5), (lib.batchgen_amx, []), (lib.batchgen_bf16_dots, [i32]),
-                    (lib.batchgen_add_rms_norm, [i64, i64, i32, ptr, ptr, ptr, f32, ptr, i32]),
-                    (lib.batchgen_silu_mul, [i64, i64, i32, ptr, ptr, i64, i32]),
-                    (lib.batchgen_rotary, [i64, i64, i64, i32, ptr, i64, i64, ptr, ptr, i32]),
-                    (lib.batchgen_greedy, [i64, i64, ptr, ptr, ptr, i32]),
-                    (lib.batchgen_layer_ops, []),
-                    (lib.batchgen_store_rows, [i64, i64, i64, i32, ptr, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64, i64,
-                                               ptr, ptr, ptr, i32]),
-                    (lib.batchgen_gemm_ok, []), (lib.batchgen_gemm_pack, [i64, i64, ptr, i64, ptr, i32]),
-                    (lib.batchgen_gemm, [i64, i64, i64, ptr, i64, ptr, ptr, ptr, i32])):
-        f.argtypes = args
-        f.restype = i32
-    return lib
-
-
-def _lib(fold: int, head: int) -> ctypes.CDLL | None:
-    """The library for this layout, built on the first call; None if it cannot be built."""
-    key = (fold, head)
-    if key not in _libs:
-        try:
-            _libs[key] = _build(fold, head)
-        except (OSError, subprocess.SubprocessError) as e:
-            _libs[key] = None
-            stderr = getattr(e, "stderr", b"") or b""
-            _errors[key] = f"{e} {stderr.decode(errors='replace')[-500:]}".strip()
-    return _libs[key]
 
 
 def why_not(dtype: torch.dtype, hq: int, hkv: int, d: int, dv: int) -> str | None:
     """Why the kernel does not serve this layout, or None if it does."""
-    if os.environ.get("BATCHGEN_NATIVE", "1") == "0":
+    if not enabled():
         return "BATCHGEN_NATIVE=0"
     if dtype not in DTYPES:
         return f"{dtype} (float32 and bfloat16 only)"
-    if hkv < 1 or hq % hkv or not 1 <= hq // hkv <= MAX_FOLD or d != dv or d % 16 or not 16 <= d <= MAX_HEAD:
+    if d != dv or not layout_ok(hq, hkv, d):
         return f"{hq} query heads over {hkv} key heads of size {d}/{dv} (1-{MAX_FOLD} per key head, 16-{MAX_HEAD} in steps of 16)"
     lib = _lib(hq // hkv, d)
     if lib is None:
@@ -346,19 +255,35 @@ def store_rows(k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: tor
 GEMM_PANEL = 48  # outputs per panel of a weight packed for `cpu_gemm.c`
 
 
+def packed_size(n: int, k: int) -> int:
+    """Floats of an (n, k) weight packed for `cpu_gemm.c`: whole panels of 48 outputs."""
+    return -(-n // GEMM_PANEL) * GEMM_PANEL * k
+
+
 class Gemm:
     """The decoder's float32 linear layers on `cpu_gemm.c`: `linear(weight, bias)` packs the weight
-    once (a copy: the checkpoint's memory is not kept) and returns the layer's forward."""
+    once (a copy: the checkpoint's memory is not kept) and returns the layer's forward; `packed`
+    takes a weight packed already (`pipeline.model.prepack`)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
 
-    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        assert weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
-        n, k = weight.shape
-        w = weight if weight.stride(1) == 1 else weight.contiguous()
-        packed = torch.empty(-(-n // GEMM_PANEL) * GEMM_PANEL * k, dtype=torch.float32)
-        self._lib.batchgen_gemm_pack(n, k, w.data_ptr(), w.stride(0), packed.data_ptr(), torch.get_num_threads())
+    def linear(self, weight: torch.Tensor | list[torch.Tensor], bias: torch.Tensor | None = None):
+        """`weight` (N, K), or the parts of a fused layer stacked by output, each (N_i, K) (packed
+        from where they are: no concatenated copy first)."""
+        parts = weight if isinstance(weight, list) else [weight]
+        assert all(w.dtype == torch.float32 and w.device.type == "cpu" and w.dim() == 2 for w in parts)
+        parts = [w if w.stride(1) == 1 else w.contiguous() for w in parts]
+        n, k = sum(w.shape[0] for w in parts), parts[0].shape[1]
+        assert all(w.shape[1] == k for w in parts)
+        packed = torch.empty(packed_size(n, k), dtype=torch.float32)
+        pack_parts(self._lib, [(w.data_ptr(), w.shape[0], w.stride(0)) for w in parts], k, packed.data_ptr(),
+                   torch.get_num_threads())
+        return self.packed(packed, n, k, bias)
+
+    def packed(self, packed: torch.Tensor, n: int, k: int, bias: torch.Tensor | None = None):
+        """The forward of an (n, k) weight packed as `linear` packs it."""
+        assert packed.dtype == torch.float32 and packed.numel() == packed_size(n, k) and packed.is_contiguous()
         b = bias.to(torch.float32).contiguous() if bias is not None else None
         lib = self._lib
 
@@ -381,7 +306,7 @@ def gemm(dtype: torch.dtype, hq: int, hkv: int, d: int) -> Gemm | None:
     """The float32 linear layers' kernel for a decoder of this layout on this CPU (its attention
     kernels' library), or None: another dtype (bfloat16 stays on oneDNN's AMX kernels), a layout
     `supports` refuses, no AVX-512, or ``BATCHGEN_GEMM=0`` (oneDNN's, `kernels.linear`)."""
-    if dtype != torch.float32 or os.environ.get("BATCHGEN_GEMM", "1") == "0" or not supports(dtype, hq, hkv, d, d):
+    if dtype != torch.float32 or not gemm_enabled() or not supports(dtype, hq, hkv, d, d):
         return None
     lib = _lib(hq // hkv, d)
     return Gemm(lib) if lib.batchgen_gemm_ok() else None

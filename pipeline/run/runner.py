@@ -47,23 +47,35 @@ if TYPE_CHECKING:
 def process(inputs: Sequence[str], output: str, options: RunOptions,
             progress: Callable[[Progress], None] | None = None) -> dict[str, Any]:
     """Run every valid job of `inputs`; write `output`, its errors file and its summary."""
-    from pipeline.model.ahead import ModelAhead
-    from pipeline.model.hf import as_forward
-    from pipeline.model.kernels import set_threads
-    from pipeline.model.load import DEFAULT_MODEL, resolve_precision
-    from pipeline.run.parts import PartStore, job_set_key, may_resume, read_manifest
-    from pipeline.run.sharding import parse_shard
+    from pipeline.model.prepack import Prepack
 
     started = time.monotonic()
+    # first, before torch's import: the float32 layers pack on a thread under it (prepack.py)
+    prepack = Prepack(options.model, options.device, options.dtype)
+    try:
+        from pipeline.model.ahead import ModelAhead
+        from pipeline.model.hf import as_forward
+        from pipeline.model.kernels import set_threads
+        from pipeline.model.load import DEFAULT_MODEL, resolve_precision
+        from pipeline.run.parts import PartStore, job_set_key, may_resume, read_manifest
+        from pipeline.run.sharding import parse_shard
+    except BaseException:
+        prepack.discard()
+        raise
+
     # from here on a SIGTERM exits 75: at once while nothing is written, between steps after
     with StopOnSignal() as stop:
-        shard = parse_shard(options.shard)
-        check_options(options)
-        check_output(output, options.output_format, options.overwrite, inputs)
-        set_threads(options.threads)
+        try:
+            shard = parse_shard(options.shard)
+            check_options(options)
+            check_output(output, options.output_format, options.overwrite, inputs)
+            set_threads(options.threads)
+        except BaseException:
+            prepack.discard()
+            raise
         bound_kernel_caches()
         # the weights load on a worker thread while the jobs are read and tokenized (ahead.py)
-        model_ahead = ModelAhead(options.model, options.device, options.dtype, options.trust_remote_code)
+        model_ahead = ModelAhead(options.model, options.device, options.dtype, options.trust_remote_code, prepack)
         try:
             checked = check_inputs(list(inputs), options)
         except BaseException:
@@ -191,6 +203,7 @@ class _Run:
                                            pytorch=stats.pytorch_attention_layers),
                  "model_code": used(batchgen=stats.own_decoder_forwards, transformers=stats.transformers_forwards),
                  "decoder_declined": self.model.decoder_declined,
+                 "packed_weights": self.model.packed_weights,
                  "output": self.output,
                  "errors_file": errors_path(self.output, fmt) if counts.failed else None,
                  "resumed_jobs": int(done.sum())}
