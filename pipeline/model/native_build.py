@@ -18,6 +18,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from pipeline.model.files import cache_dir
@@ -35,6 +36,7 @@ MAX_FOLD, MAX_HEAD = 8, 128
 
 _libs: dict[tuple[int, int], ctypes.CDLL | None] = {}
 _errors: dict[tuple[int, int], str] = {}
+_building = threading.Lock()  # a layout's library is built and loaded once (the packing thread asks too)
 
 
 def enabled() -> bool:
@@ -120,12 +122,14 @@ def _lib(fold: int, head: int) -> ctypes.CDLL | None:
     """The library for this layout, built on the first call; None if it cannot be built."""
     key = (fold, head)
     if key not in _libs:
-        try:
-            _libs[key] = _build(fold, head)
-        except (OSError, subprocess.SubprocessError) as e:
-            _libs[key] = None
-            stderr = getattr(e, "stderr", b"") or b""
-            _errors[key] = f"{e} {stderr.decode(errors='replace')[-500:]}".strip()
+        with _building:
+            if key not in _libs:
+                try:
+                    _libs[key] = _build(fold, head)
+                except (OSError, subprocess.SubprocessError) as e:
+                    _libs[key] = None
+                    stderr = getattr(e, "stderr", b"") or b""
+                    _errors[key] = f"{e} {stderr.decode(errors='replace')[-500:]}".strip()
     return _libs[key]
 
 

@@ -43,6 +43,7 @@ from pipeline.model.files import cache_dir
 PANEL = 48  # outputs per packed panel (cpu_gemm.c's GEMM_NR; `native.GEMM_PANEL`)
 FORMAT = 1  # the packed file's layout: panels of PANEL outputs, [panel][k][PANEL] floats, each layer page-aligned
 MAGIC = b"BGPACK01"
+GEMM_SOURCE = Path(__file__).with_name("cpu_gemm.c")  # what packs them: part of a file's key
 SPARE = 2 << 30  # bytes of disk the cache leaves free after writing a file
 KEEP = 8 << 30  # bytes of packed files kept: the most recently used, and always the one just written
 
@@ -64,7 +65,10 @@ class Prepack:
 
     def __init__(self, name_or_path: str | None, device: str = "auto", dtype: str = "auto") -> None:
         self._future: Future | None = None
-        config = _planned(name_or_path, device, dtype)
+        try:
+            config = _planned(name_or_path, device, dtype)
+        except Exception:  # noqa: BLE001  (only a head start: `load_model` decides and reports)
+            config = None
         if config is not None:
             pool = ThreadPoolExecutor(1, thread_name_prefix="batchgen-pack")
             self._future = pool.submit(_packed, config)
@@ -82,8 +86,8 @@ class Prepack:
             return None
         try:
             packed = future.result()
-        except (OSError, ValueError, MemoryError):
-            return None  # the decoder reads the files again and says what is wrong
+        except Exception:  # noqa: BLE001  (the decoder reads the files again and says what is wrong)
+            return None
         if packed is None or device_type != "cpu" or not float32 or packed.config != config \
                 or native_build._libs.get(_layout(config)) is not packed.lib:
             return None
@@ -169,7 +173,8 @@ def _identity(config: DecoderConfig, tensors: dict) -> tuple[str, Path | None]:
     stats = [(os.path.realpath(p), os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in config.files]
     plan = [(key, [(n, tensors[n][2]["shape"], tensors[n][2]["data_offsets"]) for n in names])
             for key, names, _ in config.linears()]
-    key = hashlib.sha256(json.dumps([FORMAT, PANEL, stats, plan]).encode()).hexdigest()
+    code = hashlib.sha256(GEMM_SOURCE.read_bytes()).hexdigest()  # the packing code itself
+    key = hashlib.sha256(json.dumps([FORMAT, PANEL, code, stats, plan]).encode()).hexdigest()
     if os.environ.get("BATCHGEN_PACKED_CACHE", "1") == "0":
         return key, None
     place = hashlib.sha256(os.path.realpath(config.path).encode()).hexdigest()[:24]
