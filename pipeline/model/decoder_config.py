@@ -117,9 +117,8 @@ class DecoderConfig:
 
     def linears(self) -> list[tuple[str, tuple[str, ...], bool]]:
         """The decoder's linear layers: (key, the checkpoint's weights it stacks by output, whether
-        they have biases), in the order the decoder builds them. The weights that read one input
-        are one layer (queries, keys and values; gate and up stay two: fused they were no faster,
-        and oneDNN's scratch for the fused one held more memory at long steps)."""
+        they have biases), in the order the decoder builds them (`decoder.Layer` says why queries,
+        keys and values are one layer and gate and up two). `pipeline.model.prepack` packs the same."""
         out = []
         for n in range(self.num_hidden_layers):
             p = f"model.layers.{n}."
