@@ -6,7 +6,7 @@
  * in order and, while one panel's tiles run, prefetches the next panel into L2 (a few lines per
  * k step), so the stream overlaps the FMAs (BENCHMARKS.md, "float32 linear layers").
  *
- * Layout: the weight is packed once (`batchgen_gemm_pack`) into panels of 48 outputs,
+ * Layout: the weight is packed once (`batchgen_gemm_pack_parts`) into panels of 48 outputs,
  * [ceil(n / 48)][k][48], zero past n. A tile is 8 rows x 48 outputs in 24 AVX-512 accumulators:
  * per k, 3 loads of the panel, 8 broadcasts of x, 24 FMAs. Rows are taken in blocks (whose x stays in
  * L2 while every panel passes), each thread taking its own range of panels in every block.
@@ -159,19 +159,9 @@ static void gemm_pack_item(const void *arg, int w, void *scratch) {
 }
 #endif
 
-/* w [n][k] (rows ldw apart) into p: ceil(n / 48) * 48 * k floats, as the kernel reads them. */
-int batchgen_gemm_pack(int64_t n, int64_t k, const float *w, int64_t ldw, float *p, int threads) {
-#if defined(__AVX512F__)
-    threads = gemm_threads(threads, n);
-    GemmPack a = {1, &w, &n, &ldw, p, n, k, threads};
-    return run(gemm_pack_item, &a, threads, 64, threads);
-#else
-    return (void)n, (void)k, (void)w, (void)ldw, (void)p, (void)threads, 1;
-#endif
-}
-
-/* The same for a weight in `parts` parts stacked by output (a fused layer's, each where it lies in
- * the checkpoint: no concatenated copy first): part i has rows[i] rows of k floats, ldw[i] apart, at w[i]. */
+/* A weight [n][k] in `parts` parts stacked by output (a fused layer's, each where it lies in the
+ * checkpoint: no concatenated copy first; part i has rows[i] rows of k floats, ldw[i] apart, at w[i])
+ * into p: ceil(n / 48) * 48 * k floats, as the kernel reads them. */
 int batchgen_gemm_pack_parts(int64_t parts, const float *const *w, const int64_t *rows, const int64_t *ldw, int64_t k,
                              float *p, int threads) {
 #if defined(__AVX512F__)

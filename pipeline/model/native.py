@@ -25,7 +25,7 @@ import torch
 
 from pipeline.model.native_build import (FLAGS, INCLUDED, MAX_FOLD, MAX_HEAD, SOURCE, THREADING,  # noqa: F401
                                          _cpu_key, _errors, _lib, _libs, declare, enabled, gemm_enabled, layout_ok,
-                                         pack_parts)
+                                         pack_parts, packed_size)
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 ANCHORS = {"tiles": 0, "matmul": 1, "matmul-avx512": 2}  # decode_attention's kernels for the anchors
@@ -250,14 +250,6 @@ def store_rows(k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: tor
         slots.numel(), heads, d, DTYPES[k.dtype], k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
         v.stride(1), t, k_buf.data_ptr(), v_buf.data_ptr(), k_buf.shape[0], k_buf.shape[2],
         None if every else tokens.data_ptr(), slots.data_ptr(), at.data_ptr(), torch.get_num_threads())
-
-
-GEMM_PANEL = 48  # outputs per panel of a weight packed for `cpu_gemm.c`
-
-
-def packed_size(n: int, k: int) -> int:
-    """Floats of an (n, k) weight packed for `cpu_gemm.c`: whole panels of 48 outputs."""
-    return -(-n // GEMM_PANEL) * GEMM_PANEL * k
 
 
 class Gemm:

@@ -108,7 +108,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                        ("batchgen_layer_ops", []),
                        ("batchgen_store_rows", [i64, i64, i64, i32, ptr, i64, i64, ptr, i64, i64, i64, ptr, ptr, i64,
                                                 i64, ptr, ptr, ptr, i32]),
-                       ("batchgen_gemm_ok", []), ("batchgen_gemm_pack", [i64, i64, ptr, i64, ptr, i32]),
+                       ("batchgen_gemm_ok", []),
                        ("batchgen_gemm_pack_parts", [i64, ptr, ptr, ptr, i64, ptr, i32]),
                        ("batchgen_gemm", [i64, i64, i64, ptr, i64, ptr, ptr, ptr, i32])):
         f = getattr(lib, name, None)
@@ -131,6 +131,14 @@ def _lib(fold: int, head: int) -> ctypes.CDLL | None:
                     stderr = getattr(e, "stderr", b"") or b""
                     _errors[key] = f"{e} {stderr.decode(errors='replace')[-500:]}".strip()
     return _libs[key]
+
+
+GEMM_PANEL = 48  # outputs per panel of a weight packed for `cpu_gemm.c` (its GEMM_NR)
+
+
+def packed_size(n: int, k: int) -> int:
+    """Floats of an (n, k) weight packed for `cpu_gemm.c`: whole panels of 48 outputs."""
+    return -(-n // GEMM_PANEL) * GEMM_PANEL * k
 
 
 def address(buffer) -> int:

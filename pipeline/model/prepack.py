@@ -40,8 +40,7 @@ from pipeline.model import native_build
 from pipeline.model.decoder_config import DecoderConfig, header
 from pipeline.model.files import cache_dir
 
-PANEL = 48  # outputs per packed panel (cpu_gemm.c's GEMM_NR; `native.GEMM_PANEL`)
-FORMAT = 1  # the packed file's layout: panels of PANEL outputs, [panel][k][PANEL] floats, each layer page-aligned
+FORMAT = 1  # the packed file's layout: `native_build.packed_size` floats a layer, each layer page-aligned
 MAGIC = b"BGPACK01"
 GEMM_SOURCE = Path(__file__).with_name("cpu_gemm.c")  # what packs them: part of a file's key
 SPARE = 2 << 30  # bytes of disk the cache leaves free after writing a file
@@ -170,11 +169,11 @@ def _tensors(config: DecoderConfig) -> dict[str, tuple[str, int, dict]] | None:
 def _identity(config: DecoderConfig, tensors: dict) -> tuple[str, Path | None]:
     """The packed weights' key (the format, the layers, each file's size and time) and their
     cache file, one per model directory (None: `BATCHGEN_PACKED_CACHE=0`)."""
-    stats = [(os.path.realpath(p), os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in config.files]
+    stats = [(os.path.realpath(p), st.st_size, st.st_mtime_ns) for p, st in ((p, os.stat(p)) for p in config.files)]
     plan = [(key, [(n, tensors[n][2]["shape"], tensors[n][2]["data_offsets"]) for n in names])
             for key, names, _ in config.linears()]
     code = hashlib.sha256(GEMM_SOURCE.read_bytes()).hexdigest()  # the packing code itself
-    key = hashlib.sha256(json.dumps([FORMAT, PANEL, code, stats, plan]).encode()).hexdigest()
+    key = hashlib.sha256(json.dumps([FORMAT, native_build.GEMM_PANEL, code, stats, plan]).encode()).hexdigest()
     if os.environ.get("BATCHGEN_PACKED_CACHE", "1") == "0":
         return key, None
     place = hashlib.sha256(os.path.realpath(config.path).encode()).hexdigest()[:24]
@@ -208,7 +207,7 @@ def _pack(config: DecoderConfig, lib, tensors: dict, key: str, path: Path | None
     layers, at = {}, 0
     for name, names, _ in config.linears():
         n, k = sum(tensors[x][2]["shape"][0] for x in names), tensors[names[0]][2]["shape"][1]
-        floats = -(-n // PANEL) * PANEL * k
+        floats = native_build.packed_size(n, k)
         layers[name] = (at, floats)
         at += -(-4 * floats // mmap.PAGESIZE) * mmap.PAGESIZE
     index = json.dumps({"key": key, "layers": layers}).encode()
