@@ -29,6 +29,9 @@ SYSTEMS = {s.name: s for s in (
     System("batchgen", "`batchgen process`, float32, batchgen's own decoder"),
     System("batchgen-bf16", "`batchgen process --dtype bfloat16`"),
     System("batchgen-transformers", "`batchgen process`, float32, on transformers' model code (BATCHGEN_DECODER=0)"),
+    System("batchgen-pytorch-attention", "`batchgen process`, float32, attention on PyTorch's kernels, not batchgen's "
+           "compiled ones (BATCHGEN_NATIVE=0)"),
+    System("batchgen-onednn", "`batchgen process`, float32, linear layers on oneDNN's GEMM, not batchgen's (BATCHGEN_GEMM=0)"),
     System("openvino", "OpenVINO GenAI, continuous batching, prefix caching off, f32 compute and KV",
            ("ov/bin/python", "ov_model")),
     System("openvino-prefix-warm", "OpenVINO, prefix caching on, one request per group first, then the rest; f32",
@@ -66,7 +69,9 @@ def command(name: str, jobs: Path, out: Path, times: Path, threads: int, peers: 
         cmd = [sys.executable, "-m", "bench.timed_batchgen", str(times), "process", str(jobs), "-o", str(out),
                "--overwrite", "--device", "cpu", "--threads", t,
                "--dtype", "bfloat16" if name == "batchgen-bf16" else "float32"]
-        return cmd, {"BATCHGEN_DECODER": "0"} if name == "batchgen-transformers" else {}
+        env = {"batchgen-transformers": {"BATCHGEN_DECODER": "0"}, "batchgen-pytorch-attention": {"BATCHGEN_NATIVE": "0"},
+               "batchgen-onednn": {"BATCHGEN_GEMM": "0"}}
+        return cmd, env.get(name, {})
     if name == "hf-batched":
         return [sys.executable, "-m", "bench.hf_run", str(jobs), str(out), t], {}
     python = str(peers / SYSTEMS[name].needs[0])

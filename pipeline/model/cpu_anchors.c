@@ -12,11 +12,13 @@
  *     once per chunk, not once per key;
  *   outputs [lanes][D] += weights^T . values, register tiles of RB lanes x D (each weight
  *     broadcast to D/16 vectors of values), values widened to float32 once per chunk. */
-/* RB lanes of D/16 accumulators each, D/16 registers of values and a weight: at most 32 registers */
-enum { NK = 16, KC = 112, LANES = 3 * W, RB = (31 - D / W) / (D / W) < 16 ? (31 - D / W) / (D / W) : 16 };
-/* keys a register tile of scores for nv lane vectors (nv x keys accumulators, at most 28); KC is a
- * multiple of each */
-#define KEYS(nv) ((nv) == 3 ? 8 : (nv) == 2 ? 14 : 16)
+/* RB lanes of CB accumulators each (CB of the D/16 vectors of a row at a time: all with AVX-512),
+ * CB registers of values and a weight: at most VREGS registers */
+enum { CB = VREGS >= 32 ? D / W : 2 };
+enum { NK = 16, KC = 112, LANES = 3 * W, RB = (VREGS - 1 - CB) / CB < 16 ? (VREGS - 1 - CB) / CB : 16 };
+/* keys a register tile of scores for nv lane vectors (nv x keys accumulators, at most 28 with AVX-512,
+ * a third of the registers with AVX2); KC is a multiple of each */
+#define KEYS(nv) (VREGS >= 32 ? ((nv) == 3 ? 8 : (nv) == 2 ? 14 : 16) : ((nv) == 3 ? 4 : (nv) == 2 ? 4 : 14))
 enum { KA = 128, PACK = 256 }; /* AMX (below): keys per chunk; keys per packing item */
 
 typedef struct {
@@ -75,7 +77,7 @@ static inline __attribute__((always_inline)) void block_scores(const Block *b, c
         for (int u = 0; u < nv; u++) {
             if (dot) /* the queries were not scaled: bfloat16 products stay exact */
                 acc[u][j] *= scale;
-            if (j < real) top[u] = (vf)_mm512_max_ps((__m512)top[u], (__m512)acc[u][j]);
+            if (j < real) top[u] = vmax(top[u], acc[u][j]);
             st(s + j * LANES + W * u, acc[u][j]);
         }
 }
@@ -83,19 +85,21 @@ static inline __attribute__((always_inline)) void block_scores(const Block *b, c
 /* o[r0..r0+rb) += weights s[0..n)[r] x values vf32 [n][D] (float32 rows). */
 static inline __attribute__((always_inline)) void block_values(float *o, const float *s, const float *v, int n,
                                                                int r0, int rb) {
-    vf acc[RB][D / W];
-    for (int r = 0; r < rb; r++)
-        for (int c = 0; c < D / W; c++) acc[r][c] = ld(o, (r0 + r) * D + W * c, 0);
-    for (int j = 0; j < n; j++) {
-        vf x[D / W];
-        for (int c = 0; c < D / W; c++) x[c] = ld(v, j * D + W * c, 0);
-        for (int r = 0; r < rb; r++) {
-            vf p = SPLAT(s[j * LANES + r0 + r]);
-            for (int c = 0; c < D / W; c++) acc[r][c] += p * x[c];
+    for (int c0 = 0; c0 < D / W; c0 += CB) {
+        vf acc[RB][CB];
+        for (int r = 0; r < rb; r++)
+            for (int c = 0; c < CB; c++) acc[r][c] = ld(o, (r0 + r) * D + W * (c0 + c), 0);
+        for (int j = 0; j < n; j++) {
+            vf x[CB];
+            for (int c = 0; c < CB; c++) x[c] = ld(v, j * D + W * (c0 + c), 0);
+            for (int r = 0; r < rb; r++) {
+                vf p = SPLAT(s[j * LANES + r0 + r]);
+                for (int c = 0; c < CB; c++) acc[r][c] += p * x[c];
+            }
         }
+        for (int r = 0; r < rb; r++)
+            for (int c = 0; c < CB; c++) st(o + (r0 + r) * D + W * (c0 + c), acc[r][c]);
     }
-    for (int r = 0; r < rb; r++)
-        for (int c = 0; c < D / W; c++) st(o + (r0 + r) * D + W * c, acc[r][c]);
 }
 
 /* Every real lane's outputs: tiles of RB lanes, then the rest (each count its own unrolled code). */

@@ -15,9 +15,9 @@
  *
  * Built by pipeline/native.py with the machine's C compiler (-march=native) for one head layout
  * (-DBATCHGEN_G query heads per key head, -DBATCHGEN_D head size): plain C with GCC/Clang vector
- * extensions of 16 floats, no Python or torch headers. Only for CPUs with AVX-512: on AVX2 these
- * 16-float vectors spill (the decode kernel ran 9x slower), so there it compiles to entry points
- * that refuse and the engine keeps PyTorch's kernels. AVX-512 BF16 dot products and AMX tiles
+ * extensions of W floats, no Python or torch headers: W = 16 for CPUs with AVX-512, W = 8 for AVX2
+ * with FMA (the tiles then have half the lanes and keys; 16-float vectors there live in memory);
+ * elsewhere the entry points refuse and the engine keeps PyTorch's kernels. AVX-512 BF16 dot products and AMX tiles
  * where -march=native has them, AMX only once Linux lends this process its tile registers
  * (`amx_usable`). Threads come from torch's OpenMP runtime
  * when built with -fopenmp (its threads still spin after torch's last op: new threads would fight
@@ -40,21 +40,85 @@
 #endif
 #define G BATCHGEN_G
 #define D BATCHGEN_D
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define BATCHGEN_SIMD 1 /* the kernels are built: for AVX-512, or for AVX2 with FMA */
+#include <immintrin.h>
+#endif
+#if defined(__AVX512F__)
 enum { W = 16 }; /* floats per vector; keys per prefill tile */
+#else
+/* AVX2: vectors of 8 floats, and tiles of 8 lanes and 8 keys (vectors of 16 would live in memory:
+ * GCC keeps a vector type the CPU has no registers for on the stack, and the kernels ran at 6
+ * GFLOP/s) */
+enum { W = 8 };
+#endif
 /* prefill_attention's kernels (native.PREFILL): float32 on the 32-lane tile (bfloat16 widened onto the
- * 16-lane one), AVX-512 BF16 dot products, AMX tiles, and the 16-lane tile for either (the reference) */
+ * 16-lane one), AVX-512 BF16 dot products, AMX tiles, and the 16-lane tile for either (the reference);
+ * with AVX2 the tiles have half the lanes */
 enum { PREFILL_WIDEN = 0, PREFILL_DOTS = 1, PREFILL_AMX = 2, PREFILL_TILE16 = 3 };
-_Static_assert(D % W == 0 && D <= 8 * W && G >= 1 && G <= 8, "head size 16-128 in steps of 16, 1-8 query heads a key head");
+_Static_assert(D % 16 == 0 && D <= 128 && G >= 1 && G <= 8, "head size 16-128 in steps of 16, 1-8 query heads a key head");
+
+#if defined(BATCHGEN_SIMD)
+typedef float vf __attribute__((vector_size(4 * W)));
+typedef uint16_t vh __attribute__((vector_size(2 * W)));
+typedef uint32_t vu __attribute__((vector_size(4 * W)));
+typedef int32_t vi __attribute__((vector_size(4 * W)));
+#endif
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
-
-typedef float vf __attribute__((vector_size(64)));
-typedef uint16_t vh __attribute__((vector_size(32)));
-typedef uint32_t vu __attribute__((vector_size(64)));
+enum { VREGS = 32 }; /* vector registers */
 #define SPLAT(x) ((vf)_mm512_set1_ps(x)) /* not (vf){0} + x: that adds 0.0f before broadcasting */
 
-/* 16 elements from p[i] as float32: plain, or bfloat16 widened (its bits are float32's top half). */
+/* a * b + c rounded once, written out: where a tile writes `c += a * b`, GCC contracts it or not
+ * case by case (it did not in a partial block's scores), and the tiles must round alike */
+static inline __attribute__((always_inline)) vf fma16(vf a, vf b, vf c) {
+    return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+}
+static inline __attribute__((always_inline)) vf vmax(vf a, vf b) { return (vf)_mm512_max_ps((__m512)a, (__m512)b); }
+/* s where key <= pos, else -1e30 (no weight): the causal mask of a block's key */
+static inline __attribute__((always_inline)) vf causal_cut(vf s, float key, vf pos) {
+    return (vf)_mm512_mask_blend_ps(_mm512_cmp_ps_mask(_mm512_set1_ps(key), (__m512)pos, _CMP_GT_OQ), (__m512)s,
+                                    _mm512_set1_ps(-1e30f));
+}
+static inline __attribute__((always_inline)) float reduce_max(vf a) { return _mm512_reduce_max_ps((__m512)a); }
+static inline __attribute__((always_inline)) float reduce_add(vf a) { return _mm512_reduce_add_ps((__m512)a); }
+/* y * 2^n, 0 where x < -87 (exp_neg's last step) */
+static inline __attribute__((always_inline)) vf scale_pow2(vf y, vf n, vf x) {
+    __mmask16 tiny = _mm512_cmp_ps_mask((__m512)x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+    return (vf)_mm512_maskz_scalef_ps(~tiny, (__m512)y, (__m512)n);
+}
+#elif defined(BATCHGEN_SIMD)
+enum { VREGS = 16 };
+#define SPLAT(x) ((vf)_mm256_set1_ps(x))
+static inline __attribute__((always_inline)) vf fma16(vf a, vf b, vf c) {
+    return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+}
+static inline __attribute__((always_inline)) vf vmax(vf a, vf b) { return (vf)_mm256_max_ps((__m256)a, (__m256)b); }
+static inline __attribute__((always_inline)) vf causal_cut(vf s, float key, vf pos) {
+    __m256 after = _mm256_cmp_ps(_mm256_set1_ps(key), (__m256)pos, _CMP_GT_OQ);
+    return (vf)_mm256_blendv_ps((__m256)s, _mm256_set1_ps(-1e30f), after);
+}
+static inline __attribute__((always_inline)) float reduce_max(vf a) {
+    __m128 m = _mm_max_ps(_mm256_extractf128_ps((__m256)a, 1), _mm256_castps256_ps128((__m256)a));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+static inline __attribute__((always_inline)) float reduce_add(vf a) { /* halves, then pairs */
+    float h[4];
+    for (int i = 0; i < 4; i++) h[i] = a[4 + i] + a[i];
+    return (h[0] + h[2]) + (h[1] + h[3]);
+}
+/* y * 2^n with 2^n built in the exponent bits (n >= -126 wherever x >= -87: a normal power of two,
+ * so the product is rounded once, as vscalefps rounds it) */
+static inline __attribute__((always_inline)) vf scale_pow2(vf y, vf n, vf x) {
+    vi tiny = x < SPLAT(-87.0f);
+    vf p = (vf)((__builtin_convertvector(n, vi) + 127) << 23);
+    return (vf)((vi)(y * p) & ~tiny);
+}
+#endif
+
+#if defined(BATCHGEN_SIMD)
+/* W elements from p[i] as float32: plain, or bfloat16 widened (its bits are float32's top half). */
 static inline __attribute__((always_inline)) vf ld(const void *p, int64_t i, int bf16) {
     vf f;
     if (!bf16) {
@@ -70,23 +134,16 @@ static inline __attribute__((always_inline)) vf ld(const void *p, int64_t i, int
 
 static inline __attribute__((always_inline)) void st(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
-/* a * b + c rounded once, written out: where a tile writes `c += a * b`, GCC contracts it or not
- * case by case (it did not in a partial block's scores), and the tiles must round alike */
-static inline __attribute__((always_inline)) vf fma16(vf a, vf b, vf c) {
-    return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-}
-
 /* e^x for x <= 0, 0 below -87 (Cephes' expf: range reduction by ln 2, degree-6 polynomial; n
  * rounded by adding and taking away 1.5 x 2^23, the power of two applied by vscalefps: fewer
  * instructions, and fewer that only one port runs, than vrndscaleps and building the exponent). */
 static inline __attribute__((always_inline)) vf exp_neg(vf x) {
-    __mmask16 tiny = _mm512_cmp_ps_mask((__m512)x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
     vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* x / ln 2 to the nearest integer */
     vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
     vf y = ((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r + 4.1665795894e-2f) * r
             + 1.6666665459e-1f) * r + 5.0000001201e-1f;
     y = y * (r * r) + r + 1.0f;
-    return (vf)_mm512_maskz_scalef_ps(~tiny, (__m512)y, (__m512)n);
+    return scale_pow2(y, n, x);
 }
 
 /* Rows [from, to) of `row` bytes each into L2, ahead of their use: an anchor or a row's own keys
@@ -140,6 +197,8 @@ static int run(void (*item)(const void *, int, void *), const void *job, int ite
 /* ---------------------------------------------------------------------------------------------
  * The tile: 16 query rows (vector lanes: tokens x the query heads of one key head) against 16 keys
  * at a time, a GEMM-style register tile, with an online softmax (flash attention). */
+/* keys (scores) and dimensions (values) a 16-lane tile holds in registers: a block's all with AVX-512 */
+enum { SB = W, VB = W };
 typedef struct {
     float qt[D * W]; /* [D][16] queries, scaled */
     float ot[D * W]; /* [D][16] values weighted by e^(score - m), not yet divided by sum */
@@ -186,10 +245,8 @@ static inline __attribute__((always_inline)) vf fold_scores(vf *s, int n, int ca
         if (j >= n)
             s[j] = SPLAT(-1e30f);
         else if (causal && j0 + j > first)
-            s[j] = (vf)_mm512_mask_blend_ps(_mm512_cmp_ps_mask((__m512)SPLAT((float)(j0 + j)), (__m512)pos,
-                                                               _CMP_GT_OQ),
-                                            (__m512)s[j], _mm512_set1_ps(-1e30f));
-        top = (vf)_mm512_max_ps((__m512)top, (__m512)s[j]);
+            s[j] = causal_cut(s[j], (float)(j0 + j), pos);
+        top = vmax(top, s[j]);
     }
     vf rescale = exp_neg(*m - top);
     *m = top;
@@ -204,10 +261,14 @@ static inline __attribute__((always_inline)) vf fold_scores(vf *s, int n, int ca
 /* The scores s[j] of a block's n keys (lanes: the tile's queries; keys j >= n repeat key 0, masked
  * later). Called with n = W as a constant for whole blocks, so that the compiler drops the clamp. */
 static inline __attribute__((always_inline)) void tile_scores(vf *s, const float *qt, const float *k, int n) {
-    for (int j = 0; j < W; j++) s[j] = SPLAT(0.0f);
-    for (int i = 0; i < D; i++) {
-        vf qi = ld(qt, i * W, 0);
-        for (int j = 0; j < W; j++) s[j] = fma16(qi, SPLAT(k[(j < n ? j : 0) * D + i]), s[j]);
+    for (int j0 = 0; j0 < W; j0 += SB) { /* SB keys' scores in registers (all 16 with AVX-512) */
+        vf a[SB];
+        for (int j = 0; j < SB; j++) a[j] = SPLAT(0.0f);
+        for (int i = 0; i < D; i++) {
+            vf qi = ld(qt, i * W, 0);
+            for (int j = 0; j < SB; j++) a[j] = fma16(qi, SPLAT(k[(j0 + j < n ? j0 + j : 0) * D + i]), a[j]);
+        }
+        for (int j = 0; j < SB; j++) s[j0 + j] = a[j];
     }
 }
 
@@ -215,12 +276,12 @@ static inline __attribute__((always_inline)) void tile_scores(vf *s, const float
  * whole blocks: loops of fixed trips). */
 static inline __attribute__((always_inline)) void tile_values(float *ot, const vf *s, const float *v, int n,
                                                                vf rescale) {
-    for (int c = 0; c < D / W; c++) {
-        vf o[W];
-        for (int i = 0; i < W; i++) o[i] = (vf)_mm512_mul_ps((__m512)ld(ot, (W * c + i) * W, 0), (__m512)rescale);
+    for (int c = 0; c < D / VB; c++) { /* VB dimensions in registers (16 with AVX-512) */
+        vf o[VB];
+        for (int i = 0; i < VB; i++) o[i] = ld(ot, (VB * c + i) * W, 0) * rescale;
         for (int j = 0; j < n; j++)
-            for (int i = 0; i < W; i++) o[i] = fma16(s[j], SPLAT(v[j * D + W * c + i]), o[i]);
-        for (int i = 0; i < W; i++) st(ot + (W * c + i) * W, o[i]);
+            for (int i = 0; i < VB; i++) o[i] = fma16(s[j], SPLAT(v[j * D + VB * c + i]), o[i]);
+        for (int i = 0; i < VB; i++) st(ot + (VB * c + i) * W, o[i]);
     }
 }
 
@@ -253,7 +314,7 @@ static void tile_keys(Tile *t, const char *keys, const char *values, int64_t len
  * the tile's every operation in its order (scores a chain over the dimensions, the softmax folded
  * per block of 16 keys, the values scaled then summed key by key), so its outputs are the same
  * bits as two 16-lane tiles'; the multiply-adds are written out so that no contraction differs. */
-enum { PW = 2 * W, KH = 8 }; /* lanes of the tile; keys (scores) and dimensions (values) per register block */
+enum { PW = 2 * W, KH = VREGS >= 32 ? 8 : 4 }; /* lanes of the tile; keys (scores) and dimensions (values) per register block */
 typedef struct {
     float qt[D * PW]; /* [D][32] queries, scaled: half h in lanes 16h..16h+15 */
     float ot[D * PW]; /* [D][32] weighted values, not yet divided by sum */
@@ -293,8 +354,8 @@ static inline __attribute__((always_inline)) void tile32_values(float *ot, vf s[
     for (int c = 0; c < D / KH; c++) {
         vf o0[KH], o1[KH];
         for (int i = 0; i < KH; i++) {
-            o0[i] = (vf)_mm512_mul_ps((__m512)ld(ot, (KH * c + i) * PW, 0), (__m512)r0);
-            o1[i] = (vf)_mm512_mul_ps((__m512)ld(ot, (KH * c + i) * PW + W, 0), (__m512)r1);
+            o0[i] = ld(ot, (KH * c + i) * PW, 0) * r0;
+            o1[i] = ld(ot, (KH * c + i) * PW + W, 0) * r1;
         }
         for (int j = 0; j < n; j++) {
             vf s0 = s[0][j], s1 = s[1][j];
@@ -399,12 +460,13 @@ static void anchor_item(const void *arg, int w, void *scratch) {
 #include "cpu_anchors.c" /* block_item, amx_item: phase A as matrix products */
 #include "cpu_bf16.c"    /* the prefill tile in bfloat16 on AVX-512 BF16 dot products */
 
+#if defined(__AVX512F__)
 /* The 16 lane sums of v[0..15], in one vector: a tree of shuffles and adds (15 adds for 16 sums,
- * where a horizontal sum per vector takes 4). Lane l holds the sum of v[SUMS16[l]] (pairs swapped:
- * storing key j's vector at v[SUMS16[j]] puts its sum at lane j). */
-static const int SUMS16[W] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+ * where a horizontal sum per vector takes 4). Lane l holds the sum of v[SUMS[l]] (pairs swapped:
+ * storing key j's vector at v[SUMS[j]] puts its sum at lane j). */
+static const int SUMS[W] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
 
-static inline __attribute__((always_inline)) vf sums16(const vf *v) {
+static inline __attribute__((always_inline)) vf lane_sums(const vf *v) {
     vf w[8], z[4], u[2];
     for (int a = 0; a < 8; a++) /* 256-bit halves: key a's in the low half, key a + 8's in the high */
         w[a] = (vf)_mm512_shuffle_f32x4((__m512)v[a], (__m512)v[a + 8], 0x44)
@@ -417,6 +479,17 @@ static inline __attribute__((always_inline)) vf sums16(const vf *v) {
                + (vf)_mm512_shuffle_ps((__m512)z[a], (__m512)z[a + 2], 0xee);
     return (vf)_mm512_shuffle_ps((__m512)u[0], (__m512)u[1], 0x88) + (vf)_mm512_shuffle_ps((__m512)u[0], (__m512)u[1], 0xdd);
 }
+#else
+/* The 8 lane sums of v[0..7] (lane l: v[l]'s), by pairwise adds of neighbours, then the halves. */
+static const int SUMS[W] = {0, 1, 2, 3, 4, 5, 6, 7};
+
+static inline __attribute__((always_inline)) vf lane_sums(const vf *v) {
+    __m256 a = _mm256_hadd_ps((__m256)v[0], (__m256)v[1]), b = _mm256_hadd_ps((__m256)v[2], (__m256)v[3]);
+    __m256 c = _mm256_hadd_ps((__m256)v[4], (__m256)v[5]), d = _mm256_hadd_ps((__m256)v[6], (__m256)v[7]);
+    __m256 x = _mm256_hadd_ps(a, b), y = _mm256_hadd_ps(c, d);
+    return (vf)_mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+}
+#endif
 
 static void own_item(const void *arg, int w, void *scratch) {
     const Decode *job = arg;
@@ -448,10 +521,10 @@ static void own_item(const void *arg, int w, void *scratch) {
             for (int g = 0; g < G; g++) {
                 vf acc = qv[g][0] * k[0];
                 for (int c = 1; c < D / W; c++) acc += qv[g][c] * k[c];
-                part[g][SUMS16[j]] = acc;
+                part[g][SUMS[j]] = acc;
             }
         }
-        for (int g = 0; g < G; g++) st(s + g * job->stride + j0, sums16(part[g]));
+        for (int g = 0; g < G; g++) st(s + g * job->stride + j0, lane_sums(part[g]));
     }
     int64_t padded = (lo + W - 1) / W * W;
     float m[G], sum[G];
@@ -459,14 +532,14 @@ static void own_item(const void *arg, int w, void *scratch) {
         float *sg = s + g * job->stride;
         for (int64_t j = lo; j < padded; j++) sg[j] = -1e30f; /* exp gives 0 */
         vf mv = SPLAT(-1e30f), sv = SPLAT(0.0f);
-        for (int64_t j = 0; j < padded; j += W) mv = (vf)_mm512_max_ps((__m512)mv, (__m512)ld(sg, j, 0));
-        m[g] = _mm512_reduce_max_ps((__m512)mv);
+        for (int64_t j = 0; j < padded; j += W) mv = vmax(mv, ld(sg, j, 0));
+        m[g] = reduce_max(mv);
         for (int64_t j = 0; j < padded; j += W) {
             vf e = exp_neg(ld(sg, j, 0) - m[g]);
             st(sg + j, e);
             sv += e;
         }
-        sum[g] = _mm512_reduce_add_ps((__m512)sv);
+        sum[g] = reduce_add(sv);
         for (int c = 0; c < D / W; c++) o[g][c] = SPLAT(0.0f);
     }
     for (int64_t j = 0; j < lo; j++) {
@@ -625,7 +698,7 @@ int batchgen_decode_attention(int n, int hq, int hkv, int d, int bf16, const voi
                               const int64_t *own_len, const int64_t *anc_k, const int64_t *anc_v,
                               const int64_t *anc_len, float scale, float *out, int threads, int anchors) {
     if (!ok(hq, hkv, d, bf16) || anchors < 0 || anchors > 2) return 1;
-#if defined(__AVX512F__)
+#if defined(BATCHGEN_SIMD)
     Decode job = {hq, hkv, bf16, q, q_tok, q_head, own_k, own_v, cap, slot, own_len, anc_k, anc_v, anc_len,
                   scale, out, W, NULL, NULL, NULL, n, 1, NULL, NULL, NULL};
     int64_t *pairs = malloc(sizeof(int64_t) * 2 * (size_t)(n ? n : 1)), anchored = 0, base = 0, shortest = 0;
@@ -710,7 +783,7 @@ int batchgen_decode_attention(int n, int hq, int hkv, int d, int bf16, const voi
 /* 1 where the bfloat16 anchors go through AMX tiles (`anchors` 1): built for a CPU with them, and
  * Linux lends them to this process. */
 int batchgen_amx(void) {
-#if defined(__AVX512F__)
+#if defined(BATCHGEN_SIMD)
     return HAVE_AMX && D % 32 == 0 && amx_usable();
 #else
     return 0;
@@ -720,7 +793,7 @@ int batchgen_amx(void) {
 /* 1 where this build has the AVX-512 BF16 prefill tile (cpu_bf16.c) and, with `fast_only`, where bfloat16
  * prefill runs on it unless told otherwise: on a CPU that runs the dot products fast (`bf16_dots_fast`). */
 int batchgen_bf16_dots(int fast_only) {
-#if defined(__AVX512F__)
+#if defined(BATCHGEN_SIMD)
     return TILE_BF16 && (!fast_only || bf16_dots_fast());
 #else
     return (void)fast_only, 0;
@@ -733,7 +806,7 @@ int batchgen_prefill_attention(int nseg, int hq, int hkv, int d, int bf16, const
                                const int64_t *offset, const int64_t *anc_k, const int64_t *anc_v,
                                const int64_t *anc_len, float scale, float *out, int threads, int kernel) {
     if (!ok(hq, hkv, d, bf16) || kernel < PREFILL_WIDEN || kernel > PREFILL_TILE16) return 1;
-#if defined(__AVX512F__)
+#if defined(BATCHGEN_SIMD)
     int amx = kernel == PREFILL_AMX;
     if (amx && !(bf16 && batchgen_amx())) return 1; /* asked for tiles this CPU or build does not have */
     int wide = !bf16 && kernel == PREFILL_WIDEN; /* float32 on the 32-lane tile */

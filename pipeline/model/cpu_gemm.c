@@ -15,11 +15,18 @@
  * order, then + bias, whatever the row count, the tiling or the threads: a row's outputs do not
  * depend on the batch it runs in. (One chain over all of k lost up to 2x oneDNN's accuracy at
  * k = 1,536; in blocks it is as accurate as `F.linear`.)
- * Included by cpu_attention.c after `run` (not built alone); AVX-512 only, elsewhere the entry
+ * With AVX2 (and FMA) a tile is 6 rows x 16 outputs (a third of a panel) in 12 accumulators of 8 floats, each
+ * output summed in the same order: the same bits as the AVX-512 tile's, from the same packed panels.
+ * Included by cpu_attention.c after `run` (not built alone); for AVX-512 or AVX2, elsewhere the entry
  * points refuse and `batchgen_gemm_ok` says 0. */
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define GEMM_BUILT 1
+#define GEMM_NR 48 /* outputs of a panel: 3 vectors of 16 (6 of 8) */
 #if defined(__AVX512F__)
-#define GEMM_NR 48 /* outputs of a panel: 3 vectors */
 #define GEMM_MR 8  /* rows of a tile */
+#else
+#define GEMM_MR 6
+#endif
 #define GEMM_KB 128 /* k steps summed in registers, then added to the output's partial sum */
 
 typedef struct {
@@ -29,6 +36,7 @@ typedef struct {
     int threads;
 } Gemm;
 
+#if defined(__AVX512F__)
 /* A tile's k steps [k0, k1) added to its partial sums in y (k0 = 0: they start them), + bias after
  * the last; prefetching `npf` lines from `pf` meanwhile. */
 static inline __attribute__((always_inline)) void gemm_tile(const float *x, int64_t ldx, const float *bp, int64_t k0,
@@ -65,6 +73,71 @@ static inline __attribute__((always_inline)) void gemm_tile(const float *x, int6
         }
     }
 }
+#else
+/* A third of a panel (16 outputs from bp, 48 floats a k step) for mr rows, as gemm_tile below: `cols`
+ * of its outputs are real. Registers: 12 accumulators, 2 of the panel, 1 of x (BLIS's 6 x 16 on
+ * Haswell: with 4 x 24, 16 registers in all, GCC left the panel in memory and the tile ran at 0.6x
+ * oneDNN's rate). */
+static inline __attribute__((always_inline)) void gemm_part(const float *x, int64_t ldx, const float *bp, int64_t k0,
+                                                            int64_t k1, int last, float *y, int64_t ldy,
+                                                            const float *bias, int mr, int64_t cols, const char *pf,
+                                                            int64_t npf) {
+    int64_t per = k1 > k0 ? (npf + (k1 - k0) - 1) / (k1 - k0) : 0;
+    const char *pe = pf + 64 * npf;
+    __m256 c[GEMM_MR][2];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < 2; j++) c[i][j] = _mm256_setzero_ps();
+    for (int64_t kk = k0; kk < k1; kk++) {
+        const float *b = bp + kk * GEMM_NR;
+        __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+        for (int64_t r = 0; r < per && pf < pe; r++, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
+#pragma GCC unroll 6
+        for (int i = 0; i < mr; i++) {
+            __m256 a = _mm256_broadcast_ss(x + i * ldx + kk);
+            c[i][0] = _mm256_fmadd_ps(a, b0, c[i][0]);
+            c[i][1] = _mm256_fmadd_ps(a, b1, c[i][1]);
+        }
+    }
+    if (cols >= 16) { /* plain loads and stores: AMD runs the masked ones (vmaskmovps) as microcode */
+        __m256 add0 = last && bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+        __m256 add1 = last && bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+#pragma GCC unroll 6
+        for (int i = 0; i < mr; i++) {
+            float *at = y + i * ldy;
+            __m256 v0 = k0 ? _mm256_add_ps(_mm256_loadu_ps(at), c[i][0]) : c[i][0];
+            __m256 v1 = k0 ? _mm256_add_ps(_mm256_loadu_ps(at + 8), c[i][1]) : c[i][1];
+            if (last && bias) v0 = _mm256_add_ps(v0, add0), v1 = _mm256_add_ps(v1, add1);
+            _mm256_storeu_ps(at, v0);
+            _mm256_storeu_ps(at + 8, v1);
+        }
+        return;
+    }
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)cols), lanes);
+    __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)cols - 8), lanes);
+    __m256 add0 = last && bias ? _mm256_maskload_ps(bias, m0) : _mm256_setzero_ps();
+    __m256 add1 = last && bias ? _mm256_maskload_ps(bias + 8, m1) : _mm256_setzero_ps();
+#pragma GCC unroll 6
+    for (int i = 0; i < mr; i++) {
+        float *at = y + i * ldy;
+        __m256 v0 = k0 ? _mm256_add_ps(_mm256_maskload_ps(at, m0), c[i][0]) : c[i][0];
+        __m256 v1 = k0 ? _mm256_add_ps(_mm256_maskload_ps(at + 8, m1), c[i][1]) : c[i][1];
+        if (last && bias) v0 = _mm256_add_ps(v0, add0), v1 = _mm256_add_ps(v1, add1);
+        _mm256_maskstore_ps(at, m0, v0);
+        _mm256_maskstore_ps(at + 8, m1, v1);
+    }
+}
+
+/* A tile's k steps [k0, k1): the panel's thirds one after the other (the first prefetches). */
+static inline __attribute__((always_inline)) void gemm_tile(const float *x, int64_t ldx, const float *bp, int64_t k0,
+                                                            int64_t k1, int last, float *y, int64_t ldy,
+                                                            const float *bias, int mr, int64_t cols, const char *pf,
+                                                            int64_t npf) {
+    for (int t = 0; t < 3 && cols > 16 * t; t++)
+        gemm_part(x, ldx, bp + 16 * t, k0, k1, last, y + 16 * t, ldy, bias ? bias + 16 * t : NULL, mr, cols - 16 * t,
+                  pf, t ? 0 : npf);
+}
+#endif
 
 /* The rows [i0, i1) (at most one block) against panel pj, a block of k steps at a time across all
  * the tiles (that block of the panel stays in L1); prefetching `npf` lines at `pf` meanwhile. */
@@ -88,9 +161,11 @@ static void gemm_block(const Gemm *g, int64_t i0, int64_t i1, int64_t pj, const 
             case 3: gemm_tile(x, g->ldx, bp, k0, k1, last, y, g->n, bias, 3, cols, at, mine); break;
             case 4: gemm_tile(x, g->ldx, bp, k0, k1, last, y, g->n, bias, 4, cols, at, mine); break;
             case 5: gemm_tile(x, g->ldx, bp, k0, k1, last, y, g->n, bias, 5, cols, at, mine); break;
+#if GEMM_MR == 8
             case 6: gemm_tile(x, g->ldx, bp, k0, k1, last, y, g->n, bias, 6, cols, at, mine); break;
             case 7: gemm_tile(x, g->ldx, bp, k0, k1, last, y, g->n, bias, 7, cols, at, mine); break;
-            default: gemm_tile(x, g->ldx, bp, k0, k1, last, y, g->n, bias, 8, cols, at, mine); break;
+#endif
+            default: gemm_tile(x, g->ldx, bp, k0, k1, last, y, g->n, bias, GEMM_MR, cols, at, mine); break;
             }
         }
     }
@@ -122,16 +197,16 @@ static int gemm_threads(int threads, int64_t n) {
 }
 #endif
 
-/* Whether this build has the kernel (AVX-512). */
+/* Whether this build has the kernel (AVX-512 or AVX2). */
 int batchgen_gemm_ok(void) {
-#if defined(__AVX512F__)
+#if defined(GEMM_BUILT)
     return 1;
 #else
     return 0;
 #endif
 }
 
-#if defined(__AVX512F__)
+#if defined(GEMM_BUILT)
 typedef struct {
     int64_t parts;              /* the weight's parts, stacked by output: */
     const float *const *w;      /*   each one's rows, */
@@ -164,7 +239,7 @@ static void gemm_pack_item(const void *arg, int w, void *scratch) {
  * into p: ceil(n / 48) * 48 * k floats, as the kernel reads them. */
 int batchgen_gemm_pack_parts(int64_t parts, const float *const *w, const int64_t *rows, const int64_t *ldw, int64_t k,
                              float *p, int threads) {
-#if defined(__AVX512F__)
+#if defined(GEMM_BUILT)
     int64_t n = 0;
     for (int64_t i = 0; i < parts; i++) n += rows[i];
     threads = gemm_threads(threads, n);
@@ -178,7 +253,7 @@ int batchgen_gemm_pack_parts(int64_t parts, const float *const *w, const int64_t
 /* y [m][n] (contiguous) = x [m][k] (rows ldx apart) times the packed weight, + bias [n] (or none). */
 int batchgen_gemm(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx, const float *p, const float *bias,
                   float *y, int threads) {
-#if defined(__AVX512F__)
+#if defined(GEMM_BUILT)
     if (m <= 0 || n <= 0) return 0;
     /* a block's x within ~512 KB of L2 (rows of k floats), in whole tiles, at most 128 rows */
     int64_t rows = 512 * 1024 / (4 * (k ? k : 1)) / GEMM_MR * GEMM_MR;

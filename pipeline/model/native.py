@@ -6,12 +6,14 @@ linear layers (`Gemm`, `cpu_gemm.c`).
 Built on first use with the machine's C compiler and loaded with ctypes (`pipeline.model.native_build`,
 which needs no torch).
 
-The kernels need AVX-512 (on AVX2 their 16-float vectors spill: the decode kernel ran slower
-than PyTorch's kernels, BENCHMARKS.md). Decode reads each anchor as matrix products: in AVX-512 registers (with
+The attention kernels and the GEMM need AVX-512, or AVX2 with FMA (there with vectors of 8 floats:
+tiles of half the lanes, the GEMM's the same bits); the layer ops need AVX-512 (elsewhere PyTorch's
+ops run them). Decode reads each anchor as matrix products: in AVX-512 registers (with
 AVX-512 BF16 dot products for bfloat16 where the CPU has them), or for bfloat16 on AMX tiles
 where the CPU has them (Intel since Sapphire Rapids) and Linux lends them (`amx`). bfloat16 prefill
 runs on AMX tiles there too (`cpu_amx_prefill.c`), else on AVX-512 BF16 dot products where the CPU
-runs them fast (`bf16_dots`, `cpu_bf16.c`), else widened to float32 (`prefill_kernel`). Without AVX-512, without a compiler, for another layout or dtype, or with
+runs them fast (`bf16_dots`, `cpu_bf16.c`), else widened to float32 (`prefill_kernel`). Without AVX-512
+or AVX2, without a compiler, for another layout or dtype, or with
 ``BATCHGEN_NATIVE=0``, `supports` is False and the engine reads decode attention through PyTorch's
 kernels (`pipeline.model.attention`): the same results, more slowly. `why_not` says which.
 `pipeline.model.attention.native_ok` checks both kernels against the reference once per layout.
@@ -46,7 +48,7 @@ def why_not(dtype: torch.dtype, hq: int, hkv: int, d: int, dv: int) -> str | Non
     if lib is None:
         return f"it could not be built: {_errors[(hq // hkv, d)]}"
     if not lib.batchgen_supports(hq, hkv, d, dv, DTYPES[dtype]):
-        return "this CPU has no AVX-512"
+        return "this CPU has neither AVX-512 nor AVX2 with FMA"
     return None
 
 
@@ -297,7 +299,7 @@ class Gemm:
 def gemm(dtype: torch.dtype, hq: int, hkv: int, d: int) -> Gemm | None:
     """The float32 linear layers' kernel for a decoder of this layout on this CPU (its attention
     kernels' library), or None: another dtype (bfloat16 stays on oneDNN's AMX kernels), a layout
-    `supports` refuses, no AVX-512, or ``BATCHGEN_GEMM=0`` (oneDNN's, `kernels.linear`)."""
+    `supports` refuses, neither AVX-512 nor AVX2, or ``BATCHGEN_GEMM=0`` (oneDNN's, `kernels.linear`)."""
     if dtype != torch.float32 or not gemm_enabled() or not supports(dtype, hq, hkv, d, d):
         return None
     lib = _lib(hq // hkv, d)

@@ -11,12 +11,41 @@ import torch
 from tests.helpers.jobsets import edge_case_requests, tokenizer
 from pipeline.model import attention
 from pipeline.model import native
+from pipeline.model import native_build
+from pipeline.model.precision import cpu_flags
 from pipeline.engine.engine import Engine
 from tests.helpers.reference import reference_generate
 from tests.helpers.tiny_models import make_model
 
 needs_kernel = pytest.mark.skipif(not native.supports(torch.float32, 4, 2, 64, 64),
                                   reason=f"no native kernel here: {native.why_not(torch.float32, 4, 2, 64, 64)}")
+
+
+# The kernels' builds this CPU runs: its own (-march=native), and on an AVX-512 CPU also the AVX2
+# one (vectors of 8 floats: other tiles, other code), which would otherwise run only on AVX2 machines
+BUILDS = ["native"] + (["x86-64-v3"] if {"avx512f", "avx2", "fma"} <= cpu_flags() else [])
+
+
+@pytest.fixture(params=BUILDS)
+def build(request, monkeypatch):
+    """The test runs on each of `BUILDS` in turn (every cache of built or checked kernels emptied
+    for the other build, then put back)."""
+    if request.param == "native":
+        yield request.param
+        return
+    caches = (native_build._libs, native_build._errors, attention._NATIVE_OK, native._prefill_kernels)
+    saved = [dict(c) for c in caches]
+    for c in caches:
+        c.clear()
+    monkeypatch.setattr(native_build, "FLAGS", [f if f != "-march=native" else f"-march={request.param}"
+                                                for f in native_build.FLAGS])
+    try:
+        assert native.supports(torch.float32, 4, 2, 64, 64), native.why_not(torch.float32, 4, 2, 64, 64)
+        yield request.param
+    finally:
+        for c, old in zip(caches, saved):
+            c.clear()
+            c.update(old)
 
 
 def _case(hq, hkv, d, dtype, seed=0):
@@ -49,6 +78,7 @@ def _tolerance(dtype, hq, hkv, d, anchors):
     return {"atol": 1e-5, "rtol": 1e-5} if amx else {"atol": 2e-6, "rtol": 1e-5}
 
 
+@pytest.mark.usefixtures("build")
 @needs_kernel
 @pytest.mark.parametrize("anchors", list(native.ANCHORS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -82,6 +112,7 @@ def _many_rows(hq, hkv, d, dtype, lengths, rows_each, uniform, seed=3):
     return q, own_k, own_v, args, anchors, want  # the anchors too: args holds only their addresses
 
 
+@pytest.mark.usefixtures("build")
 @needs_kernel
 @pytest.mark.parametrize("anchors", list(native.ANCHORS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -105,6 +136,7 @@ def test_anchor_kernels_over_many_rows(hq, hkv, d, dtype, anchors):
         torch.set_num_threads(before)
 
 
+@pytest.mark.usefixtures("build")
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 1, 128), (8, 8, 16)])
@@ -147,6 +179,7 @@ def _reference(q, keys, values, anchor, last):
     return o[0, :, 0]
 
 
+@pytest.mark.usefixtures("build")
 @needs_kernel
 @pytest.mark.parametrize("dtype,kernel", [(torch.float32, "widen"), (torch.float32, "tile16"), (torch.bfloat16, "widen"),
                                           (torch.bfloat16, "dots"), (torch.bfloat16, "amx")])
@@ -200,6 +233,7 @@ def test_prefill_kernel_equals_reference(hq, hkv, d, dtype, kernel, uniform):
     assert torch.allclose(out, want, atol=atol, rtol=1e-5), (out - want).abs().max()
 
 
+@pytest.mark.usefixtures("build")
 @needs_kernel
 @pytest.mark.parametrize("hq,hkv,d", [(4, 2, 16), (9, 3, 64), (8, 8, 32), (8, 1, 128), (12, 2, 80), (3, 1, 48)])
 def test_prefill_32_lanes_are_the_16_lane_tiles_bits(hq, hkv, d):
@@ -282,6 +316,7 @@ def test_switched_off_and_unbuildable(monkeypatch, tmp_path):
     assert "could not be built" in native.why_not(torch.float32, 4, 2, 48, 48)
 
 
+@pytest.mark.usefixtures("build")
 @needs_kernel
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "opt"])
 def test_engine_on_the_kernel(arch, monkeypatch):
@@ -394,7 +429,8 @@ def test_the_summary_says_which_kernels_ran(tmp_path, model_dir, monkeypatch):
 def test_builds_for_other_cpus(march, tmp_path):
     """The library compiles for the x86 CPUs batchgen meets, whatever this one is: AVX-512 without
     BF16 or AMX (Skylake-X, Cascade Lake: their build once failed, and attention fell back to
-    PyTorch's kernels there), with AMX, and without AVX-512 (entry points that refuse)."""
+    PyTorch's kernels there), with AMX, AVX2 (its own tiles of 8 lanes), and without AVX2 (entry
+    points that refuse)."""
     import shutil
     import subprocess
 
