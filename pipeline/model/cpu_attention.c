@@ -197,8 +197,6 @@ static int run(void (*item)(const void *, int, void *), const void *job, int ite
 /* ---------------------------------------------------------------------------------------------
  * The tile: 16 query rows (vector lanes: tokens x the query heads of one key head) against 16 keys
  * at a time, a GEMM-style register tile, with an online softmax (flash attention). */
-/* keys (scores) and dimensions (values) a 16-lane tile holds in registers: a block's all with AVX-512 */
-enum { SB = W, VB = W };
 typedef struct {
     float qt[D * W]; /* [D][16] queries, scaled */
     float ot[D * W]; /* [D][16] values weighted by e^(score - m), not yet divided by sum */
@@ -261,14 +259,10 @@ static inline __attribute__((always_inline)) vf fold_scores(vf *s, int n, int ca
 /* The scores s[j] of a block's n keys (lanes: the tile's queries; keys j >= n repeat key 0, masked
  * later). Called with n = W as a constant for whole blocks, so that the compiler drops the clamp. */
 static inline __attribute__((always_inline)) void tile_scores(vf *s, const float *qt, const float *k, int n) {
-    for (int j0 = 0; j0 < W; j0 += SB) { /* SB keys' scores in registers (all 16 with AVX-512) */
-        vf a[SB];
-        for (int j = 0; j < SB; j++) a[j] = SPLAT(0.0f);
-        for (int i = 0; i < D; i++) {
-            vf qi = ld(qt, i * W, 0);
-            for (int j = 0; j < SB; j++) a[j] = fma16(qi, SPLAT(k[(j0 + j < n ? j0 + j : 0) * D + i]), a[j]);
-        }
-        for (int j = 0; j < SB; j++) s[j0 + j] = a[j];
+    for (int j = 0; j < W; j++) s[j] = SPLAT(0.0f);
+    for (int i = 0; i < D; i++) {
+        vf qi = ld(qt, i * W, 0);
+        for (int j = 0; j < W; j++) s[j] = fma16(qi, SPLAT(k[(j < n ? j : 0) * D + i]), s[j]);
     }
 }
 
@@ -276,12 +270,12 @@ static inline __attribute__((always_inline)) void tile_scores(vf *s, const float
  * whole blocks: loops of fixed trips). */
 static inline __attribute__((always_inline)) void tile_values(float *ot, const vf *s, const float *v, int n,
                                                                vf rescale) {
-    for (int c = 0; c < D / VB; c++) { /* VB dimensions in registers (16 with AVX-512) */
-        vf o[VB];
-        for (int i = 0; i < VB; i++) o[i] = ld(ot, (VB * c + i) * W, 0) * rescale;
+    for (int c = 0; c < D / W; c++) {
+        vf o[W];
+        for (int i = 0; i < W; i++) o[i] = ld(ot, (W * c + i) * W, 0) * rescale;
         for (int j = 0; j < n; j++)
-            for (int i = 0; i < VB; i++) o[i] = fma16(s[j], SPLAT(v[j * D + VB * c + i]), o[i]);
-        for (int i = 0; i < VB; i++) st(ot + (VB * c + i) * W, o[i]);
+            for (int i = 0; i < W; i++) o[i] = fma16(s[j], SPLAT(v[j * D + W * c + i]), o[i]);
+        for (int i = 0; i < W; i++) st(ot + (W * c + i) * W, o[i]);
     }
 }
 

@@ -10,6 +10,7 @@ from pipeline.model import native
 from pipeline.model.kv import PrefixKV
 from pipeline.model.precision import cpu_flags
 from pipeline.model.step import Segment, build
+from tests.helpers.native_builds import build_for
 from tests.helpers.tiny_models import make_decoder
 
 GEMM = native.gemm(torch.float32, 4, 2, 16)
@@ -57,12 +58,11 @@ def test_a_rows_bits_do_not_depend_on_its_batch_or_threads(threads):
 
 @pytest.mark.skipif("avx512f" not in cpu_flags(), reason="only a CPU with AVX-512 runs both builds")
 def test_the_avx2_build_gives_the_avx512_builds_bits(monkeypatch):
-    """The AVX2 tile (4 rows x half a panel) sums each output in the AVX-512 tile's order, from the
-    same packed panels: the same bits, so a packed file and a row's outputs do not depend on the CPU."""
+    """The AVX2 tile (6 rows x a third of a panel) sums each output in the AVX-512 tile's order, from
+    the same packed panels: the same bits, so a packed file and a row's outputs do not depend on the CPU."""
     from pipeline.model import native_build
 
-    monkeypatch.setattr(native_build, "FLAGS", [f if f != "-march=native" else "-march=x86-64-v3"
-                                                for f in native_build.FLAGS])
+    build_for(monkeypatch, "x86-64-v3")
     avx2 = native.Gemm(native_build._build(2, 16))
     for m, n, k in [(1, 5, 3), (7, 49, 17), (9, 97, 129), (130, 95, 1536), (300, 1000, 100)]:
         w, x, b = _rand(n, k, seed=7), _rand(m, k, seed=8), _rand(n, seed=9)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.helpers.jobsets import edge_case_requests, tokenizer
+from tests.helpers.native_builds import build_for, flags_for
 from pipeline.model import attention
 from pipeline.model import native
 from pipeline.model import native_build
@@ -37,8 +38,7 @@ def build(request, monkeypatch):
     saved = [dict(c) for c in caches]
     for c in caches:
         c.clear()
-    monkeypatch.setattr(native_build, "FLAGS", [f if f != "-march=native" else f"-march={request.param}"
-                                                for f in native_build.FLAGS])
+    build_for(monkeypatch, request.param)
     try:
         assert native.supports(torch.float32, 4, 2, 64, 64), native.why_not(torch.float32, 4, 2, 64, 64)
         yield request.param
@@ -440,7 +440,7 @@ def test_builds_for_other_cpus(march, tmp_path):
     if subprocess.run([compiler, f"-march={march}", "-x", "c", "-c", "-o", os.devnull, "-"], input=b"",
                       capture_output=True).returncode:
         pytest.skip(f"this compiler does not know -march={march}")
-    flags = [f if f != "-march=native" else f"-march={march}" for f in native.FLAGS]
+    flags = flags_for(march)
     done = subprocess.run([compiler, *flags, "-fopenmp", "-DBATCHGEN_G=3", "-DBATCHGEN_D=64", "-o",
                            str(tmp_path / "lib.so"), str(native.SOURCE)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
