@@ -16,7 +16,9 @@
  * depend on the batch it runs in. (One chain over all of k lost up to 2x oneDNN's accuracy at
  * k = 1,536; in blocks it is as accurate as `F.linear`.)
  * With AVX2 (and FMA) a tile is 6 rows x 16 outputs (a third of a panel) in 12 accumulators of 8 floats, each
- * output summed in the same order: the same bits as the AVX-512 tile's, from the same packed panels.
+ * output summed in the same order: the same bits as the AVX-512 tile's, from the same packed panels. A
+ * third's k block (8 KB) runs over all the row tiles before the next third, so it stays in L1, and the
+ * k loop is unrolled by 4 (together 1.03-1.19x at 64-2,048 rows on Zen 3: BENCHMARKS.md).
  * Included by cpu_attention.c after `run` (not built alone); for AVX-512 or AVX2, elsewhere the entry
  * points refuse and `batchgen_gemm_ok` says 0. */
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -24,8 +26,10 @@
 #define GEMM_NR 48 /* outputs of a panel: 3 vectors of 16 (6 of 8) */
 #if defined(__AVX512F__)
 #define GEMM_MR 8  /* rows of a tile */
+#define GEMM_PART 48 /* outputs of a tile: the whole panel */
 #else
 #define GEMM_MR 6
+#define GEMM_PART 16 /* a third of the panel */
 #endif
 #define GEMM_KB 128 /* k steps summed in registers, then added to the output's partial sum */
 
@@ -74,11 +78,11 @@ static inline __attribute__((always_inline)) void gemm_tile(const float *x, int6
     }
 }
 #else
-/* A third of a panel (16 outputs from bp, 48 floats a k step) for mr rows, as gemm_tile below: `cols`
- * of its outputs are real. Registers: 12 accumulators, 2 of the panel, 1 of x (BLIS's 6 x 16 on
+/* A tile of a third of a panel (16 outputs from bp, 48 floats a k step) for mr rows: `cols` of its
+ * outputs are real (16 or more: all). Registers: 12 accumulators, 2 of the panel, 1 of x (BLIS's 6 x 16 on
  * Haswell: with 4 x 24, 16 registers in all, GCC left the panel in memory and the tile ran at 0.6x
  * oneDNN's rate). */
-static inline __attribute__((always_inline)) void gemm_part(const float *x, int64_t ldx, const float *bp, int64_t k0,
+static inline __attribute__((always_inline)) void gemm_tile(const float *x, int64_t ldx, const float *bp, int64_t k0,
                                                             int64_t k1, int last, float *y, int64_t ldy,
                                                             const float *bias, int mr, int64_t cols, const char *pf,
                                                             int64_t npf) {
@@ -87,6 +91,7 @@ static inline __attribute__((always_inline)) void gemm_part(const float *x, int6
     __m256 c[GEMM_MR][2];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < 2; j++) c[i][j] = _mm256_setzero_ps();
+#pragma GCC unroll 4
     for (int64_t kk = k0; kk < k1; kk++) {
         const float *b = bp + kk * GEMM_NR;
         __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
@@ -128,15 +133,6 @@ static inline __attribute__((always_inline)) void gemm_part(const float *x, int6
     }
 }
 
-/* A tile's k steps [k0, k1): the panel's thirds one after the other (the first prefetches). */
-static inline __attribute__((always_inline)) void gemm_tile(const float *x, int64_t ldx, const float *bp, int64_t k0,
-                                                            int64_t k1, int last, float *y, int64_t ldy,
-                                                            const float *bias, int mr, int64_t cols, const char *pf,
-                                                            int64_t npf) {
-    for (int t = 0; t < 3 && cols > 16 * t; t++)
-        gemm_part(x, ldx, bp + 16 * t, k0, k1, last, y + 16 * t, ldy, bias ? bias + 16 * t : NULL, mr, cols - 16 * t,
-                  pf, t ? 0 : npf);
-}
 #endif
 
 /* The rows [i0, i1) (at most one block) against panel pj, a block of k steps at a time across all
@@ -150,22 +146,27 @@ static void gemm_block(const Gemm *g, int64_t i0, int64_t i1, int64_t pj, const 
     for (int64_t k0 = 0; k0 < k || k0 == 0; k0 += GEMM_KB) { /* (k = 0: one block, of zeros) */
         int64_t k1 = k0 + GEMM_KB < k ? k0 + GEMM_KB : k;
         int last = k1 >= k;
-        for (int64_t i = i0; i < i1; i += GEMM_MR, from += share) {
-            const float *x = g->x + i * g->ldx;
-            float *y = g->y + i * g->n + pj * GEMM_NR;
-            int64_t mine = from >= npf ? 0 : npf - from < share ? npf - from : share;
-            const char *at = mine ? pf + 64 * from : pf;
-            switch (i1 - i < GEMM_MR ? (int)(i1 - i) : GEMM_MR) { /* each row count its own unrolled tile */
-            case 1: gemm_tile(x, g->ldx, bp, k0, k1, last, y, g->n, bias, 1, cols, at, mine); break;
-            case 2: gemm_tile(x, g->ldx, bp, k0, k1, last, y, g->n, bias, 2, cols, at, mine); break;
-            case 3: gemm_tile(x, g->ldx, bp, k0, k1, last, y, g->n, bias, 3, cols, at, mine); break;
-            case 4: gemm_tile(x, g->ldx, bp, k0, k1, last, y, g->n, bias, 4, cols, at, mine); break;
-            case 5: gemm_tile(x, g->ldx, bp, k0, k1, last, y, g->n, bias, 5, cols, at, mine); break;
+        for (int64_t t = 0; t * GEMM_PART < cols; t++) { /* a part's k block stays in L1 across the tiles */
+            const float *bt = bp + t * GEMM_PART, *bias_t = bias ? bias + t * GEMM_PART : NULL;
+            int64_t ct = cols - t * GEMM_PART;
+            for (int64_t i = i0; i < i1; i += GEMM_MR) {
+                const float *x = g->x + i * g->ldx;
+                float *y = g->y + i * g->n + pj * GEMM_NR + t * GEMM_PART;
+                int64_t mine = t || from >= npf ? 0 : npf - from < share ? npf - from : share;
+                const char *at = mine ? pf + 64 * from : pf;
+                if (!t) from += share;
+                switch (i1 - i < GEMM_MR ? (int)(i1 - i) : GEMM_MR) { /* each row count its own unrolled tile */
+                case 1: gemm_tile(x, g->ldx, bt, k0, k1, last, y, g->n, bias_t, 1, ct, at, mine); break;
+                case 2: gemm_tile(x, g->ldx, bt, k0, k1, last, y, g->n, bias_t, 2, ct, at, mine); break;
+                case 3: gemm_tile(x, g->ldx, bt, k0, k1, last, y, g->n, bias_t, 3, ct, at, mine); break;
+                case 4: gemm_tile(x, g->ldx, bt, k0, k1, last, y, g->n, bias_t, 4, ct, at, mine); break;
+                case 5: gemm_tile(x, g->ldx, bt, k0, k1, last, y, g->n, bias_t, 5, ct, at, mine); break;
 #if GEMM_MR == 8
-            case 6: gemm_tile(x, g->ldx, bp, k0, k1, last, y, g->n, bias, 6, cols, at, mine); break;
-            case 7: gemm_tile(x, g->ldx, bp, k0, k1, last, y, g->n, bias, 7, cols, at, mine); break;
+                case 6: gemm_tile(x, g->ldx, bt, k0, k1, last, y, g->n, bias_t, 6, ct, at, mine); break;
+                case 7: gemm_tile(x, g->ldx, bt, k0, k1, last, y, g->n, bias_t, 7, ct, at, mine); break;
 #endif
-            default: gemm_tile(x, g->ldx, bp, k0, k1, last, y, g->n, bias, GEMM_MR, cols, at, mine); break;
+                default: gemm_tile(x, g->ldx, bt, k0, k1, last, y, g->n, bias_t, GEMM_MR, ct, at, mine); break;
+                }
             }
         }
     }
