@@ -17,8 +17,9 @@
  * k = 1,536; in blocks it is as accurate as `F.linear`.)
  * With AVX2 (and FMA) a tile is 6 rows x 16 outputs (a third of a panel) in 12 accumulators of 8 floats, each
  * output summed in the same order: the same bits as the AVX-512 tile's, from the same packed panels. A
- * third's k block (8 KB) runs over all the row tiles before the next third, so it stays in L1, and the
- * k loop is unrolled by 4 (together 1.03-1.19x at 64-2,048 rows on Zen 3: BENCHMARKS.md).
+ * third's k block (8 KB) runs over all the row tiles before the next third, so it stays in L1; the
+ * k loop is unrolled by 4; and each thread packs a block's x as [tile][k][6] first, so a tile's
+ * broadcasts read one stream (as oneDNN packs both operands; Zen 3 numbers in BENCHMARKS.md).
  * Included by cpu_attention.c after `run` (not built alone); for AVX-512 or AVX2, elsewhere the entry
  * points refuse and `batchgen_gemm_ok` says 0. */
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -27,9 +28,11 @@
 #if defined(__AVX512F__)
 #define GEMM_MR 8  /* rows of a tile */
 #define GEMM_PART 48 /* outputs of a tile: the whole panel */
+#define GEMM_PACK_X 0 /* tiles read x's rows where they lie */
 #else
 #define GEMM_MR 6
 #define GEMM_PART 16 /* a third of the panel */
+#define GEMM_PACK_X 1 /* tiles read a block's x packed as [tile][k][6] (in the thread's scratch) */
 #endif
 #define GEMM_KB 128 /* k steps summed in registers, then added to the output's partial sum */
 
@@ -86,6 +89,7 @@ static inline __attribute__((always_inline)) void gemm_tile(const float *x, int6
                                                             int64_t k1, int last, float *y, int64_t ldy,
                                                             const float *bias, int mr, int64_t cols, const char *pf,
                                                             int64_t npf) {
+    (void)ldx; /* x is packed: row i's k step kk at x[kk * 6 + i] */
     int64_t per = k1 > k0 ? (npf + (k1 - k0) - 1) / (k1 - k0) : 0;
     const char *pe = pf + 64 * npf;
     __m256 c[GEMM_MR][2];
@@ -98,7 +102,7 @@ static inline __attribute__((always_inline)) void gemm_tile(const float *x, int6
         for (int64_t r = 0; r < per && pf < pe; r++, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
 #pragma GCC unroll 6
         for (int i = 0; i < mr; i++) {
-            __m256 a = _mm256_broadcast_ss(x + i * ldx + kk);
+            __m256 a = _mm256_broadcast_ss(x + kk * GEMM_MR + i);
             c[i][0] = _mm256_fmadd_ps(a, b0, c[i][0]);
             c[i][1] = _mm256_fmadd_ps(a, b1, c[i][1]);
         }
@@ -137,7 +141,7 @@ static inline __attribute__((always_inline)) void gemm_tile(const float *x, int6
 
 /* The rows [i0, i1) (at most one block) against panel pj, a block of k steps at a time across all
  * the tiles (that block of the panel stays in L1); prefetching `npf` lines at `pf` meanwhile. */
-static void gemm_block(const Gemm *g, int64_t i0, int64_t i1, int64_t pj, const char *pf, int64_t npf) {
+static void gemm_block(const Gemm *g, int64_t i0, int64_t i1, int64_t pj, const char *pf, int64_t npf, const float *xp) {
     const float *bp = g->p + pj * GEMM_NR * g->k;
     int64_t cols = g->n - pj * GEMM_NR < GEMM_NR ? g->n - pj * GEMM_NR : GEMM_NR;
     const float *bias = g->bias ? g->bias + pj * GEMM_NR : NULL;
@@ -150,7 +154,7 @@ static void gemm_block(const Gemm *g, int64_t i0, int64_t i1, int64_t pj, const 
             const float *bt = bp + t * GEMM_PART, *bias_t = bias ? bias + t * GEMM_PART : NULL;
             int64_t ct = cols - t * GEMM_PART;
             for (int64_t i = i0; i < i1; i += GEMM_MR) {
-                const float *x = g->x + i * g->ldx;
+                const float *x = GEMM_PACK_X ? xp + (i - i0) * k : g->x + i * g->ldx; /* (i - i0: whole tiles) */
                 float *y = g->y + i * g->n + pj * GEMM_NR + t * GEMM_PART;
                 int64_t mine = t || from >= npf ? 0 : npf - from < share ? npf - from : share;
                 const char *at = mine ? pf + 64 * from : pf;
@@ -176,17 +180,28 @@ static void gemm_block(const Gemm *g, int64_t i0, int64_t i1, int64_t pj, const 
  * the threads read one x (which stays in L2) against disjoint panels; each thread walks its panels
  * in order, and the next one it needs is the one it prefetches. */
 static void gemm_item(const void *arg, int w, void *scratch) {
-    (void)scratch;
     const Gemm *g = arg;
+    float *xp = scratch;
     int64_t panels = (g->n + GEMM_NR - 1) / GEMM_NR, blocks = (g->m + g->rows - 1) / g->rows;
     int64_t a = panels * w / g->threads, b = panels * (w + 1) / g->threads;
     int64_t lines = GEMM_NR * g->k * (int64_t)sizeof(float) / 64;
     for (int64_t blk = 0; blk < blocks; blk++) {
         int64_t i0 = blk * g->rows, i1 = i0 + g->rows < g->m ? i0 + g->rows : g->m;
+#if GEMM_PACK_X
+        for (int64_t t = 0; t * GEMM_MR < i1 - i0; t++) /* the block's x as tiles of [k][6], rows past i1 zeros */
+            for (int i = 0; i < GEMM_MR; i++) {
+                int64_t row = i0 + t * GEMM_MR + i;
+                float *to = xp + t * GEMM_MR * g->k + i;
+                if (row < i1)
+                    for (int64_t kk = 0; kk < g->k; kk++) to[kk * GEMM_MR] = g->x[row * g->ldx + kk];
+                else
+                    for (int64_t kk = 0; kk < g->k; kk++) to[kk * GEMM_MR] = 0.0f;
+            }
+#endif
         for (int64_t pj = a; pj < b; pj++) {
             int64_t next = pj + 1 < b ? pj + 1 : a; /* (then the next block's first) */
             const char *pf = pj + 1 < b || blk + 1 < blocks ? (const char *)(g->p + next * GEMM_NR * g->k) : NULL;
-            gemm_block(g, i0, i1, pj, pf, pf ? lines : 0);
+            gemm_block(g, i0, i1, pj, pf, pf ? lines : 0, xp);
         }
     }
 }
@@ -261,7 +276,9 @@ int batchgen_gemm(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx, 
     rows = rows < GEMM_MR ? GEMM_MR : rows > 128 ? 128 : rows;
     threads = gemm_threads(threads, n);
     Gemm g = {x, p, bias, y, m, n, k, ldx, rows, threads};
-    return run(gemm_item, &g, threads, 64, threads);
+    int64_t packed_rows = ((rows < m ? rows : m) + GEMM_MR - 1) / GEMM_MR * GEMM_MR; /* a block's x, packed */
+    size_t scratch = GEMM_PACK_X ? (size_t)packed_rows * (size_t)(k ? k : 1) * sizeof(float) : 64;
+    return run(gemm_item, &g, threads, scratch, threads);
 #else
     return (void)m, (void)n, (void)k, (void)x, (void)ldx, (void)p, (void)bias, (void)y, (void)threads, 1;
 #endif
