@@ -49,7 +49,10 @@ static inline __attribute__((always_inline)) void block_scores(const Block *b, c
         const float *kf = k;
         for (int i = 0; i < D; i++) {
             vf q[3];
-            for (int u = 0; u < nv; u++) q[u] = ld(b->qt, i * LANES + W * u, 0);
+            for (int u = 0; u < nv; u++) {
+                q[u] = ld(b->qt, i * LANES + W * u, 0);
+                IN_REG(q[u]);
+            }
 #pragma GCC unroll 16
             for (int j = 0; j < nk; j++) {
                 vf kj = SPLAT(kf[j * D + i]);
@@ -91,7 +94,10 @@ static inline __attribute__((always_inline)) void block_values(float *o, const f
             for (int c = 0; c < CB; c++) acc[r][c] = ld(o, (r0 + r) * D + W * (c0 + c), 0);
         for (int j = 0; j < n; j++) {
             vf x[CB];
-            for (int c = 0; c < CB; c++) x[c] = ld(v, j * D + W * (c0 + c), 0);
+            for (int c = 0; c < CB; c++) {
+                x[c] = ld(v, j * D + W * (c0 + c), 0);
+                IN_REG(x[c]);
+            }
             for (int r = 0; r < rb; r++) {
                 vf p = SPLAT(s[j * LANES + r0 + r]);
                 for (int c = 0; c < CB; c++) acc[r][c] += p * x[c];

@@ -66,6 +66,7 @@ typedef int32_t vi __attribute__((vector_size(4 * W)));
 #endif
 
 #if defined(__AVX512F__)
+#define IN_REG(v) ((void)0) /* 32 registers: GCC keeps them (see the AVX2 build's) */
 enum { VREGS = 32 }; /* vector registers */
 #define SPLAT(x) ((vf)_mm512_set1_ps(x)) /* not (vf){0} + x: that adds 0.0f before broadcasting */
 
@@ -88,6 +89,9 @@ static inline __attribute__((always_inline)) vf scale_pow2(vf y, vf n, vf x) {
     return (vf)_mm512_maskz_scalef_ps(~tiny, (__m512)y, (__m512)n);
 }
 #elif defined(BATCHGEN_SIMD)
+/* v in a register from here on: GCC otherwise folds a vector used by several FMAs into each one as a
+ * memory operand, and a tile's loads (2 per FMA) bound it on AVX2 (the values do not change) */
+#define IN_REG(v) __asm__("" : "+x"(v))
 enum { VREGS = 16 };
 #define SPLAT(x) ((vf)_mm256_set1_ps(x))
 static inline __attribute__((always_inline)) vf fma16(vf a, vf b, vf c) {
@@ -333,6 +337,8 @@ static inline __attribute__((always_inline)) void tile32_scores(vf s[2][W], cons
         for (int j = 0; j < KH; j++) a0[j] = a1[j] = SPLAT(0.0f);
         for (int i = 0; i < D; i++) {
             vf q0 = ld(qt, i * PW, 0), q1 = ld(qt, i * PW + W, 0);
+            IN_REG(q0);
+            IN_REG(q1);
             for (int j = 0; j < KH; j++) {
                 vf kj = SPLAT(k[(j0 + j < n ? j0 + j : 0) * D + i]);
                 a0[j] = fma16(q0, kj, a0[j]), a1[j] = fma16(q1, kj, a1[j]);
@@ -353,6 +359,8 @@ static inline __attribute__((always_inline)) void tile32_values(float *ot, vf s[
         }
         for (int j = 0; j < n; j++) {
             vf s0 = s[0][j], s1 = s[1][j];
+            IN_REG(s0);
+            IN_REG(s1);
             for (int i = 0; i < KH; i++) {
                 vf vj = SPLAT(v[j * D + KH * c + i]);
                 o0[i] = fma16(s0, vj, o0[i]), o1[i] = fma16(s1, vj, o1[i]);
