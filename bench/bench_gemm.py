@@ -4,20 +4,24 @@ Two parts, both in one process:
 - the layers alone: a stack of the embedded default model's float32 layer shapes (SmolLM2-135M:
   q/k/v 576 -> 960, o 576 -> 576, gate and up 576 -> 3,072 as one, down 1,536 -> 576), enough of
   them that the weights stream from memory as in a forward, at each row count from a decode
-  step's to a prefill's; the two kernels alternate call by call, and the ratio is taken per round
-  (this VM drifts by tens of percent within minutes);
+  step's to a prefill's; the kernels take turns round by round, and the ratios are taken per round
+  (this VM drifts by tens of percent within minutes); `--old REV` adds batchgen's GEMM as built from
+  another git revision's kernel sources (the A/B of a kernel change; it must give the same bits);
 - the engine: a `bench/corpus.py` workload through `Engine.generate` on two decoders of the default
   model, one on each kernel (`BATCHGEN_GEMM=0` loads oneDNN's), in alternating turns, wall time
   per run, and whether the greedy outputs agree.
 
     python -m bench.bench_gemm --threads 2 --workload long_document --turns 4
+    python -m bench.bench_gemm --skip-engine --rows 8,64,512,2048 --old HEAD~1
 """
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -27,7 +31,9 @@ HIDDEN, INTER = 576, 1536
 SHAPES = [(HIDDEN, 960), (HIDDEN, HIDDEN), (HIDDEN, 2 * INTER), (INTER, HIDDEN)]  # (k, n)
 
 
-def layers_alone(rows_list: list[int], layers: int, rounds: int) -> None:
+def layers_alone(rows_list: list[int], layers: int, rounds: int, old: str | None = None) -> None:
+    """`old`: a git revision whose GEMM (built from its kernel sources) runs beside this one's, in the
+    same rounds: the A/B of two builds (its outputs checked for the same bits)."""
     from pipeline.model import kernels, native
 
     gemm = native.gemm(torch.float32, 9, 3, 64)
@@ -35,34 +41,39 @@ def layers_alone(rows_list: list[int], layers: int, rounds: int) -> None:
         raise SystemExit(f"no GEMM here: {native.why_not(torch.float32, 9, 3, 64, 64)}")
     kernels.keep_freed_memory()  # as the decoder runs: outputs reuse memory
     weights = [[torch.randn(n, k) * 0.02 for k, n in SHAPES] for _ in range(layers)]
-    ours = [[gemm.linear(w) for w in layer] for layer in weights]
-    theirs = [[kernels.linear(w) for w in layer] for layer in weights]
+    stacks = {"batchgen": [[gemm.linear(w) for w in layer] for layer in weights],
+              "oneDNN": [[kernels.linear(w) for w in layer] for layer in weights]}
+    if old:
+        from bench.bench_kernel_turns import old_library
+
+        theirs = native.Gemm(old_library(old, 3, 64, Path(tempfile.mkdtemp())))
+        stacks[f"batchgen at {old}"] = [[theirs.linear(w) for w in layer] for layer in weights]
+    others = [s for s in stacks if s != "batchgen"]
     print(f"the layers alone: {layers} layers of SmolLM2-135M's shapes ({4 * sum(k * n for k, n in SHAPES) * layers / 1e6:.0f}"
           f" MB of weights), {torch.get_num_threads()} threads, {rounds} rounds, GFLOP/s (medians) and"
-          f" oneDNN's time / batchgen's per round:")
-    print("| rows | batchgen GFLOP/s | oneDNN GFLOP/s | faster by (median of rounds) |")
-    print("|---:|---:|---:|---:|")
+          f" each other's time / batchgen's per round (median of rounds):")
+    print("| rows | " + " | ".join(f"{s} GFLOP/s" for s in stacks) + " | "
+          + " | ".join(f"faster than {s}" for s in others) + " |")
+    print("|---:|" + "---:|" * (len(stacks) + len(others)))
     for m in rows_list:
         x, xi = torch.randn(m, HIDDEN), torch.randn(m, INTER)
 
         def run(stack):
-            for layer in stack:
-                for (k, _), f in zip(SHAPES, layer):
-                    f(xi if k == INTER else x)
+            return [f(xi if k == INTER else x) for layer in stack for (k, _), f in zip(SHAPES, layer)]
 
         flops = 2 * m * layers * sum(k * n for k, n in SHAPES)
-        run(ours), run(theirs)
-        a, b = [], []
-        for _ in range(rounds):
-            t = time.perf_counter()
-            run(ours)
-            a.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            run(theirs)
-            b.append(time.perf_counter() - t)
-        ratio = statistics.median(y / x for x, y in zip(a, b))
-        print(f"| {m} | {flops / statistics.median(a) / 1e9:.0f} | {flops / statistics.median(b) / 1e9:.0f} | "
-              f"{ratio:.2f}x |")
+        first = {s: run(stacks[s]) for s in stacks}
+        if old and not all(torch.equal(a, b) for a, b in zip(first["batchgen"], first[others[-1]])):
+            raise SystemExit(f"batchgen at {old} gives other bits at {m} rows")
+        times = {s: [] for s in stacks}
+        for r in range(rounds):
+            for s in stacks if r % 2 == 0 else list(stacks)[::-1]:  # in turns, each round the other way
+                t = time.perf_counter()
+                run(stacks[s])
+                times[s].append(time.perf_counter() - t)
+        rates = [f"{flops / statistics.median(times[s]) / 1e9:.0f}" for s in stacks]
+        ratios = [f"{statistics.median(y / x for x, y in zip(times['batchgen'], times[s])):.2f}x" for s in others]
+        print(f"| {m} | " + " | ".join(rates + ratios) + " |")
 
 
 def engine_turns(turns: int, jobs: int, workload: str) -> None:
@@ -117,10 +128,11 @@ def main() -> int:
     p.add_argument("--jobs", type=int, default=64)
     p.add_argument("--workload", default="long_document")
     p.add_argument("--skip-engine", action="store_true")
+    p.add_argument("--old", default=None, help="a git revision: its GEMM beside this one's in the layers alone")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     print(cpu_model())
-    layers_alone([int(r) for r in args.rows.split(",")], args.layers, args.rounds)
+    layers_alone([int(r) for r in args.rows.split(",")], args.layers, args.rounds, args.old)
     if not args.skip_engine:
         engine_turns(args.turns, args.jobs, args.workload)
     return 0
