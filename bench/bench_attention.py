@@ -15,7 +15,8 @@ and against the GEMM rate of the same FLOPs:
   bmm       torch.bmm of the same two products (queries by keys, weights by values), no softmax
   linear    oneDNN's packed linear (`kernels.linear`, as the model's weight matmuls run) at 2,048
             rows of the model's fused QKV layer: the GEMM rate of `bench_profile`'s attention floor
-  old       with `--old REV`: blocked, built from that git revision's kernel sources
+  old       with `--old REV`: blocked, built from that git revision's kernel sources (each row says
+            whether its outputs equal blocked's, bit for bit)
 A shape `RxL` is R rows over one anchor of L tokens; `RxL/A+O` splits the rows over A anchors (as
 the engine's n samples of several prompts read one prefix per prompt) and gives each row O own keys.
 `--copies K` keeps K copies of every buffer and calls them in turn, so that they stream from memory
@@ -104,6 +105,17 @@ def calls(rows: int, length: int, dtype: torch.dtype, hq: int, hkv: int, d: int,
         "linear": lambda: [linear(x) for _ in range(repeat)],
     }
     scale = {"linear": 2 * GEMM_ROWS * hidden * weight.shape[0] * repeat / flops}  # its FLOPs over the anchor's
+
+    def same_bits() -> bool:
+        """Whether `old` gives blocked's outputs bit for bit, on the first copy of the buffers."""
+        turn[0] = copies - 1  # the next call takes copy 0
+        kernel("matmul")
+        mine = out.clone()
+        turn[0] = copies - 1
+        kernel(lib=old)
+        return torch.equal(mine, out)
+
+    systems["same_bits"] = same_bits
     return systems, flops, scale
 
 
@@ -153,6 +165,7 @@ def main() -> int:
                 with tempfile.TemporaryDirectory() as tmp:
                     old = old_library(args.old, hq // hkv, d, Path(tmp))
             systems, flops, scale = calls(rows, length, dtype, hq, hkv, d, hidden, anchors, own, args.copies, old)
+            same_bits = systems["same_bits"]() if old is not None and "old" in names else None
             systems = {s: systems[s] for s in names}
             times: dict[str, list[float]] = {s: [] for s in names}
             with torch.inference_mode():
@@ -169,9 +182,10 @@ def main() -> int:
             amx = "yes" if native.amx(dtype, hq, hkv, d) else "no"
             print(f"| {rows} | {length} | {anchors} | {own} | {name} | {amx} | "
                   + " | ".join(f"{rate[s]:.0f}" for s in names) + " | "
-                  + " | ".join(f"{rate['blocked'] / rate[s]:.2f}" for s in ratios) + " |", flush=True)
+                  + " | ".join(f"{rate['blocked'] / rate[s]:.2f}" for s in ratios) + " |"
+                  + ("" if same_bits is None else f" old's bits {'equal' if same_bits else 'DIFFER'}"), flush=True)
             report.append({"rows": rows, "prefix": length, "anchors": anchors, "own": own, "dtype": name,
-                           "gflop_s": rate, "times_s": times})
+                           "gflop_s": rate, "times_s": times, "old_bits_equal": same_bits})
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cpu": cpu_model(), "threads": args.threads, "results": report}, f, indent=1)
