@@ -12,10 +12,16 @@
  * (`sum_squares`), silu's exp as SLEEF's (`sleef_exp`); tests/model/test_layer_ops.py holds both
  * to the PyTorch formulas.
  * Rows x and r are contiguous with h elements, h a multiple of 16; rows are shared out by `run`.
- * Included by cpu_attention.c after `ld`, `st`, `exp_neg` and `run` (not built alone). AVX-512 with
- * its byte/word and 256-bit forms (every AVX-512 CPU since Skylake-X); elsewhere the entry points
- * refuse and `batchgen_layer_ops` says 0. */
+ * Included by cpu_attention.c after `ld`, `st`, `exp_neg` and `run` (not built alone). Built for
+ * AVX-512 with its byte/word and 256-bit forms (every AVX-512 CPU since Skylake-X), where they are
+ * PyTorch's bits as ATen's AVX-512 kernels compute them, and for AVX2 with FMA, where they are
+ * ATen's AVX2 kernels' (the gate's one-by-one tails follow the width of ATen's vectors);
+ * `batchgen_layer_ops` says which (2, 1), or 0 where the entry points refuse. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define LAYER_OPS 2 /* ATen's CPU capability whose bits these are: 2 AVX-512, 1 AVX2 */
+#elif defined(__AVX512F__)
+#define LAYER_OPS 0
+#elif defined(BATCHGEN_SIMD)
 #define LAYER_OPS 1
 #else
 #define LAYER_OPS 0
@@ -23,9 +29,9 @@
 #if LAYER_OPS
 #include <math.h>
 
-/* 16 float32 to bfloat16, rounded to nearest even (NaN kept a NaN), as PyTorch's cast rounds. */
+/* W float32 to bfloat16, rounded to nearest even (NaN kept a NaN), as PyTorch's cast rounds. */
 static inline __attribute__((always_inline)) vh to_bf16(vf f) {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && LAYER_OPS == 2
     __m256bh b = _mm512_cvtneps_pbh((__m512)f); /* the instruction rounds the same way */
     vh h;
     memcpy(&h, &b, sizeof h);
@@ -58,13 +64,20 @@ static inline __attribute__((always_inline)) vf narrow(vf v, int bf16) {
     return v;
 }
 
+/* Products and sums rounded on their own, each as PyTorch's separate ops round them: never fused
+ * into a multiply-add by the compiler (AVX-512: the instructions with a rounding mode; AVX2: the
+ * value passes through an empty asm, which the compiler cannot see into). */
+#if LAYER_OPS == 2
+typedef __mmask16 lanes_t; /* a bit per lane */
 #define RN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC) /* rounded, no exceptions: an op the compiler cannot fuse */
-static inline __attribute__((always_inline)) vf ldm(const void *p, int64_t i, int bf16, __mmask16 m) {
+static inline __attribute__((always_inline)) vf mul_rn(vf a, vf b) { return (vf)_mm512_mul_round_ps((__m512)a, (__m512)b, RN); }
+static inline __attribute__((always_inline)) vf add_rn(vf a, vf b) { return (vf)_mm512_add_round_ps((__m512)a, (__m512)b, RN); }
+static inline __attribute__((always_inline)) vf ldm(const void *p, int64_t i, int bf16, lanes_t m) {
     if (!bf16) return (vf)_mm512_maskz_loadu_ps(m, (const float *)p + i);
     __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)p + i);
     return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
-static inline __attribute__((always_inline)) void stm(void *p, int64_t i, vf v, int bf16, __mmask16 m) {
+static inline __attribute__((always_inline)) void stm(void *p, int64_t i, vf v, int bf16, lanes_t m) {
     if (!bf16) {
         _mm512_mask_storeu_ps((float *)p + i, m, (__m512)v);
     } else {
@@ -74,6 +87,48 @@ static inline __attribute__((always_inline)) void stm(void *p, int64_t i, vf v, 
         _mm256_mask_storeu_epi16((uint16_t *)p + i, m, b);
     }
 }
+#else
+typedef unsigned lanes_t;
+static inline __attribute__((always_inline)) vf mul_rn(vf a, vf b) {
+    vf p = a * b;
+    __asm__("" : "+x"(p));
+    return p;
+}
+static inline __attribute__((always_inline)) vf add_rn(vf a, vf b) {
+    vf p = a + b;
+    __asm__("" : "+x"(p));
+    return p;
+}
+/* The lanes in m, zeros elsewhere; a whole vector in one load (AVX2 has no masked 16-bit loads:
+ * the partial ones, only at a row's or a chunk's end, go lane by lane). */
+static inline __attribute__((always_inline)) vf ldm(const void *p, int64_t i, int bf16, lanes_t m) {
+    if (m == (1u << W) - 1) return ld(p, i, bf16);
+    float f[W] = {0};
+    for (int l = 0; l < W; l++)
+        if (m >> l & 1 && bf16) {
+            uint32_t bits = (uint32_t)((const uint16_t *)p)[i + l] << 16;
+            memcpy(f + l, &bits, 4);
+        } else if (m >> l & 1) {
+            f[l] = ((const float *)p)[i + l];
+        }
+    vf v;
+    memcpy(&v, f, sizeof v);
+    return v;
+}
+static inline __attribute__((always_inline)) void stm(void *p, int64_t i, vf v, int bf16, lanes_t m) {
+    if (m == (1u << W) - 1) {
+        put(p, i, v, bf16);
+        return;
+    }
+    vh h = to_bf16(v);
+    for (int l = 0; l < W; l++)
+        if (m >> l & 1) {
+            if (bf16) ((uint16_t *)p)[i + l] = h[l];
+            else ((float *)p)[i + l] = v[l];
+        }
+}
+#endif
+#define ALL_LANES ((lanes_t)((1u << W) - 1))
 
 typedef struct {
     int64_t n, h, rows_per_item;
@@ -135,9 +190,7 @@ static void norm_item(const void *job, int item, void *scratch) {
                 v = narrow(v + ld((const char *)j->r + t * j->h * bytes, i, j->bf16), j->bf16);
                 put(x, i, v, j->bf16);
             }
-            /* rounded before it is summed, as pow(2) rounds it (a product the compiler cannot fuse) */
-            __m512 vv = _mm512_mul_round_ps((__m512)v, (__m512)v, RN);
-            memcpy(sq + i, &vv, sizeof vv);
+            st(sq + i, mul_rn(v, v)); /* rounded before it is summed, as pow(2) rounds it */
         }
         float rs = 1.0f / __builtin_sqrtf(sum_squares(sq, j->h) / (float)j->h + j->eps);
         for (int64_t i = 0; i < j->h; i += W)
@@ -155,6 +208,7 @@ typedef struct {
 /* e^d as PyTorch's float32 vectors compute it (SLEEF's expf, u10, the fused multiply-adds of its
  * AVX2 build): round d / ln 2 to n, two-part ln 2 reduction, degree-6 polynomial, times 2^n in
  * two halves; 0 below -104, infinity above 100. */
+#if LAYER_OPS == 2
 static inline __attribute__((always_inline)) vf sleef_exp(vf d) {
     __m512 x = (__m512)d;
     __m512i q = _mm512_cvtps_epi32(_mm512_mul_round_ps(x, _mm512_set1_ps(1.442695040888963407359924681001892137f),
@@ -181,9 +235,33 @@ static inline __attribute__((always_inline)) vf sleef_exp(vf d) {
     u = _mm512_mask_mov_ps(u, _mm512_cmp_ps_mask(_mm512_set1_ps(100.0f), x, _CMP_LT_OQ), _mm512_set1_ps(__builtin_inff()));
     return (vf)u;
 }
+#else
+static inline __attribute__((always_inline)) vf sleef_exp(vf d) {
+    __m256 x = (__m256)d;
+    __m256i q = _mm256_cvtps_epi32((__m256)mul_rn(d, SPLAT(1.442695040888963407359924681001892137f)));
+    __m256 qf = _mm256_cvtepi32_ps(q);
+    __m256 r = _mm256_fmadd_ps(qf, _mm256_set1_ps(-0.693145751953125f), x);
+    r = _mm256_fmadd_ps(qf, _mm256_set1_ps(-1.428606765330187045e-06f), r);
+    __m256 u = _mm256_set1_ps(0.000198527617612853646278381f);
+    u = _mm256_fmadd_ps(u, r, _mm256_set1_ps(0.00139304355252534151077271f));
+    u = _mm256_fmadd_ps(u, r, _mm256_set1_ps(0.00833336077630519866943359f));
+    u = _mm256_fmadd_ps(u, r, _mm256_set1_ps(0.0416664853692054748535156f));
+    u = _mm256_fmadd_ps(u, r, _mm256_set1_ps(0.166666671633720397949219f));
+    u = _mm256_fmadd_ps(u, r, _mm256_set1_ps(0.5f));
+    u = (__m256)add_rn(SPLAT(1.0f), (vf)_mm256_fmadd_ps((__m256)mul_rn((vf)r, (vf)r), u, r));
+    __m256i h = _mm256_srai_epi32(q, 1);
+    __m256 p1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(h, _mm256_set1_epi32(127)), 23));
+    __m256 p2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(q, h), _mm256_set1_epi32(127)), 23));
+    u = (__m256)mul_rn(mul_rn((vf)u, (vf)p1), (vf)p2);
+    u = _mm256_and_ps(u, _mm256_cmp_ps(x, _mm256_set1_ps(-104.0f), _CMP_NLT_UQ));
+    u = _mm256_blendv_ps(u, _mm256_set1_ps(__builtin_inff()), _mm256_cmp_ps(_mm256_set1_ps(100.0f), x, _CMP_LT_OQ));
+    return (vf)u;
+}
+#endif
 
 /* PyTorch's loop splits the elements into its threads' chunks (`chunk` each, the last shorter) and
- * in each takes two of its vectors (32 floats, 64 bfloat16) at a time from the chunk's start, and
+ * in each takes two of its vectors (32 floats, 64 bfloat16 with AVX-512; 16 and 32 with AVX2) at a
+ * time from the chunk's start, and
  * the elements past the last such pair one by one, with the C library's exp: where element p's
  * chunk's tail starts. */
 static inline int64_t tail_start(int64_t p, int64_t chunk, int64_t total, int64_t pair) {
@@ -196,12 +274,25 @@ static void silu_item(const void *job, int item, void *scratch) {
     (void)scratch;
     int64_t first = item * j->per_item, last = first + j->per_item, total = j->n * j->m;
     if (last > total) last = total;
-    const int64_t pair = j->bf16 ? 64 : 32;
+    const int64_t pair = j->bf16 ? 4 * W : 2 * W;
+    int64_t end = -1, tail = 0; /* the chunk of i: its end and where its tail starts */
     for (int64_t i = first; i < last; i += W) {
-        __mmask16 vec = 0xffff; /* the lanes PyTorch computes in its vectors */
-        if (i + W > tail_start(i, j->chunk, total, pair) || (i + W - 1) / j->chunk != i / j->chunk)
+        if (i >= end) {
+            end = (i / j->chunk + 1) * j->chunk < total ? (i / j->chunk + 1) * j->chunk : total;
+            tail = tail_start(i, j->chunk, total, pair);
+        }
+        if (i + 2 * W <= tail && i + 2 * W <= last) { /* two whole vectors, independent: as PyTorch's loop */
+            vf x0 = ld(j->g, i, j->bf16), x1 = ld(j->g, i + W, j->bf16);
+            vf s0 = narrow(x0 / (1.0f + sleef_exp(-x0)), j->bf16), s1 = narrow(x1 / (1.0f + sleef_exp(-x1)), j->bf16);
+            put(j->g, i, s0 * ld(j->u, i, j->bf16), j->bf16);
+            put(j->g, i + W, s1 * ld(j->u, i + W, j->bf16), j->bf16);
+            i += W;
+            continue;
+        }
+        lanes_t vec = ALL_LANES; /* the lanes PyTorch computes in its vectors */
+        if (i + W > tail) /* near the tail, or across the chunk's end (tail <= end): lane by lane */
             for (int l = 0; l < W; l++)
-                if (i + l >= tail_start(i + l, j->chunk, total, pair)) vec &= (__mmask16)~(1u << l);
+                if (i + l >= tail_start(i + l, j->chunk, total, pair)) vec &= (lanes_t)~(1u << l);
         vf x = ldm(j->g, i, j->bf16, vec);
         vf s = narrow(x / (1.0f + sleef_exp(-x)), j->bf16); /* PyTorch's x / (1 + e^-x), in float32 */
         stm(j->g, i, s * ldm(j->u, i, j->bf16, vec), j->bf16, vec);
@@ -243,14 +334,14 @@ static void rotary_item(const void *job, int item, void *scratch) {
         for (int64_t h = 0; h < j->heads; h++) {
             char *x = (char *)j->x + (t * j->x_tok + h * j->x_head) * bytes;
             for (int64_t i = 0; i < half; i += W) {
-                __mmask16 m = half - i >= W ? 0xffff : (__mmask16)((1u << (half - i)) - 1);
+                lanes_t m = half - i >= W ? ALL_LANES : (lanes_t)((1u << (half - i)) - 1);
                 vf x1 = ldm(x, i, j->bf16, m), x2 = ldm(x, i + half, j->bf16, m);
-                vf a1 = narrow((vf)_mm512_mul_round_ps((__m512)x1, (__m512)ldm(c, i, j->bf16, m), RN), j->bf16);
-                vf b1 = narrow((vf)_mm512_mul_round_ps((__m512)x2, (__m512)ldm(s, i, j->bf16, m), RN), j->bf16);
-                vf a2 = narrow((vf)_mm512_mul_round_ps((__m512)x2, (__m512)ldm(c, i + half, j->bf16, m), RN), j->bf16);
-                vf b2 = narrow((vf)_mm512_mul_round_ps((__m512)x1, (__m512)ldm(s, i + half, j->bf16, m), RN), j->bf16);
-                stm(x, i, (vf)_mm512_add_round_ps((__m512)a1, (__m512)b1, RN), j->bf16, m);
-                stm(x, i + half, (vf)_mm512_add_round_ps((__m512)a2, (__m512)b2, RN), j->bf16, m);
+                vf a1 = narrow(mul_rn(x1, ldm(c, i, j->bf16, m)), j->bf16);
+                vf b1 = narrow(mul_rn(x2, ldm(s, i, j->bf16, m)), j->bf16);
+                vf a2 = narrow(mul_rn(x2, ldm(c, i + half, j->bf16, m)), j->bf16);
+                vf b2 = narrow(mul_rn(x1, ldm(s, i + half, j->bf16, m)), j->bf16);
+                stm(x, i, add_rn(a1, b1), j->bf16, m);
+                stm(x, i + half, add_rn(a2, b2), j->bf16, m);
             }
         }
     }
@@ -265,6 +356,7 @@ typedef struct {
     uint8_t *finite;
 } Greedy;
 
+#if LAYER_OPS == 2
 static void greedy_item(const void *job, int item, void *scratch) {
     const Greedy *j = job;
     (void)scratch;
@@ -288,6 +380,41 @@ static void greedy_item(const void *job, int item, void *scratch) {
     j->best[item] = is_best ? _mm512_mask_reduce_min_epi32(is_best, at) : 0;
     j->finite[item] = !bad;
 }
+#else
+static void greedy_item(const void *job, int item, void *scratch) {
+    const Greedy *j = job;
+    (void)scratch;
+    const float *row = j->logits + item * j->v;
+    const int64_t whole = j->v / W * W;
+    __m256 top = _mm256_set1_ps(-__builtin_inff()), bad = _mm256_setzero_ps();
+    __m256i at = _mm256_setzero_si256(), lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i expo = _mm256_set1_epi32(0x7f800000);
+    for (int64_t i = 0; i < whole; i += W) {
+        __m256 x = _mm256_loadu_ps(row + i);
+        bad = _mm256_or_ps(bad, _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(x), expo), expo)));
+        /* strictly greater, or the lane's first value (all -inf rows keep index 0 as PyTorch does) */
+        __m256 up = i ? _mm256_cmp_ps(x, top, _CMP_GT_OQ) : _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+        top = _mm256_blendv_ps(top, x, up);
+        at = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(at),
+                                                  _mm256_castsi256_ps(_mm256_add_epi32(lane, _mm256_set1_epi32((int)i))), up));
+    }
+    float tops[W], best = -__builtin_inff();
+    int32_t ats[W];
+    int64_t where = 0;
+    _mm256_storeu_ps(tops, top), _mm256_storeu_si256((__m256i *)ats, at);
+    for (int l = 0; l < W && whole; l++) /* the first index of the greatest: lane l holds indices l mod W */
+        if (tops[l] > best || (tops[l] == best && (ats[l] < where || !l))) best = tops[l], where = ats[l];
+    int finite = !_mm256_movemask_ps(bad);
+    for (int64_t e = whole; e < j->v; e++) { /* the last elements, after every vector's */
+        uint32_t bits;
+        memcpy(&bits, row + e, 4);
+        finite &= (bits & 0x7f800000u) != 0x7f800000u;
+        if (row[e] > best) best = row[e], where = e;
+    }
+    j->best[item] = where;
+    j->finite[item] = (uint8_t)finite;
+}
+#endif
 
 /* New keys and values into a batch's row slots: token tokens[i] (i itself where tokens is none)
  * of k and v (heads, T, D), strides (k_head, k_tok, 1), into slot slot[i] at own index at[i] of

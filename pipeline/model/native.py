@@ -143,6 +143,7 @@ def prefill_attention(q: torch.Tensor, hkv: int, t0: torch.Tensor, t1: torch.Ten
         torch.get_num_threads(), PREFILL[kernel])
 
 
+LAYER_OPS_CAPABILITY = {2: "AVX512", 1: "AVX2"}  # batchgen_layer_ops(): whose bits the library's passes are
 _GRAIN = 32768  # ATen's grain size (at::internal::GRAIN_SIZE): elementwise ops split into threads' chunks above it
 
 
@@ -192,18 +193,20 @@ class LayerOps:
 def layer_ops(dtype: torch.dtype, hq: int, hkv: int, d: int, hidden: int, intermediate: int) -> LayerOps | None:
     """The elementwise passes for a decoder of this layout on this CPU (its attention kernels'
     library), or None: where `supports` says no, for widths that are not multiples of 16, where
-    ATen does not run its AVX-512 kernels, or with ``BATCHGEN_LAYER_OPS=0`` (PyTorch's ops, the
-    reference)."""
+    ATen runs kernels of another vector width than the library's, for bfloat16 on AVX2, or with
+    ``BATCHGEN_LAYER_OPS=0`` (PyTorch's ops, the reference)."""
     if os.environ.get("BATCHGEN_LAYER_OPS", "1") == "0" or hidden % 16 or intermediate % 16:
-        return None
-    # their bits are PyTorch's as ATen's AVX-512 build runs (its silu's vectors and one-by-one tail):
-    # where ATen runs another build (ATEN_CPU_CAPABILITY, another CPU), PyTorch's ops run instead
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
         return None
     if not supports(dtype, hq, hkv, d, d):
         return None
     lib = _lib(hq // hkv, d)
-    return LayerOps(lib) if lib.batchgen_layer_ops() else None
+    if dtype == torch.bfloat16 and lib.batchgen_layer_ops() != 2:
+        return None  # AVX2 has no bfloat16 conversions: its gate ran 1.5x PyTorch's time (BENCHMARKS.md)
+    # their bits are PyTorch's as ATen's AVX-512 or AVX2 kernels compute them (its silu's vectors and
+    # one-by-one tail): where ATen runs another build than the library's (ATEN_CPU_CAPABILITY, an
+    # AVX2 library on an AVX-512 CPU), PyTorch's ops run instead
+    return LayerOps(lib) if LAYER_OPS_CAPABILITY.get(lib.batchgen_layer_ops()) == torch.backends.cpu.get_cpu_capability() \
+        else None
 
 
 def _built() -> ctypes.CDLL | None:

@@ -139,11 +139,25 @@ def test_layer_ops_refuse():
     assert native.layer_ops(torch.float16, 4, 2, 16, 64, 128) is None
 
 
+@pytest.mark.parametrize("capability", ["AVX512", "AVX2", "DEFAULT"])
+def test_layer_ops_only_where_aten_runs_the_same_width(capability, monkeypatch):
+    """The passes' bits are those of ATen's kernels for the library's vector width (the gate's
+    one-by-one tails follow it): where ATen runs another width (ATEN_CPU_CAPABILITY, an AVX2 library
+    on an AVX-512 CPU), PyTorch's ops run instead."""
+    built = native.LAYER_OPS_CAPABILITY[native._lib(2, 16).batchgen_layer_ops()]
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    assert (native.layer_ops(torch.float32, 4, 2, 16, 64, 128) is not None) == (capability == built)
+    # bfloat16 only on AVX-512: AVX2 has no conversions for it (the passes' bits are tested above either way)
+    assert (native.layer_ops(torch.bfloat16, 4, 2, 16, 64, 128) is not None) == (capability == built == "AVX512")
+
+
 @each_dtype
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_decoder_logits_equal_with_and_without(arch, dtype, tmp_path, monkeypatch):
     """A 40-token prefill and every position's logits: the decoder on the one-pass ops and on
     PyTorch's (`BATCHGEN_LAYER_OPS=0`), equal to the bit."""
+    if native.layer_ops(dtype, 4, 2, 16, 64, 128) is None:
+        pytest.skip("the decoder keeps PyTorch's ops for this dtype here (bfloat16 on an AVX2 library)")
     _, dec = make_decoder(arch, tmp_path, dtype=dtype)
     monkeypatch.setenv("BATCHGEN_LAYER_OPS", "0")
     _, ref = make_decoder(arch, tmp_path / "ref", dtype=dtype)
