@@ -72,6 +72,7 @@ typedef __mmask16 lanes_t; /* a bit per lane */
 #define RN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC) /* rounded, no exceptions: an op the compiler cannot fuse */
 static inline __attribute__((always_inline)) vf mul_rn(vf a, vf b) { return (vf)_mm512_mul_round_ps((__m512)a, (__m512)b, RN); }
 static inline __attribute__((always_inline)) vf add_rn(vf a, vf b) { return (vf)_mm512_add_round_ps((__m512)a, (__m512)b, RN); }
+static inline __attribute__((always_inline)) vi cvt_rn(vf a) { return (vi)_mm512_cvtps_epi32((__m512)a); } /* to nearest */
 static inline __attribute__((always_inline)) vf ldm(const void *p, int64_t i, int bf16, lanes_t m) {
     if (!bf16) return (vf)_mm512_maskz_loadu_ps(m, (const float *)p + i);
     __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)p + i);
@@ -99,6 +100,7 @@ static inline __attribute__((always_inline)) vf add_rn(vf a, vf b) {
     __asm__("" : "+x"(p));
     return p;
 }
+static inline __attribute__((always_inline)) vi cvt_rn(vf a) { return (vi)_mm256_cvtps_epi32((__m256)a); } /* to nearest */
 /* The lanes in m, zeros elsewhere; a whole vector in one load (AVX2 has no masked 16-bit loads:
  * the partial ones, only at a row's or a chunk's end, go lane by lane). */
 static inline __attribute__((always_inline)) vf ldm(const void *p, int64_t i, int bf16, lanes_t m) {
@@ -207,57 +209,29 @@ typedef struct {
 
 /* e^d as PyTorch's float32 vectors compute it (SLEEF's expf, u10, the fused multiply-adds of its
  * AVX2 build): round d / ln 2 to n, two-part ln 2 reduction, degree-6 polynomial, times 2^n in
- * two halves; 0 below -104, infinity above 100. */
-#if LAYER_OPS == 2
+ * two halves; 0 below -104, infinity above 100. One body for both widths: the products and sums
+ * PyTorch rounds apart through `mul_rn`/`add_rn`, its multiply-adds through `fma16`. */
 static inline __attribute__((always_inline)) vf sleef_exp(vf d) {
-    __m512 x = (__m512)d;
-    __m512i q = _mm512_cvtps_epi32(_mm512_mul_round_ps(x, _mm512_set1_ps(1.442695040888963407359924681001892137f),
-                                                       RN));
-    __m512 qf = _mm512_cvtepi32_ps(q);
-    __m512 r = _mm512_fmadd_ps(qf, _mm512_set1_ps(-0.693145751953125f), x);
-    r = _mm512_fmadd_ps(qf, _mm512_set1_ps(-1.428606765330187045e-06f), r);
-    __m512 u = _mm512_set1_ps(0.000198527617612853646278381f);
-    u = _mm512_fmadd_ps(u, r, _mm512_set1_ps(0.00139304355252534151077271f));
-    u = _mm512_fmadd_ps(u, r, _mm512_set1_ps(0.00833336077630519866943359f));
-    u = _mm512_fmadd_ps(u, r, _mm512_set1_ps(0.0416664853692054748535156f));
-    u = _mm512_fmadd_ps(u, r, _mm512_set1_ps(0.166666671633720397949219f));
-    u = _mm512_fmadd_ps(u, r, _mm512_set1_ps(0.5f));
-    u = _mm512_add_round_ps(_mm512_set1_ps(1.0f),
-                            _mm512_fmadd_ps(_mm512_mul_round_ps(r, r, RN), u, r),
-                            RN);
+    vi q = cvt_rn(mul_rn(d, SPLAT(1.442695040888963407359924681001892137f)));
+    vf qf = __builtin_convertvector(q, vf);
+    vf r = fma16(qf, SPLAT(-0.693145751953125f), d);
+    r = fma16(qf, SPLAT(-1.428606765330187045e-06f), r);
+    vf u = SPLAT(0.000198527617612853646278381f);
+    u = fma16(u, r, SPLAT(0.00139304355252534151077271f));
+    u = fma16(u, r, SPLAT(0.00833336077630519866943359f));
+    u = fma16(u, r, SPLAT(0.0416664853692054748535156f));
+    u = fma16(u, r, SPLAT(0.166666671633720397949219f));
+    u = fma16(u, r, SPLAT(0.5f));
+    u = add_rn(SPLAT(1.0f), fma16(mul_rn(r, r), u, r));
     /* times 2^(q >> 1), then 2^(q - (q >> 1)): each a float32 power of two built in its exponent bits */
-    __m512i h = _mm512_srai_epi32(q, 1);
-    __m512 p1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(h, _mm512_set1_epi32(127)), 23));
-    __m512 p2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(q, h), _mm512_set1_epi32(127)), 23));
-    u = _mm512_mul_round_ps(_mm512_mul_round_ps(u, p1, RN), p2,
-                            RN);
-    u = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-104.0f), _CMP_NLT_UQ), u);
-    u = _mm512_mask_mov_ps(u, _mm512_cmp_ps_mask(_mm512_set1_ps(100.0f), x, _CMP_LT_OQ), _mm512_set1_ps(__builtin_inff()));
-    return (vf)u;
+    vi h = q >> 1;
+    u = mul_rn(mul_rn(u, (vf)((h + 127) << 23)), (vf)((q - h + 127) << 23));
+    vi small = d < SPLAT(-104.0f), big = SPLAT(100.0f) < d; /* NaN: neither */
+    return (vf)(((vi)u & ~small & ~big) | ((vi)SPLAT(__builtin_inff()) & big));
 }
-#else
-static inline __attribute__((always_inline)) vf sleef_exp(vf d) {
-    __m256 x = (__m256)d;
-    __m256i q = _mm256_cvtps_epi32((__m256)mul_rn(d, SPLAT(1.442695040888963407359924681001892137f)));
-    __m256 qf = _mm256_cvtepi32_ps(q);
-    __m256 r = _mm256_fmadd_ps(qf, _mm256_set1_ps(-0.693145751953125f), x);
-    r = _mm256_fmadd_ps(qf, _mm256_set1_ps(-1.428606765330187045e-06f), r);
-    __m256 u = _mm256_set1_ps(0.000198527617612853646278381f);
-    u = _mm256_fmadd_ps(u, r, _mm256_set1_ps(0.00139304355252534151077271f));
-    u = _mm256_fmadd_ps(u, r, _mm256_set1_ps(0.00833336077630519866943359f));
-    u = _mm256_fmadd_ps(u, r, _mm256_set1_ps(0.0416664853692054748535156f));
-    u = _mm256_fmadd_ps(u, r, _mm256_set1_ps(0.166666671633720397949219f));
-    u = _mm256_fmadd_ps(u, r, _mm256_set1_ps(0.5f));
-    u = (__m256)add_rn(SPLAT(1.0f), (vf)_mm256_fmadd_ps((__m256)mul_rn((vf)r, (vf)r), u, r));
-    __m256i h = _mm256_srai_epi32(q, 1);
-    __m256 p1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(h, _mm256_set1_epi32(127)), 23));
-    __m256 p2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(q, h), _mm256_set1_epi32(127)), 23));
-    u = (__m256)mul_rn(mul_rn((vf)u, (vf)p1), (vf)p2);
-    u = _mm256_and_ps(u, _mm256_cmp_ps(x, _mm256_set1_ps(-104.0f), _CMP_NLT_UQ));
-    u = _mm256_blendv_ps(u, _mm256_set1_ps(__builtin_inff()), _mm256_cmp_ps(_mm256_set1_ps(100.0f), x, _CMP_LT_OQ));
-    return (vf)u;
-}
-#endif
+
+/* silu(x) = x / (1 + e^-x), in float32, in the dtype: as PyTorch's vectors compute it */
+static inline __attribute__((always_inline)) vf silu_vec(vf x, int bf16) { return narrow(x / (1.0f + sleef_exp(-x)), bf16); }
 
 /* PyTorch's loop splits the elements into its threads' chunks (`chunk` each, the last shorter) and
  * in each takes two of its vectors (32 floats, 64 bfloat16 with AVX-512; 16 and 32 with AVX2) at a
@@ -283,9 +257,8 @@ static void silu_item(const void *job, int item, void *scratch) {
         }
         if (i + 2 * W <= tail && i + 2 * W <= last) { /* two whole vectors, independent: as PyTorch's loop */
             vf x0 = ld(j->g, i, j->bf16), x1 = ld(j->g, i + W, j->bf16);
-            vf s0 = narrow(x0 / (1.0f + sleef_exp(-x0)), j->bf16), s1 = narrow(x1 / (1.0f + sleef_exp(-x1)), j->bf16);
-            put(j->g, i, s0 * ld(j->u, i, j->bf16), j->bf16);
-            put(j->g, i + W, s1 * ld(j->u, i + W, j->bf16), j->bf16);
+            put(j->g, i, silu_vec(x0, j->bf16) * ld(j->u, i, j->bf16), j->bf16);
+            put(j->g, i + W, silu_vec(x1, j->bf16) * ld(j->u, i + W, j->bf16), j->bf16);
             i += W;
             continue;
         }
@@ -294,8 +267,7 @@ static void silu_item(const void *job, int item, void *scratch) {
             for (int l = 0; l < W; l++)
                 if (i + l >= tail_start(i + l, j->chunk, total, pair)) vec &= (lanes_t)~(1u << l);
         vf x = ldm(j->g, i, j->bf16, vec);
-        vf s = narrow(x / (1.0f + sleef_exp(-x)), j->bf16); /* PyTorch's x / (1 + e^-x), in float32 */
-        stm(j->g, i, s * ldm(j->u, i, j->bf16, vec), j->bf16, vec);
+        stm(j->g, i, silu_vec(x, j->bf16) * ldm(j->u, i, j->bf16, vec), j->bf16, vec);
         for (int l = 0; l < W; l++) {
             if (vec >> l & 1) continue;
             if (!j->bf16) {
