@@ -7,8 +7,8 @@ Suffixes of 30-400 tokens over anchors of 400 (the engine's shape on a few-shot 
 heads (9 query heads, 3 key heads of 64). FLOPs: 4 x head size per (query head, key) pair a token
 reads (its anchor and its own keys up to itself). Systems take turns in one process, since this
 machine is shared and its speed drifts; medians, GFLOP/s, and each system's ratio to float32.
-A path this CPU lacks (AMX tiles, AVX-512 BF16) is left out. `--old REV` adds each bfloat16 path
-again on the kernels built from another revision's sources ("old ...", as `bench_kernel_turns`).
+A path this CPU lacks (AMX tiles, AVX-512 BF16) is left out. `--old REV` adds each path again on the
+kernels built from another revision's sources ("old ...", as `bench_kernel_turns`).
 
     python -m bench.bench_prefill --turns 21 --threads 1 [--old HEAD]
 """
@@ -72,9 +72,9 @@ def main() -> int:
     calls = {}
     for tag, lib in libs.items():
         for s, (dtype, kernel) in kernels.items():
-            if (tag and dtype == "float32") or (s == "bf16-amx" and not native.amx(torch.bfloat16, hq, hkv, d)) \
+            if (s == "bf16-amx" and not native.amx(torch.bfloat16, hq, hkv, d)) \
                     or (s == "bf16-dots" and not native.bf16_dots(hq, hkv, d, fast_only=False)):
-                continue  # the old float32 tile is not what this compares; a path this CPU lacks
+                continue  # a path this CPU lacks
             calls[tag + s] = (lambda lib=lib, dtype=dtype, kernel=kernel: call(lib, dtype, kernel))
     times = {s: [] for s in calls}
     for s in calls:
