@@ -40,8 +40,8 @@ enum { DOT_BF16 = 0 }; /* bfloat16 keys and queries widened to float32 instead *
  * s[j][lanes]; top[u]: each lane's maximum, over the first `real` keys too. */
 static inline __attribute__((always_inline)) void block_scores(const Block *b, const void *k, float *s, int nv,
                                                                int dot, float scale, int real, vf *top,
-                                                               const char *pk, int nk_lines, const char *pv,
-                                                               int nv_lines) {
+                                                               const char *pk, int k_lines, const char *pv,
+                                                               int v_lines) {
     const int nk = KEYS(nv);
     vf acc[3][NK];
 #pragma GCC unroll 16
@@ -51,8 +51,8 @@ static inline __attribute__((always_inline)) void block_scores(const Block *b, c
         const float *kf = k;
         for (int i = 0; i < D; i++) {
             /* one line of the keys and values to come per step, spread over the tile's FMAs */
-            if (i < nk_lines) _mm_prefetch(pk + 64 * i, _MM_HINT_T1);
-            else if (i - nk_lines < nv_lines) _mm_prefetch(pv + 64 * (i - nk_lines), _MM_HINT_T1);
+            if (i < k_lines) _mm_prefetch(pk + 64 * i, _MM_HINT_T1);
+            else if (i - k_lines < v_lines) _mm_prefetch(pv + 64 * (i - k_lines), _MM_HINT_T1);
             vf q[3];
             for (int u = 0; u < nv; u++) {
                 q[u] = ld(b->qt, i * LANES + W * u, 0);
@@ -158,12 +158,12 @@ static void block_item(const void *arg, int w, void *scratch) {
             const void *k = keys + (c0 + jb) * D * es;
             /* while this tile's scores compute: the next chunk's keys and this chunk's values, a
              * tile's worth each, a line per step of the scores' loop (all at the tile's start, they
-             * held up its FMAs: the decode kernel 1.06-1.10x on a Xeon, BENCHMARKS.md) */
+             * held up its FMAs; BENCHMARKS.md) */
             int64_t ahead = c0 + KC + jb, mine = c0 + jb;
             int64_t ka = ahead < j1 ? ahead : j1, kb = ahead + nk < j1 ? ahead + nk : j1;
             int64_t vb = mine + nk < j1 ? mine + nk : j1;
             const char *pk = keys + ka * D * es, *pv = values + mine * D * es;
-            int kl = (int)((kb - ka) * D * es / 64), vl = (int)((vb - mine) * D * es / 64);
+            int kl = (int)(((kb - ka) * D * es + 63) / 64), vl = (int)(((vb - mine) * D * es + 63) / 64);
             if (dot || kl + vl > D) { /* more lines than steps (bfloat16's loop has D / 2; 16 keys a tile): up front */
                 prefetch_rows(keys, ka, kb, D * es);
                 prefetch_rows(values, mine, vb, D * es);

@@ -515,7 +515,7 @@ static void own_item(const void *arg, int w, void *scratch) {
     for (int64_t j0 = 0; j0 < lo; j0 += W) { /* 16 keys at a time, each query head's products lane-summed at once */
         int64_t upto = j0 + W < lo && j0 + W < next ? j0 + W : next; /* the last block: the rest */
         /* spread over the block's keys: a burst of them held up the block's own loads */
-        int64_t lines = upto > j0 ? (upto - j0) * D * es / 64 : 0;
+        int64_t lines = upto > j0 ? ((upto - j0) * D * es + 63) / 64 : 0;
         const char *pk = nk + j0 * D * es, *pv = nv + j0 * D * es;
         for (int j = 0; j < W; j++) {
             for (int64_t l = j * lines / W; l < (j + 1) * lines / W; l++)
