@@ -208,9 +208,54 @@ typedef struct {
     vf m, sum, pos;  /* running maximum and sum of weights; each lane's own index (causal part) */
 } Tile;
 
-/* A tile's queries, scaled, as qt [D][lanes]: lane l is query head head[l] of token tok[l]. */
+#if defined(__AVX512F__)
+/* r[i][j] becomes r[j][i]: 16 rows of 16 floats transposed in registers (pairs of rows interleaved,
+ * then fours, then 128-bit lanes across rows 0-7 and 8-15, then across the halves). */
+static inline __attribute__((always_inline)) void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0x88);
+        t[4 + i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0xdd);
+        t[8 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0x88);
+        t[12 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0xdd);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+        r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
+        r[4 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0x88);
+        r[12 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0xdd);
+    }
+}
+#endif
+
+/* A tile's queries, scaled, as qt [D][lanes]: lane l is query head head[l] of token tok[l]. With
+ * AVX-512, 16 lanes' vectors at a time transposed in registers (element by element, the transposes
+ * took 7% of a few-shot prefill tile's time, and writing the outputs back 6%; BENCHMARKS.md). */
 static void tile_queries(float *qt, int lanes, const void *q, int64_t q_tok, int64_t q_head, const int64_t *tok,
                          const int64_t *head, float scale, int bf16) {
+#if defined(__AVX512F__)
+    if (lanes % W == 0) {
+        for (int g = 0; g < lanes; g += W)
+            for (int c = 0; c < D / W; c++) {
+                __m512 r[W];
+                for (int l = 0; l < W; l++)
+                    r[l] = (__m512)(ld(q, tok[g + l] * q_tok + head[g + l] * q_head + W * c, bf16) * scale);
+                transpose16(r);
+                for (int i = 0; i < W; i++) st(qt + (W * c + i) * lanes + g, (vf)r[i]);
+            }
+        return;
+    }
+#endif
     for (int l = 0; l < lanes; l++)
         for (int c = 0; c < D / W; c++) {
             vf x = ld(q, tok[l] * q_tok + head[l] * q_head + W * c, bf16) * scale;
@@ -242,14 +287,18 @@ static inline __attribute__((always_inline)) const float *rows_f32(const char *h
  * bfloat16 prefill tiles. */
 static inline __attribute__((always_inline)) vf fold_scores(vf *s, int n, int causal, int64_t j0, float first,
                                                             vf pos, vf *m, vf *sum) {
-    vf top = *m;
+    vf t[W];
     for (int j = 0; j < W; j++) {
         if (j >= n)
             s[j] = SPLAT(-1e30f);
         else if (causal && j0 + j > first)
             s[j] = causal_cut(s[j], (float)(j0 + j), pos);
-        top = vmax(top, s[j]);
+        t[j] = s[j];
     }
+    /* the maximum as a tree (exact in any order): the exponentials wait on it */
+    for (int half = W / 2; half >= 1; half /= 2)
+        for (int j = 0; j < half; j++) t[j] = vmax(t[j], t[j + half]);
+    vf top = vmax(*m, t[0]);
     vf rescale = exp_neg(*m - top);
     *m = top;
     *sum *= rescale;
@@ -330,12 +379,16 @@ static void tile32_start(Tile32 *t, const float *q, int64_t q_tok, int64_t q_hea
 }
 
 /* Both halves' scores s[h][j] of a block's n keys, 8 keys at a time (16 accumulators); keys j >= n
- * repeat key 0, masked later (n = W a constant for whole blocks). */
-static inline __attribute__((always_inline)) void tile32_scores(vf s[2][W], const float *qt, const float *k, int n) {
+ * repeat key 0, masked later (n = W a constant for whole blocks). Prefetches into L1 meanwhile, one
+ * line a step: kl lines at pk in the first 8 keys' loop, vl at pv in the second (each at most D). */
+static inline __attribute__((always_inline)) void tile32_scores(vf s[2][W], const float *qt, const float *k, int n,
+                                                                 const char *pk, int kl, const char *pv, int vl) {
     for (int j0 = 0; j0 < W; j0 += KH) {
         vf a0[KH], a1[KH];
         for (int j = 0; j < KH; j++) a0[j] = a1[j] = SPLAT(0.0f);
         for (int i = 0; i < D; i++) {
+            if (j0 == 0 && i < kl) _mm_prefetch(pk + 64 * i, _MM_HINT_T0);
+            if (j0 == KH && i < vl) _mm_prefetch(pv + 64 * i, _MM_HINT_T0);
             vf q0 = ld(qt, i * PW, 0), q1 = ld(qt, i * PW + W, 0);
             IN_REG(q0);
             IN_REG(q1);
@@ -348,46 +401,56 @@ static inline __attribute__((always_inline)) void tile32_scores(vf s[2][W], cons
     }
 }
 
-/* ot = ot * rescale (per half) + the block's n values^T x weights, 8 dimensions at a time. */
-static inline __attribute__((always_inline)) void tile32_values(float *ot, vf s[2][W], const float *v, int n,
-                                                                 vf r0, vf r1) {
+/* ot = (ot * r[0] + block 0's values^T x weights) * r[1] + block 1's ... for `nb` blocks of n[b]
+ * keys (values v: the blocks' rows one after another), per half, 8 dimensions at a time: each
+ * block's rescale and multiply-adds in the order one block at a time would run them (the same
+ * bits), with ot read and written once for all of them. */
+static inline __attribute__((always_inline)) void tile32_values(float *ot, vf s[][2][W], const float *v,
+                                                                 const int *n, int nb, vf r[][2]) {
     for (int c = 0; c < D / KH; c++) {
         vf o0[KH], o1[KH];
-        for (int i = 0; i < KH; i++) {
-            o0[i] = ld(ot, (KH * c + i) * PW, 0) * r0;
-            o1[i] = ld(ot, (KH * c + i) * PW + W, 0) * r1;
-        }
-        for (int j = 0; j < n; j++) {
-            vf s0 = s[0][j], s1 = s[1][j];
-            IN_REG(s0);
-            IN_REG(s1);
-            for (int i = 0; i < KH; i++) {
-                vf vj = SPLAT(v[j * D + KH * c + i]);
-                o0[i] = fma16(s0, vj, o0[i]), o1[i] = fma16(s1, vj, o1[i]);
+        for (int i = 0; i < KH; i++) o0[i] = ld(ot, (KH * c + i) * PW, 0), o1[i] = ld(ot, (KH * c + i) * PW + W, 0);
+        for (int b = 0; b < nb; b++) {
+            for (int i = 0; i < KH; i++) o0[i] *= r[b][0], o1[i] *= r[b][1];
+            const float *vb = v + b * W * D;
+            for (int j = 0; j < n[b]; j++) {
+                vf s0 = s[b][0][j], s1 = s[b][1][j];
+                IN_REG(s0);
+                IN_REG(s1);
+                for (int i = 0; i < KH; i++) {
+                    vf vj = SPLAT(vb[j * D + KH * c + i]);
+                    o0[i] = fma16(s0, vj, o0[i]), o1[i] = fma16(s1, vj, o1[i]);
+                }
             }
         }
         for (int i = 0; i < KH; i++) st(ot + (KH * c + i) * PW, o0[i]), st(ot + (KH * c + i) * PW + W, o1[i]);
     }
 }
 
+enum { NB = 4 }; /* blocks of W keys a pass of tile32_values takes: ot read and written once per NB blocks */
+
 /* As tile_keys, for both halves: keys [0, len) of one float32 head; `causal`: lane l sees keys <=
- * pos[l] (a half past its own last position meets keys that give it no weight, and leaves it as it was). */
+ * pos[l] (a half past its own last position meets keys that give it no weight, and leaves it as it was).
+ * While a block's scores run, the lines of the next group's block of keys and of this block's
+ * values come into L1, a line per step of the scores' loop (the rows are whole lines: D % 16 == 0). */
 static void tile32_keys(Tile32 *t, const float *keys, const float *values, int64_t len, int causal) {
     float first0 = t->pos[0][0], first1 = t->pos[1][0];
-    for (int64_t j0 = 0; j0 < len; j0 += W) {
-        int n = len - j0 < W ? (int)(len - j0) : W;
-        const float *k = keys + j0 * D, *v = values + j0 * D;
-        vf s[2][W];
-        if (n == W)
-            tile32_scores(s, t->qt, k, W);
-        else
-            tile32_scores(s, t->qt, k, n);
-        vf r0 = fold_scores(s[0], n, causal, j0, first0, t->pos[0], &t->m[0], &t->sum[0]);
-        vf r1 = fold_scores(s[1], n, causal, j0, first1, t->pos[1], &t->m[1], &t->sum[1]);
-        if (n == W)
-            tile32_values(t->ot, s, v, W, r0, r1);
-        else
-            tile32_values(t->ot, s, v, n, r0, r1);
+    for (int64_t j0 = 0; j0 < len; j0 += NB * W) {
+        vf s[NB][2][W], r[NB][2];
+        int n[NB], nb = 0;
+        for (; nb < NB && j0 + nb * W < len; nb++) {
+            int64_t jb = j0 + nb * W, ka = jb + NB * W < len ? jb + NB * W : len;
+            n[nb] = len - jb < W ? (int)(len - jb) : W;
+            int kl = (int)((ka + W < len ? W : len - ka) * D / 16), vl = n[nb] * D / 16;
+            const char *pk = (const char *)(keys + ka * D), *pv = (const char *)(values + jb * D);
+            if (n[nb] == W) /* a whole block: n a constant, no key index to clamp */
+                tile32_scores(s[nb], t->qt, keys + jb * D, W, pk, kl, pv, vl);
+            else
+                tile32_scores(s[nb], t->qt, keys + jb * D, n[nb], pk, kl, pv, vl);
+            r[nb][0] = fold_scores(s[nb][0], n[nb], causal, jb, first0, t->pos[0], &t->m[0], &t->sum[0]);
+            r[nb][1] = fold_scores(s[nb][1], n[nb], causal, jb, first1, t->pos[1], &t->m[1], &t->sum[1]);
+        }
+        tile32_values(t->ot, s, values + j0 * D, n, nb, r);
     }
 }
 
@@ -626,6 +689,28 @@ static PrefillLanes prefill_lanes(const Prefill *job, int w, int lanes, int64_t 
     return p;
 }
 
+/* The first `real` of a prefill tile's `lanes` lanes out: ot [D][lanes] divided by each lane's sum
+ * (sum[l / W][l % W]) into out [token][head][D], lane l being query head head[l] of token tok[l]. */
+static void tile_out(float *out, int hq, const int64_t *tok, const int64_t *head, const float *ot, int lanes,
+                     const vf *sum, int real) {
+    real = real < lanes ? real : lanes;
+#if defined(__AVX512F__)
+    for (int g = 0; g < real; g += W)
+        for (int c = 0; c < D / W; c++) {
+            __m512 r[W];
+            for (int i = 0; i < W; i++) r[i] = (__m512)ld(ot, (W * c + i) * lanes + g, 0);
+            transpose16(r); /* r[l]: lane g + l's dimensions W c .. W c + W - 1 */
+            for (int l = 0; l < W && g + l < real; l++)
+                st(out + (tok[g + l] * hq + head[g + l]) * D + W * c, (vf)r[l] * (1.0f / sum[(g + l) / W][l]));
+        }
+#else
+    for (int l = 0; l < real; l++) {
+        float *dst = out + (tok[l] * hq + head[l]) * D, inv = 1.0f / sum[l / W][l % W];
+        for (int i = 0; i < D; i++) dst[i] = ot[i * lanes + l] * inv;
+    }
+#endif
+}
+
 static void prefill_item(const void *arg, int w, void *scratch) {
     const Prefill *job = arg;
     Tile *t = scratch;
@@ -650,10 +735,7 @@ static void prefill_item(const void *arg, int w, void *scratch) {
     if (p.la)
         tile_keys(t, ak + p.h * p.la * D * es, av + p.h * p.la * D * es, p.la, 0, job->bf16);
     tile_keys(t, mk, mv, (int64_t)pos[W - 1] + 1, 1, job->bf16);
-    for (int l = 0; l < W && p.r0 + l < p.rows; l++) {
-        float *dst = job->out + (tok[l] * job->hq + head[l]) * D, inv = 1.0f / t->sum[l];
-        for (int i = 0; i < D; i++) dst[i] = t->ot[i * W + l] * inv;
-    }
+    tile_out(job->out, job->hq, tok, head, t->ot, W, &t->sum, p.rows - p.r0);
 }
 
 /* As prefill_item, float32 only, with 32 lanes (r0..r0+31) on the tile of two halves. */
@@ -669,10 +751,7 @@ static void prefill32_item(const void *arg, int w, void *scratch) {
         tile32_keys(t, ak + p.h * p.la * D, av + p.h * p.la * D, p.la, 0);
     tile32_keys(t, (const float *)((const char *)job->own_k[p.seg] + p.own),
                 (const float *)((const char *)job->own_v[p.seg] + p.own), (int64_t)pos[PW - 1] + 1, 1);
-    for (int l = 0; l < PW && p.r0 + l < p.rows; l++) {
-        float *dst = job->out + (tok[l] * job->hq + head[l]) * D, inv = 1.0f / t->sum[l / W][l % W];
-        for (int i = 0; i < D; i++) dst[i] = t->ot[i * PW + l] * inv;
-    }
+    tile_out(job->out, job->hq, tok, head, t->ot, PW, t->sum, p.rows - p.r0);
 }
 
 /* Slices of the anchors' keys for phase A: more items than `items` when they would leave threads
