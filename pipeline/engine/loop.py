@@ -303,7 +303,7 @@ class Pass:
 
     def _prefill_prefixes(self, needed: set[int]) -> None:
         """Compute the cached prefixes these rows read, and any above them not yet computed: one
-        tree level per round (a child copies its parent's keys), all of a level packed in one
+        tree level per round (a child copies what it holds of its parent's keys), all of a level packed in one
         forward per step_tokens tokens."""
         for level in self.prefixes.missing(needed):
             for pid in level:
@@ -314,7 +314,13 @@ class Pass:
     def _new_prefix(self, p: Prefix, parent: Cached | None) -> Cached:
         """What prefix `p` holds (the cache's factory): its keys and values, from its parent's first
         tokens, and the prompt scores it keeps for rows below."""
-        kv = PrefixKV(self.layers, p.end, self.dtype, self.device, parent.kv if parent else None, p.start)
+        kv = PrefixKV(self.layers, p.end, self.dtype, self.device, p.base)
+        if parent is not None and p.start > p.base:  # its parent's tokens it holds
+            low = p.base
+            if parent.kv.base > low:  # the parent holds only its tail: the rest is its anchor's, from 0
+                kv.copy_from(self.prefixes[self.plan.prefixes[p.parent].anchor].kv, low, parent.kv.base)
+                low = parent.kv.base
+            kv.copy_from(parent.kv, low, p.start)
         return Cached(kv, self.scores.open(p, parent.kept if parent else None))
 
     def _prefill_level(self, level: list[int]) -> None:
@@ -336,10 +342,12 @@ class Pass:
                     break
                 owner = self.requests[p.key]  # a request below it: its tokens, and its adapter (the tree's key)
                 ids = owner.prompt_ids[at[pid] : at[pid] + n]
-                chunks.append((pid, Segment(0, 0, kv.k, kv.v, 0, at[pid], 0, adapter=owner.adapter), ids, scored))
+                anchor = self.prefixes[p.anchor].kv if p.anchor is not None else None  # (p.base: its length)
+                chunks.append((pid, Segment(0, 0, kv.k, kv.v, 0, at[pid] - p.base, p.base, anchor, owner.adapter), ids,
+                               scored))
                 budget, room = budget - n, room - len(scored)
             step = build([], [], [(seg, ids) for _, seg, ids, _ in chunks], None, self.device)
-            keep = [seg.t0 + q - seg.offset for _, seg, _, scored in chunks for q in scored]
+            keep = [seg.t0 + q - seg.base - seg.offset for _, seg, _, scored in chunks for q in scored]
             try:
                 logits = self.engine.forward(step, keep)
             except torch.OutOfMemoryError:

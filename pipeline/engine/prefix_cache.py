@@ -4,7 +4,7 @@ scores it keeps for the rows below), from its first prefill to its free.
 A prefix's reference count is the number of unfinished rows that will read it or a prefix below
 it (SGLang's inc_lock_ref/dec_lock_ref on its radix cache, vLLM's ref_cnt in one block pool): a run
 locks every row's prefix, and so every prefix above it, before it starts; a prefix is made when
-its first reader is admitted, from its parent's (a child copies its parent's keys); and it is
+its first reader is admitted, from its parent's (a child copies the tokens of its parent it holds); and it is
 freed when its count falls to zero, never before its last reader finishes. Memory grows with the
 tree's depth, not its width: the plan runs a subtree's rows side by side.
 

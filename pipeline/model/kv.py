@@ -58,17 +58,26 @@ class LayerShape:
 
 
 class PrefixKV:
-    """A cached prefix of `length` tokens: per layer keys [1, H, length, Dk] and values. Built by
-    copying its parent's `start` tokens once, then prefilled in place; read-only afterwards."""
+    """A cached prefix of `length` tokens, holding tokens [base, length): per layer keys
+    [1, H, length - base, Dk] and values (base > 0: the tokens below `base` are another prefix's,
+    read as this one's anchor). Its parent's tokens are copied in once (`copy_from`), then the
+    rest prefilled in place; read-only afterwards."""
 
     def __init__(self, shapes: list[LayerShape], length: int, dtype: torch.dtype, device: torch.device,
-                 parent: "PrefixKV | None" = None, start: int = 0) -> None:
-        self.length = length
-        both = zeroed([(1, s.heads, length, d) for s in shapes for d in (s.k_dim, s.v_dim)], dtype, device)
+                 base: int = 0) -> None:
+        if not 0 <= base <= length:
+            raise ValueError(f"a prefix of {length} tokens cannot hold them from {base}")
+        self.length, self.base = length, base
+        both = zeroed([(1, s.heads, length - base, d) for s in shapes for d in (s.k_dim, s.v_dim)], dtype, device)
         self.k, self.v = both[0::2], both[1::2]
-        if parent is not None and start:
-            for mine, theirs in zip(self.k + self.v, parent.k + parent.v):
-                mine[:, :, :start] = theirs[:, :, :start]
+
+    def copy_from(self, other: "PrefixKV", start: int, end: int) -> None:
+        """Tokens [start, end) from another prefix of the same sequence that holds them."""
+        if start < max(self.base, other.base) or end > min(self.length, other.length):
+            raise ValueError(f"tokens [{start}, {end}) are not held by both prefixes")
+        a, b = start - self.base, start - other.base
+        for mine, theirs in zip(self.k + self.v, other.k + other.v):
+            mine[:, :, a : a + end - start] = theirs[:, :, b : b + end - start]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
@@ -107,10 +116,13 @@ class RowKV:
         self.lens[slot] += n
 
     def copy_in(self, slot: int, prefix: PrefixKV, start: int, end: int) -> None:
-        """Tokens [start, end) of a cached prefix become the slot's first own tokens."""
-        n = end - start
+        """Tokens [start, end) of a cached prefix (it holds them: start >= prefix.base) become the
+        slot's first own tokens."""
+        if start < prefix.base:
+            raise ValueError(f"tokens from {start} of a prefix that holds them from {prefix.base}")
+        n, at = end - start, start - prefix.base
         for mine, theirs in zip(self.k + self.v, prefix.k + prefix.v):
-            mine[slot, :, :n] = theirs[0, :, start:end]
+            mine[slot, :, :n] = theirs[0, :, at : at + n]
         self.lens[slot] = n
 
     def fork(self, src: int, dst: list[int]) -> None:

@@ -42,6 +42,9 @@ class Segment:
     anchor: PrefixKV | None = None
     adapter: int = 0  # the LoRA adapter its tokens run through (`Forward.set_adapters`); 0: the base model
 
+    def __post_init__(self) -> None:
+        _whole(self.anchor)
+
 
 @dataclass
 class Decode:
@@ -51,6 +54,15 @@ class Decode:
     base: int
     anchor: PrefixKV | None = None
     adapter: int = 0
+
+    def __post_init__(self) -> None:
+        _whole(self.anchor)
+
+
+def _whole(anchor: PrefixKV | None) -> None:
+    """An anchor is read from its token 0: a prefix holding only its tail is never one (`schedule.Prefix`)."""
+    if anchor is not None and anchor.base:
+        raise ValueError(f"a prefix holding tokens from {anchor.base} on cannot be read as an anchor")
 
 
 @dataclass

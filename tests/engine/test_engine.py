@@ -47,6 +47,33 @@ def test_greedy_equals_uncached_generate(arch, kernels, tok, monkeypatch):
     assert engine.stats.completion_tokens == sum(len(c.token_ids) for c in got.values())
 
 
+@pytest.mark.parametrize("kernels", ["compiled", "pytorch"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma2"])
+def test_nested_prefixes_holding_only_their_tails_equal_uncached_generate(arch, kernels, monkeypatch):
+    """A prefix no row anchors at holds only its tokens below its anchor, prefilled over that
+    anchor; a deeper prefix that is an anchor copies its tokens from both; rows copy from the tail.
+    With prompt logprobs, which rows below score through each prefix."""
+    if kernels == "pytorch":
+        monkeypatch.setenv("BATCHGEN_NATIVE", "0")
+    model = make_model(arch, seed=11)  # (a vocabulary of 256)
+    head, mid, deep = list(range(100, 140)), list(range(200, 210)), list(range(150, 170))
+    prompts = ([head + [5 + i] for i in range(2)] + [head + mid + [7 + i] for i in range(2)]
+               + [head + mid + deep + [9 + i, 40 + i] for i in range(3)])
+    reqs = [Request(i, p, SamplingParams(max_new_tokens=5), score_from=1 if i % 2 else None)
+            for i, p in enumerate(prompts)]
+    engine = Engine(model, eos_token_ids=EOS, min_shared_tokens=8)
+    tails = [p for p in engine.plan(reqs).prefixes.values() if p.anchor is not None]
+    assert [(p.start, p.end, p.base) for p in tails] == [(40, 50, 40)]
+    got = {c.key: c for c in engine.run(reqs)}
+    for r in reqs:
+        assert got[r.key].token_ids == reference_generate(model, r, EOS), f"{arch}: job {r.key}"
+        if r.score_from is not None:
+            with torch.inference_mode():
+                logits = model(torch.tensor([r.prompt_ids])).logits[0].float()
+            want = torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(r.prompt_ids[1:])[:, None])[:, 0]
+            assert torch.allclose(torch.tensor(got[r.key].prompt_logprobs), want, atol=1e-4), r.key
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
 def test_equivalence_holds_for_any_batch_budget(arch, tok):
     model = make_model(arch, seed=3)

@@ -22,6 +22,13 @@ def simulate(work, prompts):
             cache.lock(row.prefix, len(row.samples))
     alive, done, freed, tokens, runs = set(), set(), set(), 0, {}
 
+    def ancestors(pid):
+        up = []
+        while work.prefixes[pid].parent is not None:
+            pid = work.prefixes[pid].parent
+            up.append(pid)
+        return up
+
     def compute(pid):
         nonlocal tokens
         if pid in alive:
@@ -34,6 +41,12 @@ def simulate(work, prompts):
         else:
             assert p.start == 0
         assert prompts[p.key][: p.end] == list(work.nodes[pid].tokens_from_root()), "the representative holds it"
+        if p.anchor is not None:  # it holds only its tail: prefilled over a whole prefix above it, already live
+            a = work.prefixes[p.anchor]
+            assert a.anchor is None and p.anchor in alive and p.base == a.end <= p.start
+            assert p.anchor in ancestors(pid)
+        else:
+            assert p.base == 0
         alive.add(pid)
         done.add(pid)
         tokens += p.end - p.start
@@ -49,6 +62,9 @@ def simulate(work, prompts):
             if row.anchor is not None:
                 assert row.anchor in alive and row.anchored == work.prefixes[row.anchor].end
                 assert row.cached - row.anchored <= COPY_LIMIT
+                assert work.prefixes[row.anchor].anchor is None, "an anchor is whole"
+            if row.prefix is not None:  # what the row copies, its prefix holds
+                assert work.prefixes[row.prefix].base <= row.anchored
             tokens += len(prompts[row.key]) - row.cached
             runs.setdefault(row.key, []).extend(row.samples)
             if row.prefix is not None:  # the row finishes
@@ -100,6 +116,22 @@ def test_short_nested_prefixes_are_copied_into_rows_long_ones_are_anchors():
     copy = build(prompts, min_shared_tokens=8, cascade=False)
     assert all(r.anchor is None and r.anchored == 0 for r in copy.rows)
     assert copy.prefill_tokens() == work.prefill_tokens()  # the same work, held differently
+
+
+def test_a_nested_prefix_no_row_anchors_at_holds_only_its_tail():
+    """head (40) > mid (head + 10, rows below read head and copy 10) > deep (mid + 20: its own anchor,
+    too far below head). mid holds tokens [40, 50) only; deep holds all 70, from head and mid."""
+    head, mid, deep = list(range(100, 140)), list(range(200, 210)), list(range(300, 320))
+    prompts = ([head + [1 + i] for i in range(2)] + [head + mid + [5 + i] for i in range(2)]
+               + [head + mid + deep + [9 + i] for i in range(3)])
+    work = build(prompts, min_shared_tokens=8)
+    by_end = {p.end: p for p in work.prefixes.values()}
+    assert sorted(by_end) == [40, 50, 70]
+    assert (by_end[40].anchor, by_end[40].base) == (None, 0)
+    assert (by_end[50].anchor, by_end[50].base) == (by_end[40].id, 40)
+    assert (by_end[70].anchor, by_end[70].base) == (None, 0) and by_end[70].parent == by_end[50].id
+    simulate(work, prompts)
+    assert all(p.anchor is None for p in build(prompts, min_shared_tokens=8, cascade=False).prefixes.values())
 
 
 def test_min_shared_tokens_skips_trivial_overlaps():
