@@ -280,33 +280,49 @@ static inline __attribute__((always_inline)) const float *rows_f32(const char *h
     return tmp;
 }
 
-/* One block of W keys' scores s[j] (lanes: the tile's queries) into the running softmax: keys past
- * the end (j >= n) and, when `causal`, keys after a lane's position `pos` get no weight; s becomes
- * the keys' weights, the maximum `m` and the weights' `sum` move on; returns the factor the earlier
- * keys' weighted values must be scaled by (to the new maximum). Shared by the float32 and the
- * bfloat16 prefill tiles. */
-static inline __attribute__((always_inline)) vf fold_scores(vf *s, int n, int causal, int64_t j0, float first,
-                                                            vf pos, vf *m, vf *sum) {
-    vf t[W];
-    for (int j = 0; j < W; j++) {
-        if (j >= n)
-            s[j] = SPLAT(-1e30f);
-        else if (causal && j0 + j > first)
-            s[j] = causal_cut(s[j], (float)(j0 + j), pos);
-        t[j] = s[j];
+enum { NB = 4 }; /* blocks of W keys the prefill tiles fold into their softmax at a time */
+
+/* A group of nb blocks of W keys' scores (block b's at s[b * stride + j], lanes: the tile's queries;
+ * its keys j0 + W b + j, the first n[b] of them real) into the running softmax: keys past the end
+ * and, when `causal`, keys after a lane's position `pos` get no weight; s becomes the keys' weights,
+ * the maximum `m` (one for the group) and the weights' `sum` move on; returns the factor the
+ * earlier keys' weighted values must be scaled by (to the new maximum): once a group, not once a
+ * block (a multiply between blocks held up the weighted values' chains; BENCHMARKS.md). Shared by
+ * the prefill tiles (the bfloat16 dot products' a block at a time). */
+static inline __attribute__((always_inline)) vf fold_group(vf *s, int stride, const int *n, int nb, int causal,
+                                                           int64_t j0, float first, vf pos, vf *m, vf *sum) {
+    vf top = *m;
+    for (int b = 0; b < nb; b++) {
+        vf *sb = s + b * stride, t[W];
+        for (int j = 0; j < W; j++) {
+            int64_t key = j0 + W * b + j;
+            if (j >= n[b])
+                sb[j] = SPLAT(-1e30f);
+            else if (causal && key > first)
+                sb[j] = causal_cut(sb[j], (float)key, pos);
+            t[j] = sb[j];
+        }
+        /* the maximum as a tree (exact in any order): the exponentials wait on it */
+        for (int half = W / 2; half >= 1; half /= 2)
+            for (int j = 0; j < half; j++) t[j] = vmax(t[j], t[j + half]);
+        top = vmax(top, t[0]);
     }
-    /* the maximum as a tree (exact in any order): the exponentials wait on it */
-    for (int half = W / 2; half >= 1; half /= 2)
-        for (int j = 0; j < half; j++) t[j] = vmax(t[j], t[j + half]);
-    vf top = vmax(*m, t[0]);
     vf rescale = exp_neg(*m - top);
     *m = top;
     *sum *= rescale;
-    for (int j = 0; j < W; j++) {
-        s[j] = exp_neg(s[j] - top);
-        *sum += s[j];
-    }
+    for (int b = 0; b < nb; b++)
+        for (int j = 0; j < W; j++) {
+            vf *x = s + b * stride + j;
+            *x = exp_neg(*x - top);
+            *sum += *x;
+        }
     return rescale;
+}
+
+/* One block's scores s[j] (n real) into the running softmax, as fold_group. */
+static inline __attribute__((always_inline)) vf fold_scores(vf *s, int n, int causal, int64_t j0, float first,
+                                                            vf pos, vf *m, vf *sum) {
+    return fold_group(s, W, &n, 1, causal, j0, first, pos, m, sum);
 }
 
 /* The scores s[j] of a block's n keys (lanes: the tile's queries; keys j >= n repeat key 0, masked
@@ -332,24 +348,33 @@ static inline __attribute__((always_inline)) void tile_values(float *ot, const v
     }
 }
 
-/* The tile's lanes against keys/values [0, len) of one head; `causal`: lane l sees keys <= pos[l]. */
+/* The tile's lanes against keys/values [0, len) of one head; `causal`: lane l sees keys <= pos[l].
+ * NB blocks' scores, then their softmax as one group, then their values (the group's rescale with
+ * the first block's; x * 1 is x after it: the 32-lane tile's bits). */
 static void tile_keys(Tile *t, const char *keys, const char *values, int64_t len, int causal, int bf16) {
     float first = t->pos[0];
-    for (int64_t j0 = 0; j0 < len; j0 += W) {
-        int n = len - j0 < W ? (int)(len - j0) : W;
-        const float *k = rows_f32(keys, j0, n, bf16, t->tmp);
-        vf s[W];
-        /* a whole block (all but a head's last) with n a constant: no key index to clamp, loops of fixed trips */
-        if (n == W)
-            tile_scores(s, t->qt, k, W);
-        else
-            tile_scores(s, t->qt, k, n);
-        vf rescale = fold_scores(s, n, causal, j0, first, t->pos, &t->m, &t->sum);
-        const float *v = rows_f32(values, j0, n, bf16, t->tmp);
-        if (n == W)
-            tile_values(t->ot, s, v, W, rescale);
-        else
-            tile_values(t->ot, s, v, n, rescale);
+    for (int64_t j0 = 0; j0 < len; j0 += NB * W) {
+        vf s[NB][W];
+        int n[NB], nb = 0;
+        for (; nb < NB && j0 + nb * W < len; nb++) {
+            int64_t jb = j0 + nb * W;
+            n[nb] = len - jb < W ? (int)(len - jb) : W;
+            const float *k = rows_f32(keys, jb, n[nb], bf16, t->tmp);
+            /* a whole block with n a constant: no key index to clamp, loops of fixed trips */
+            if (n[nb] == W)
+                tile_scores(s[nb], t->qt, k, W);
+            else
+                tile_scores(s[nb], t->qt, k, n[nb]);
+        }
+        vf rescale = fold_group(s[0], W, n, nb, causal, j0, first, t->pos, &t->m, &t->sum);
+        for (int b = 0; b < nb; b++) {
+            const float *v = rows_f32(values, j0 + b * W, n[b], bf16, t->tmp);
+            vf r = b ? SPLAT(1.0f) : rescale;
+            if (n[b] == W)
+                tile_values(t->ot, s[b], v, W, r);
+            else
+                tile_values(t->ot, s[b], v, n[b], r);
+        }
     }
 }
 
@@ -401,17 +426,18 @@ static inline __attribute__((always_inline)) void tile32_scores(vf s[2][W], cons
     }
 }
 
-/* ot = (ot * r[0] + block 0's values^T x weights) * r[1] + block 1's ... for `nb` blocks of n[b]
- * keys (values v: the blocks' rows one after another), per half, 8 dimensions at a time: each
- * block's rescale and multiply-adds in the order one block at a time would run them (the same
- * bits), with ot read and written once for all of them. */
+/* ot = ot * rescale (per half) + the values^T x weights of nb blocks of n[b] keys (values v: the
+ * blocks' rows one after another), 8 dimensions at a time, ot read and written once a group: the
+ * 16-lane tile's multiply-adds in its order (the same bits). */
 static inline __attribute__((always_inline)) void tile32_values(float *ot, vf s[][2][W], const float *v,
-                                                                 const int *n, int nb, vf r[][2]) {
+                                                                 const int *n, int nb, vf r0, vf r1) {
     for (int c = 0; c < D / KH; c++) {
         vf o0[KH], o1[KH];
-        for (int i = 0; i < KH; i++) o0[i] = ld(ot, (KH * c + i) * PW, 0), o1[i] = ld(ot, (KH * c + i) * PW + W, 0);
+        for (int i = 0; i < KH; i++) {
+            o0[i] = ld(ot, (KH * c + i) * PW, 0) * r0;
+            o1[i] = ld(ot, (KH * c + i) * PW + W, 0) * r1;
+        }
         for (int b = 0; b < nb; b++) {
-            for (int i = 0; i < KH; i++) o0[i] *= r[b][0], o1[i] *= r[b][1];
             const float *vb = v + b * W * D;
             for (int j = 0; j < n[b]; j++) {
                 vf s0 = s[b][0][j], s1 = s[b][1][j];
@@ -427,8 +453,6 @@ static inline __attribute__((always_inline)) void tile32_values(float *ot, vf s[
     }
 }
 
-enum { NB = 4 }; /* blocks of W keys a pass of tile32_values takes: ot read and written once per NB blocks */
-
 /* As tile_keys, for both halves: keys [0, len) of one float32 head; `causal`: lane l sees keys <=
  * pos[l] (a half past its own last position meets keys that give it no weight, and leaves it as it was).
  * While a block's scores run, the lines of the next group's block of keys and of this block's
@@ -436,7 +460,7 @@ enum { NB = 4 }; /* blocks of W keys a pass of tile32_values takes: ot read and 
 static void tile32_keys(Tile32 *t, const float *keys, const float *values, int64_t len, int causal) {
     float first0 = t->pos[0][0], first1 = t->pos[1][0];
     for (int64_t j0 = 0; j0 < len; j0 += NB * W) {
-        vf s[NB][2][W], r[NB][2];
+        vf s[NB][2][W];
         int n[NB], nb = 0;
         for (; nb < NB && j0 + nb * W < len; nb++) {
             int64_t jb = j0 + nb * W, ka = jb + NB * W < len ? jb + NB * W : len;
@@ -447,10 +471,10 @@ static void tile32_keys(Tile32 *t, const float *keys, const float *values, int64
                 tile32_scores(s[nb], t->qt, keys + jb * D, W, pk, kl, pv, vl);
             else
                 tile32_scores(s[nb], t->qt, keys + jb * D, n[nb], pk, kl, pv, vl);
-            r[nb][0] = fold_scores(s[nb][0], n[nb], causal, jb, first0, t->pos[0], &t->m[0], &t->sum[0]);
-            r[nb][1] = fold_scores(s[nb][1], n[nb], causal, jb, first1, t->pos[1], &t->m[1], &t->sum[1]);
         }
-        tile32_values(t->ot, s, values + j0 * D, n, nb, r);
+        vf r0 = fold_group(s[0][0], 2 * W, n, nb, causal, j0, first0, t->pos[0], &t->m[0], &t->sum[0]);
+        vf r1 = fold_group(s[0][1], 2 * W, n, nb, causal, j0, first1, t->pos[1], &t->m[1], &t->sum[1]);
+        tile32_values(t->ot, s, values + j0 * D, n, nb, r0, r1);
     }
 }
 
