@@ -303,8 +303,8 @@ class Pass:
 
     def _prefill_prefixes(self, needed: set[int]) -> None:
         """Compute the cached prefixes these rows read, and any above them not yet computed: one
-        tree level per round (a child copies what it holds of its parent's keys), all of a level packed in one
-        forward per step_tokens tokens."""
+        tree level per round (a child copies what it holds of its parent's keys), all of a level
+        packed in one forward per step_tokens tokens."""
         for level in self.prefixes.missing(needed):
             for pid in level:
                 self.prefixes.make(pid)

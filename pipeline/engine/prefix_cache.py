@@ -4,9 +4,9 @@ scores it keeps for the rows below), from its first prefill to its free.
 A prefix's reference count is the number of unfinished rows that will read it or a prefix below
 it (SGLang's inc_lock_ref/dec_lock_ref on its radix cache, vLLM's ref_cnt in one block pool): a run
 locks every row's prefix, and so every prefix above it, before it starts; a prefix is made when
-its first reader is admitted, from its parent's (a child copies the tokens of its parent it holds); and it is
-freed when its count falls to zero, never before its last reader finishes. Memory grows with the
-tree's depth, not its width: the plan runs a subtree's rows side by side.
+its first reader is admitted, from its parent's (a child copies the tokens of its parent it
+holds); and it is freed when its count falls to zero, never before its last reader finishes.
+Memory grows with the tree's depth, not its width: the plan runs a subtree's rows side by side.
 
 What a prefix holds is made by the factory the cache is given, so its bookkeeping runs without
 a model (tests/engine/test_prefix_cache.py gives it a simulated one, as SGLang's

@@ -173,10 +173,11 @@ def _tails(prefixes: dict[int, Prefix], nodes: dict[int, Node], ids: dict[Node, 
     """A prefix no row or prefix reads as its anchor (`_anchor` of each cached prefix; a row's
     anchor is its deepest prefix's) holds only its tokens below its own anchor. Those come from its
     parent, which holds them too: the parent's anchor is at or above the child's (it is as near)."""
-    anchors = {_anchor(node, cached) for node in nodes.values()}
+    anchor_of = {pid: _anchor(node, cached) for pid, node in nodes.items()}
+    anchors = set(anchor_of.values())
     for pid, node in nodes.items():
         if node not in anchors:
-            anchor = _anchor(node, cached)
+            anchor = anchor_of[pid]
             prefixes[pid] = replace(prefixes[pid], anchor=ids[anchor], base=anchor.depth)
 
 
