@@ -1,6 +1,15 @@
 import pytest
 
 
+def pytest_sessionstart(session):
+    """The references (transformers' forward and `generate` in this process) compute their rotary
+    tables with ATen's cos: warm MKL's vector math first, as the engine does
+    (`kernels.warm_vector_math`), so that no test compares against an inaccurate first call."""
+    from pipeline.model.kernels import warm_vector_math
+
+    warm_vector_math()
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     """A tiny random Llama and the tiny tokenizer saved as a model directory, for CLI runs."""

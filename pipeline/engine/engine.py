@@ -12,6 +12,7 @@ import torch
 from pipeline.engine.loop import Pass
 from pipeline.model.forward import EngineError, Forward  # noqa: F401  (EngineError: part of the engine's API)
 from pipeline.model.hf import as_forward
+from pipeline.model.kernels import warm_vector_math
 from pipeline.engine.schedule import MAX_BATCH_TOKENS, MIN_SHARED_TOKENS, Plan, plan, tree_of
 from pipeline.model.step import Step
 from pipeline.engine.types import Completion, Request, RunStats
@@ -46,6 +47,8 @@ class Engine:
         self.attention_path = "cascade" if cascade else "copy"
         self.layers = self.model.layer_shapes()
         self.stats = RunStats()
+        if self.device.type == "cpu":
+            warm_vector_math()  # before any forward: see its docstring
 
     def generate(self, requests: Sequence[Request]) -> list[Completion]:
         return list(self.run(requests))

@@ -230,9 +230,11 @@ class Decoder:
                                             c.max_position_embeddings)
             freqs = torch.arange(n, dtype=torch.int64).float()[:, None] * inv_freq.float()[None, :]  # (n, D/2)
             emb = torch.cat((freqs, freqs), dim=-1)
-            sin = emb.sin() * scale
+            # (on the calling thread: a worker thread's first cos in a process can come out inaccurate)
+            sin = kernels.on_this_thread(torch.sin, emb) * scale
             sin[:, : d // 2].neg_()  # rotate_half(x) * sin == roll(x, D/2) * (sin, first half negated)
-            self._cos, self._sin = (emb.cos() * scale).to(self.device, self.dtype), sin.to(self.device, self.dtype)
+            cos = kernels.on_this_thread(torch.cos, emb) * scale
+            self._cos, self._sin = cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)
         return self._cos[pos][:, None], self._sin[pos][:, None]
 
 

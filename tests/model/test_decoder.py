@@ -311,6 +311,48 @@ def test_rope_tables_are_transformers(arch, changes, tmp_path):
     assert torch.equal(ours_sin[:, 0, half:], sin[0, :, half:]) and torch.equal(-ours_sin[:, 0, :half], sin[0, :, :half])
 
 
+def test_rope_tables_are_accurate_where_aten_would_split_them_across_threads(tmp_path):
+    """A table of 4,096 positions (ATen splits a cos of more than 2,048 elements across its threads):
+    every entry within float32 rounding of the float64 value of the same float32 angle. In the
+    lm-eval backend a worker thread's first MKL cos in a process once came out 1.5e-4 off on half a
+    table, and every score of a run with it (BENCHMARKS.md)."""
+    from pipeline.model import rope
+
+    make_model("llama").save_pretrained(tmp_path)
+    config, why = decoder_config.read(tmp_path)
+    assert why is None, why
+    dec = Decoder(config, torch.device("cpu"), torch.float32)
+    pos = torch.arange(4096)
+    cos, sin = dec._rope(pos)
+    inv, scale = rope.inv_freq(config.rope_parameters, config.hidden_size, config.num_attention_heads,
+                               config.head_dim, config.max_position_embeddings)
+    angles = pos.float()[:, None] * inv.float()[None, :]
+    angles = torch.cat((angles, angles), dim=-1).double()
+    half = config.head_dim // 2
+    want_sin = angles.sin() * scale
+    want_sin[:, :half] *= -1
+    assert (cos[:, 0].double() - angles.cos() * scale).abs().max() < 1.2e-7
+    assert (sin[:, 0].double() - want_sin).abs().max() < 1.2e-7
+
+
+def test_on_this_thread_computes_in_parts_aten_runs_on_the_calling_thread():
+    """Each part at most ATen's grain for elementwise ops (so it is never split across threads), and
+    the parts together are the op of the whole, in its shape."""
+    from pipeline.model import kernels
+
+    sizes = []
+
+    def cos(t):
+        sizes.append(t.numel())
+        return torch.cos(t)
+
+    x = torch.linspace(-700.0, 700.0, 1031 * 16).view(1031, 16)
+    got = kernels.on_this_thread(cos, x)
+    assert got.shape == x.shape and len(sizes) > 1 and max(sizes) <= kernels._ELEMENTWISE_GRAIN
+    assert sum(sizes) == x.numel()
+    assert (got.double() - x.double().cos()).abs().max() < 1.2e-7
+
+
 @pytest.mark.parametrize("types, windows", [(["full_attention", "full_attention"], (None, None)),
                                             (["sliding_attention", "full_attention"], (12, None)),
                                             (None, (12, 12))])
