@@ -46,12 +46,10 @@ _ELEMENTWISE_GRAIN = 2048
 
 def on_this_thread(op, x: torch.Tensor) -> torch.Tensor:
     """`op(x)` for an elementwise op, computed in parts small enough that ATen runs each on the
-    calling thread. Why: on the project's machines, the first call of MKL's vector math on one of
-    torch's worker threads in a process sometimes returns low-accuracy results (rows of a rotary
-    table off by 1.5e-4, about 11 bits: MKL's "enhanced performance" mode, not the high-accuracy
-    mode ATen asks for), a race we cannot fix from here; the calling thread's results are right,
-    and equal, bit for bit, what a good parallel call gives (BENCHMARKS.md, "A wrong rotary table
-    once in a few processes")."""
+    calling thread. Why: the first call of MKL's vector math on one of torch's worker threads in a
+    process sometimes comes out far less accurate than the high-accuracy mode ATen asks for (a
+    race inside MKL, out of our reach); the calling thread's results are right, the same bits as
+    a good parallel call (BENCHMARKS.md, "A wrong rotary table once in a few processes")."""
     if x.device.type != "cpu" or x.numel() <= _ELEMENTWISE_GRAIN:
         return op(x)
     flat = x.reshape(-1)
@@ -66,11 +64,10 @@ _VECTOR_MATH_WARM = False
 
 def warm_vector_math() -> None:
     """Once per process, before the first forward on a CPU: ATen's MKL-backed elementwise ops
-    (cos, sin, exp, log, float32 and float64) run once on every torch thread, the results dropped.
-    Why: the first such call on a worker thread sometimes comes out inaccurate (`on_this_thread`);
-    with this warm-up first, 24 of 24 processes of the lm-eval scoring that went wrong in 6 of 24
-    came out right (BENCHMARKS.md). The rotary tables do not rely on it (`on_this_thread`); the
-    PyTorch attention path's exp and log do."""
+    (cos, sin, exp, log, float32 and float64) run once on every torch thread, the results dropped,
+    so that no first call on a worker thread (`on_this_thread`) is one whose results are used;
+    measured in BENCHMARKS.md. The rotary tables do not rely on it (`on_this_thread`); the PyTorch
+    attention path's exp and log do."""
     global _VECTOR_MATH_WARM
     if _VECTOR_MATH_WARM:
         return
