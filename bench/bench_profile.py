@@ -13,11 +13,15 @@ attention would cost with a kernel as fast as a GEMM. A phase's wall time is set
 floors together. Decode calls also count the bytes of keys and values they must read (each row's
 own, each anchor's once): at the memory read rate measured here, a third floor, which the first
 two do not hold (a decoding row's own keys are read once per step whatever the kernel).
+A second table splits attention's time: the compiled prefill and decode kernels' calls (each at
+its own rate), the stores of new keys and values into their buffers (`Step.store`: where those
+pages are written for the first time, their page faults), and the rest around them.
 
 Then it counts the kernels (ATen ops that compute; views excluded) of one decode step, dynamic
 and static (`Engine(static_decode=True)`, the shapes a CUDA graph can capture).
 
     python -m bench.bench_profile --workload fewshot --dtype float32
+    python -m bench.bench_profile --workload fewshot_1k --threads 2
 """
 from __future__ import annotations
 
@@ -28,6 +32,8 @@ import time
 from collections import defaultdict
 
 import torch
+
+from bench import corpus
 
 VIEWS = {"aten::view", "aten::reshape", "aten::transpose", "aten::slice", "aten::select", "aten::as_strided",
          "aten::unsqueeze", "aten::squeeze", "aten::expand", "aten::t", "aten::permute", "aten::alias",
@@ -98,7 +104,8 @@ def bucket(rows: int) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workload", default="fewshot", choices=["fewshot", "system_prompt", "samples", "long_document"])
+    p.add_argument("--workload", default="fewshot", choices=[*corpus.WORKLOADS, "fewshot_1k"],
+                   help="a workload at its own defaults; fewshot_1k: bench_engine's 1,024 jobs in 16 subjects")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--max-new-tokens", type=int, default=None, help="the workload's own if not given")
@@ -112,7 +119,6 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
-    from bench import corpus
     from pipeline.model import attention
     from pipeline.engine.engine import Engine
     from pipeline.model.load import load_model
@@ -122,8 +128,9 @@ def main() -> int:
 
     model, source = load_model(None, "cpu", args.dtype, own_decoder=args.model_code == "batchgen")
     tok = AutoTokenizer.from_pretrained(source)
-    rows = corpus.WORKLOADS[args.workload](**({} if args.max_new_tokens is None else
-                                               {"max_new_tokens": args.max_new_tokens}))
+    build, kwargs = (corpus.fewshot, {"subjects": 16, "questions": 64}) if args.workload == "fewshot_1k" \
+        else (corpus.WORKLOADS[args.workload], {})
+    rows = build(**kwargs, **({} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens}))
     reqs = [Request(i, tok(r["prompt"]).input_ids, SamplingParams(max_new_tokens=r["max_new_tokens"], n=r.get("n", 1)))
             for i, r in enumerate(rows)]
     config = model.config
@@ -135,6 +142,8 @@ def main() -> int:
     engine = Engine(model, eos_token_ids=[])
     phases = defaultdict(lambda: defaultdict(float, by_rows=[]))
     timer = {"attention": 0.0, "linear": 0.0, "attention_gflop": 0.0, "kv_gb": 0.0}
+    kernel_keys = ("decode_kernel", "decode_gflop", "prefill_kernel", "prefill_gflop", "store")
+    timer.update(dict.fromkeys(kernel_keys, 0.0))
     real_attention, real_linear = attention.attend, torch.nn.Linear.forward
 
     def timing(fn, key):  # perf_counter around every call: light enough for a decode step's 200 linears
@@ -157,12 +166,16 @@ def main() -> int:
     def native_attend(q, own_k, own_v, slot, own_len, anc_k, anc_v, anc_len, scale, out, **kw):
         keys = int(own_len.sum()) + int(anc_len[anc_k != 0].sum())
         timer["attention_gflop"] += 4 * q.shape[1] * keys * q.shape[2] / 1e9
+        timer["decode_gflop"] += 4 * q.shape[1] * keys * q.shape[2] / 1e9
         # the bytes a decode call must read at least: every row's own keys and values, each anchor's once
         anchors = {(int(a), int(n)) for a, n in zip(anc_k.tolist(), anc_len.tolist()) if a}
         read = int(own_len.sum()) + sum(n for _, n in anchors)
         timer["kv_gb"] += 2 * read * own_k.shape[1] * own_k.shape[3] * own_k.element_size() / 1e9
-        return real_native(q, own_k, own_v, slot, own_len, anc_k, anc_v, anc_len, scale, out,
-                           **{"anchors": args.anchors, **kw})
+        t = time.perf_counter()
+        result = real_native(q, own_k, own_v, slot, own_len, anc_k, anc_v, anc_len, scale, out,
+                             **{"anchors": args.anchors, **kw})
+        timer["decode_kernel"] += time.perf_counter() - t
+        return result
 
     real_prefill = attention.native.prefill_attention
 
@@ -170,8 +183,17 @@ def main() -> int:
         n, before = t1 - t0, offset + anc_len * (anc_k != 0)  # a token at own index i reads before + i + 1 keys
         keys = int((n * before + n * (n + 1) // 2).sum())
         timer["attention_gflop"] += 4 * q.shape[1] * keys * q.shape[2] / 1e9
-        return real_prefill(q, hkv, t0, t1, own_k, own_v, own_cap, own_index, offset, anc_k, anc_v, anc_len, scale, out)
+        timer["prefill_gflop"] += 4 * q.shape[1] * keys * q.shape[2] / 1e9
+        t = time.perf_counter()
+        result = real_prefill(q, hkv, t0, t1, own_k, own_v, own_cap, own_index, offset, anc_k, anc_v, anc_len,
+                              scale, out)
+        timer["prefill_kernel"] += time.perf_counter() - t
+        return result
 
+    from pipeline.model.step import Step
+
+    real_store = Step.store
+    Step.store = timing(real_store, "store")
     attention._attend = attend
     attention.native.decode_attention = native_attend
     attention.native.prefill_attention = prefill_attend
@@ -190,7 +212,7 @@ def main() -> int:
 
     def forward(step, keep):
         phase = "prefill" if step.n_dec == 0 else ("decode" if step.n_dec == step.tokens else "mixed")
-        timer["attention"] = timer["linear"] = timer["attention_gflop"] = timer["kv_gb"] = 0.0
+        timer.update(dict.fromkeys(timer, 0.0))
         t = time.perf_counter()
         out = real_forward(step, keep)
         ph = phases[phase]
@@ -201,6 +223,8 @@ def main() -> int:
         ph["linear_measured"] += timer["linear"]
         ph["attention_gflop"] += timer["attention_gflop"]
         ph["kv_gb"] += timer["kv_gb"]
+        for key in kernel_keys:
+            ph[key] += timer[key]
         flops = 2 * linear_params * step.tokens + head_flops * len(keep)
         ph["flops"] += flops
         ph["by_rows"].append((step.tokens, flops))  # each forward's floor at its own row count's rate
@@ -212,6 +236,7 @@ def main() -> int:
     total = time.perf_counter() - t
     attention.attend = real_attention
     attention._attend = real_attend
+    Step.store = real_store
     attention.native.decode_attention = real_native
     attention.native.prefill_attention = real_prefill
     torch.nn.Linear.forward = real_linear
@@ -247,6 +272,15 @@ def main() -> int:
               f"{ph['kv_gb'] / bandwidth:.2f} |")
         report["phases"][name] = {**ph, "floor_s": floor, "attention_floor_s": attention_floor,
                                   "kv_read_floor_s": ph["kv_gb"] / bandwidth}
+    # attention's column split: the compiled kernels' calls (their own FLOPs and rate) and the rest of
+    # `attention.attend` around them (KV stores, views, the PyTorch path where a kernel is not taken)
+    print("\n| phase | prefill kernel s | its GFLOP/s | decode kernel s | its GFLOP/s | KV stores s | rest of attention s |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, ph in report["phases"].items():
+        glue = ph["attention"] - ph["prefill_kernel"] - ph["decode_kernel"] - ph["store"]
+        print(f"| {name} | {ph['prefill_kernel']:.2f} | {ph['prefill_gflop'] / max(ph['prefill_kernel'], 1e-9):.0f} | "
+              f"{ph['decode_kernel']:.2f} | {ph['decode_gflop'] / max(ph['decode_kernel'], 1e-9):.0f} | "
+              f"{ph['store']:.2f} | {glue:.2f} |")
     report["kernels_per_decode_step"] = {mode: kernels_per_decode_step(model, reqs, mode == "static")
                                          for mode in ("dynamic", "static")}
     print(f"\nkernels per decode step (32 rows): {report['kernels_per_decode_step']}")
