@@ -10,7 +10,8 @@ are scored once, as the prefix is prefilled (its logits there are the same for e
 The loop, top to bottom (gpt-fast's generate.py, with vLLM v1's flat token layout):
     for each batch shape of the plan:
         while rows are waiting or in flight:
-            admit    rows planned next take free slots (their prefixes are prefilled first)
+            admit    rows planned next take free slots (their prefixes are prefilled first, with
+                     those of the rows next in line: one forward, not one per admission)
             forward  one token per decoding row + chunks of admitted rows' suffixes, no padding
             sample   the next token of every row that has logits
             finish   finished rows leave their slots and drop their prefixes' reference counts
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, replace
+from itertools import islice
 from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
@@ -134,7 +136,8 @@ class Pass:
 
     def _admit(self, queue: deque, kv: RowKV, filling: list[Fill], limit: int) -> int:
         """Rows planned next take free slots, in plan order, whole requests only (a request's samples
-        share one suffix prefill); prefixes they need are prefilled first. Returns samples admitted."""
+        share one suffix prefill); prefixes they need are prefilled first, and along with them those
+        the rows next in line for slots will read (`PrefixCache.with_upcoming`). Returns samples admitted."""
         rows, free = [], limit - kv.in_use()
         if queue and free == limit and len(queue[0].samples) > free:  # more samples than slots left: split
             head = queue.popleft()
@@ -146,7 +149,9 @@ class Pass:
                 break
             rows.append(row)
             free -= len(row.samples)
-        self._prefill_prefixes({r.prefix for r in rows if r.prefix is not None})
+        upcoming = (r.prefix for r in islice(queue, len(rows), len(rows) + limit))  # the rows that take slots next
+        self._prefill_prefixes(self.prefixes.with_upcoming({r.prefix for r in rows if r.prefix is not None},
+                                                           upcoming, self.step_tokens))
         for _ in rows:
             queue.popleft()
         # neighbouring slots get rows of similar length: each decode attention call reads only as

@@ -6,7 +6,8 @@ it (SGLang's inc_lock_ref/dec_lock_ref on its radix cache, vLLM's ref_cnt in one
 locks every row's prefix, and so every prefix above it, before it starts; a prefix is made when
 its first reader is admitted, from its parent's (a child copies the tokens of its parent it
 holds); and it is freed when its count falls to zero, never before its last reader finishes.
-Memory grows with the tree's depth, not its width: the plan runs a subtree's rows side by side.
+Memory grows with the tree's depth, not its width: the plan runs a subtree's rows side by side,
+and a prefill takes along only the prefixes of the rows next in line for the batch's slots.
 
 What a prefix holds is made by the factory the cache is given, so its bookkeeping runs without
 a model (tests/engine/test_prefix_cache.py gives it a simulated one, as SGLang's
@@ -60,17 +61,48 @@ class PrefixCache(Generic[Held]):
     def missing(self, needed: Iterable[int]) -> list[list[int]]:
         """The prefixes these rows read, and any above them, that hold nothing yet: one tree level
         per list, parents' levels first (a level is made once the one above is prefilled)."""
-        todo: set[int] = set()
-        for pid in needed:
-            while pid is not None and not self.holds(pid) and pid not in todo:
-                todo.add(pid)
-                pid = self.prefixes[pid].parent
+        todo = self._unheld(needed)
         levels = []
         while todo:
             level = sorted(p for p in todo if self.prefixes[p].parent not in todo)
             levels.append(level)
             todo -= set(level)
         return levels
+
+    def with_upcoming(self, needed: Iterable[int], upcoming: Iterable[int | None], budget: int) -> set[int]:
+        """`needed`, and then the prefixes of the rows queued next (`upcoming`, in order; None: a row
+        without one) while the tokens still to prefill for all of them stay within `budget`; only
+        where `needed` misses some already. A forward that prefills prefixes anyway takes the ones
+        the next rows will read too, instead of each admission of a few rows running its own small
+        forward (a thousand five-shot jobs ran 106 of them for 226 prefixes; BENCHMARKS.md)."""
+        chosen = set(needed)
+        todo = self._unheld(chosen)
+        if not todo:
+            return chosen
+        tokens = self._tokens(todo)
+        for pid in upcoming:
+            if pid is None or pid in chosen:
+                continue
+            more = self._unheld([pid]) - todo
+            if tokens + self._tokens(more) > budget:
+                break
+            chosen.add(pid)
+            todo |= more
+            tokens += self._tokens(more)
+        return chosen
+
+    def _unheld(self, needed: Iterable[int]) -> set[int]:
+        """These prefixes and the ones above them that hold nothing yet."""
+        todo: set[int] = set()
+        for pid in needed:
+            while pid is not None and not self.holds(pid) and pid not in todo:
+                todo.add(pid)
+                pid = self.prefixes[pid].parent
+        return todo
+
+    def _tokens(self, pids: Iterable[int]) -> int:
+        """Tokens a prefill of these prefixes computes: each one's own, [start, end)."""
+        return sum(self.prefixes[p].end - self.prefixes[p].start for p in pids)
 
     def make(self, pid: int) -> Held:
         """Prefix `pid` is about to be prefilled: what it holds, made from its parent's."""

@@ -194,3 +194,28 @@ def test_prefixes_are_freed_while_one_batch_runs_on_through_many_groups(monkeypa
     assert not runs[-1].prefixes, "every prefix is freed by the end"
     want = sorted((c.key, c.token_ids) for c in Engine(model, eos_token_ids=[], min_shared_tokens=4, join=False).run(reqs))
     assert got == want
+
+
+def test_prefixes_of_the_rows_queued_next_ride_along_in_a_prefix_forward():
+    """Rows join a running batch a few at a time, each group under its own short prefix: a forward
+    that prefills a group's prefix also takes the prefixes of the rows taking slots next, so the run
+    makes fewer forwards of prefixes alone than it has prefixes, and every output is still
+    uncached `generate`'s."""
+    tok = tokenizer()
+    model = make_model("llama", seed=5)
+    reqs = [Request(f"g{g}-q{i}", tok.encode_prompt(f"Group {g} header: " + "context words here " * 3 + f"Q{i}?"),
+                    SamplingParams(max_new_tokens=1 + (7 * i + g) % 9)) for g in range(12) for i in range(3)]
+    engine = Engine(model, eos_token_ids=[], min_shared_tokens=4, max_batch_tokens=150)
+    forwards = []
+    real = engine.forward
+
+    def counting(step, keep):
+        forwards.append(step.kv is None)  # a forward of prefixes alone has no row slots
+        return real(step, keep)
+
+    engine.forward = counting
+    got = {c.key: c.token_ids for c in engine.run(reqs)}
+    assert engine.stats.admitted_rows > 10 and engine.stats.prefix_nodes >= 12
+    assert sum(forwards) <= engine.stats.prefix_nodes // 2, (sum(forwards), engine.stats.prefix_nodes)
+    for r in reqs:
+        assert got[r.key] == reference_generate(model, r, []), r.key

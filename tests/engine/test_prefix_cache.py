@@ -108,3 +108,22 @@ def test_a_plan_replayed_frees_every_prefix_and_none_before_its_last_reader(seed
     for pid, parent in make.made:
         p = work.prefixes[pid]
         assert parent == (f"kv{p.parent}" if p.parent is not None else None)
+
+
+def test_a_prefix_prefill_takes_along_the_prefixes_of_the_rows_queued_next_within_its_budget():
+    cache = PrefixCache(PREFIXES, Simulated())
+    for pid in PREFIXES:
+        cache.lock(pid)
+    # nothing missing now: no prefill runs, so none is taken along
+    cache.make(3)
+    assert cache.with_upcoming({3}, [0, 1], budget=1000) == {3}
+    # prefix 1 misses itself and its parent (30 tokens): the next rows' 2 (4 more) comes along, in order;
+    # the row without a prefix (None) and one already chosen are skipped
+    assert cache.with_upcoming({1}, [None, 1, 2, 3], budget=34) == {1, 2, 3}
+    # no further than the budget: 2's 4 tokens would make 34 > 33, and the scan stops there
+    assert cache.with_upcoming({1}, [2, 3], budget=33) == {1}
+    assert cache.with_upcoming({1}, iter([2]), budget=0) == {1}  # what the rows admitted need always stays
+    for level in cache.missing(cache.with_upcoming({1}, [2], budget=34)):
+        for pid in level:
+            cache.make(pid)
+    assert all(cache.holds(p) for p in PREFIXES)
