@@ -589,10 +589,13 @@ static void own_item(const void *arg, int w, void *scratch) {
         for (int c = 0; c < D / W; c++)
             qv[g][c] = ld(job->q, t * job->q_tok + (int64_t)(h * G + g) * job->q_head + W * c, bf16) * job->scale;
     int64_t lo = job->own_len[t], base = (job->slot[t] * job->hkv + h) * job->cap * D;
-    /* the next item's keys and values on their way to L2 while this one's scores compute, 16 rows
-     * a block (each row's own keys stream from memory every step; all at once, they held up this
-     * item's own reads) */
-    int more = w + 1 < job->n * job->hkv, es = bf16 ? 2 : 4;
+    /* Each row's own keys and values stream from memory every step, and the hardware prefetchers
+     * stop at every 4 KB page. float32 (a page every 16 keys): each block of W keys asks L2 for
+     * the first two lines of the keys one block on, and of this block's values (read after every
+     * score), and the prefetchers carry on from there. bfloat16: the next item's keys and values
+     * come into L2 while this one's scores compute, a few lines per key (all at once, they held up
+     * this item's own reads). Each ran faster than the other on its own dtype (BENCHMARKS.md). */
+    int es = bf16 ? 2 : 4, more = bf16 && w + 1 < job->n * job->hkv;
     int64_t next = more ? job->own_len[(w + 1) / job->hkv] : 0;
     const char *nk = (const char *)job->own_k, *nv = (const char *)job->own_v;
     if (more) {
@@ -600,9 +603,14 @@ static void own_item(const void *arg, int w, void *scratch) {
         nk += at, nv += at;
     }
     for (int64_t j0 = 0; j0 < lo; j0 += W) { /* 16 keys at a time, each query head's products lane-summed at once */
+        if (!bf16) {
+            const char *ahead = (const char *)job->own_k + (base + (j0 + W) * D) * es;
+            const char *values = (const char *)job->own_v + (base + j0 * D) * es;
+            if (j0 + W < lo) _mm_prefetch(ahead, _MM_HINT_T1), _mm_prefetch(ahead + 64, _MM_HINT_T1);
+            _mm_prefetch(values, _MM_HINT_T1), _mm_prefetch(values + 64, _MM_HINT_T1);
+        }
         int64_t upto = j0 + W < lo && j0 + W < next ? j0 + W : next; /* the last block: the rest */
-        /* spread over the block's keys: a burst of them held up the block's own loads */
-        int64_t lines = upto > j0 ? ((upto - j0) * D * es + 63) / 64 : 0;
+        int64_t lines = upto > j0 ? ((upto - j0) * D * es + 63) / 64 : 0; /* (0 without `more`) */
         const char *pk = nk + j0 * D * es, *pv = nv + j0 * D * es;
         for (int j = 0; j < W; j++) {
             for (int64_t l = j * lines / W; l < (j + 1) * lines / W; l++)
