@@ -74,7 +74,7 @@ class PrefixCache(Generic[Held]):
         without one) while the tokens still to prefill for all of them stay within `budget`; only
         where `needed` misses some already. A forward that prefills prefixes anyway takes the ones
         the next rows will read too, instead of each admission of a few rows running its own small
-        forward (a thousand five-shot jobs ran 106 of them for 226 prefixes; BENCHMARKS.md)."""
+        forward, whose weight matmuls see few rows (BENCHMARKS.md, "prefix prefills in fewer forwards")."""
         chosen = set(needed)
         todo = self._unheld(chosen)
         if not todo:
