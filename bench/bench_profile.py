@@ -144,8 +144,8 @@ def main() -> int:
     engine = Engine(model, eos_token_ids=[])
     phases = defaultdict(lambda: defaultdict(float, by_rows=[]))
     timer = {"attention": 0.0, "linear": 0.0, "attention_gflop": 0.0, "kv_gb": 0.0}
-    kernel_keys = ("decode_kernel", "decode_gflop", "prefill_kernel", "prefill_gflop", "store")
-    timer.update(dict.fromkeys(kernel_keys, 0.0), counting=0.0)
+    split_keys = ("decode_kernel", "decode_gflop", "prefill_kernel", "prefill_gflop", "store")  # attention's parts
+    timer.update(dict.fromkeys(split_keys, 0.0), counting=0.0)
     real_attention, real_linear = attention.attend, torch.nn.Linear.forward
 
     def timing(fn, key):  # perf_counter around every call: light enough for a decode step's 200 linears
@@ -167,12 +167,13 @@ def main() -> int:
 
     def native_attend(q, own_k, own_v, slot, own_len, anc_k, anc_v, anc_len, scale, out, **kw):
         t = time.perf_counter()  # this counting is the profile's own work: taken out of the phase's times
-        keys = int(own_len.sum()) + int(anc_len[anc_k != 0].sum())
-        timer["attention_gflop"] += 4 * q.shape[1] * keys * q.shape[2] / 1e9
-        timer["decode_gflop"] += 4 * q.shape[1] * keys * q.shape[2] / 1e9
+        own = int(own_len.sum())
+        gflop = 4 * q.shape[1] * (own + int(anc_len[anc_k != 0].sum())) * q.shape[2] / 1e9
+        timer["attention_gflop"] += gflop
+        timer["decode_gflop"] += gflop
         # the bytes a decode call must read at least: every row's own keys and values, each anchor's once
         anchors = {(int(a), int(n)) for a, n in zip(anc_k.tolist(), anc_len.tolist()) if a}
-        read = int(own_len.sum()) + sum(n for _, n in anchors)
+        read = own + sum(n for _, n in anchors)
         timer["kv_gb"] += 2 * read * own_k.shape[1] * own_k.shape[3] * own_k.element_size() / 1e9
         timer["counting"] += time.perf_counter() - t
         t = time.perf_counter()
@@ -187,8 +188,9 @@ def main() -> int:
         t = time.perf_counter()
         n, before = t1 - t0, offset + anc_len * (anc_k != 0)  # a token at own index i reads before + i + 1 keys
         keys = int((n * before + n * (n + 1) // 2).sum())
-        timer["attention_gflop"] += 4 * q.shape[1] * keys * q.shape[2] / 1e9
-        timer["prefill_gflop"] += 4 * q.shape[1] * keys * q.shape[2] / 1e9
+        gflop = 4 * q.shape[1] * keys * q.shape[2] / 1e9
+        timer["attention_gflop"] += gflop
+        timer["prefill_gflop"] += gflop
         timer["counting"] += time.perf_counter() - t
         t = time.perf_counter()
         result = real_prefill(q, hkv, t0, t1, own_k, own_v, own_cap, own_index, offset, anc_k, anc_v, anc_len,
@@ -230,7 +232,7 @@ def main() -> int:
         ph["linear_measured"] += timer["linear"]
         ph["attention_gflop"] += timer["attention_gflop"]
         ph["kv_gb"] += timer["kv_gb"]
-        for key in kernel_keys:
+        for key in split_keys:
             ph[key] += timer[key]
         flops = 2 * linear_params * step.tokens + head_flops * len(keep)
         ph["flops"] += flops

@@ -84,11 +84,12 @@ class PrefixCache(Generic[Held]):
             if pid is None or pid in chosen:
                 continue
             more = self._unheld([pid]) - todo
-            if tokens + self._tokens(more) > budget:
+            cost = self._tokens(more)
+            if tokens + cost > budget:
                 break
             chosen.add(pid)
             todo |= more
-            tokens += self._tokens(more)
+            tokens += cost
         return chosen
 
     def _unheld(self, needed: Iterable[int]) -> set[int]:
