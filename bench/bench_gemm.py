@@ -7,6 +7,7 @@ Two parts, both in one process:
   step's to a prefill's; the kernels take turns round by round, and the ratios are taken per round
   (this VM drifts by tens of percent within minutes); `--old REV` adds batchgen's GEMM as built from
   another git revision's kernel sources (the A/B of a kernel change; it must give the same bits);
+- the MLP's gate alone: its two products and `silu_mul`, against `Gemm.glu`'s one pass;
 - the engine: a `bench/corpus.py` workload through `Engine.generate` on two decoders of the default
   model, one on each kernel (`BATCHGEN_GEMM=0` loads oneDNN's), in alternating turns, wall time
   per run, and whether the greedy outputs agree.
@@ -76,6 +77,41 @@ def layers_alone(rows_list: list[int], layers: int, rounds: int, old: str | None
         print(f"| {m} | " + " | ".join(rates + ratios) + " |")
 
 
+def gated_alone(rows_list: list[int], layers: int, rounds: int) -> None:
+    """The MLP's gate: the gate and up projections (576 -> 1,536 each) then `silu_mul` (two GEMM
+    passes and an elementwise one), against `Gemm.glu`'s one pass; their bits checked equal."""
+    from pipeline.model import kernels, native
+
+    gemm, ops = native.gemm(torch.float32, 9, 3, 64), native.layer_ops(torch.float32, 9, 3, 64, HIDDEN, INTER)
+    if gemm is None or ops is None:
+        print("the MLP's gate: no GEMM or layer ops here")
+        return
+    kernels.keep_freed_memory()
+    pairs = [(gemm.linear(torch.randn(INTER, HIDDEN) * 0.02), gemm.linear(torch.randn(INTER, HIDDEN) * 0.02))
+             for _ in range(layers)]
+    ways = {"three passes": [lambda x, g=g, u=u: ops.silu_mul(g(x), u(x)) for g, u in pairs],
+            "one pass": [gemm.glu(g, u, ops) for g, u in pairs]}
+    print(f"the MLP's gate alone: {layers} layers of gate and up ({HIDDEN} -> {INTER} each) and silu * up,"
+          f" {torch.get_num_threads()} threads, {rounds} rounds, GFLOP/s of the two products (medians):")
+    print("| rows | three passes GFLOP/s | one pass GFLOP/s | one pass faster, median of rounds |")
+    print("|---:|---:|---:|---:|")
+    for m in rows_list:
+        x = torch.randn(m, HIDDEN)
+        if not all(torch.equal(a(x), b(x)) for a, b in zip(*ways.values())):
+            raise SystemExit(f"the one pass gives other bits at {m} rows")
+        times = {w: [] for w in ways}
+        for r in range(rounds):
+            for w in ways if r % 2 == 0 else list(ways)[::-1]:
+                t = time.perf_counter()
+                for f in ways[w]:
+                    f(x)
+                times[w].append(time.perf_counter() - t)
+        flops = 2 * 2 * m * HIDDEN * INTER * layers
+        rates = [f"{flops / statistics.median(times[w]) / 1e9:.0f}" for w in ways]
+        ratio = statistics.median(a / b for a, b in zip(times["three passes"], times["one pass"]))
+        print(f"| {m} | " + " | ".join(rates) + f" | {ratio:.2f}x |")
+
+
 def engine_turns(turns: int, jobs: int, workload: str) -> None:
     from transformers import AutoTokenizer
 
@@ -133,6 +169,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     print(cpu_model())
     layers_alone([int(r) for r in args.rows.split(",")], args.layers, args.rounds, args.old)
+    gated_alone([int(r) for r in args.rows.split(",")], args.layers, args.rounds)
     if not args.skip_engine:
         engine_turns(args.turns, args.jobs, args.workload)
     return 0

@@ -56,8 +56,10 @@ def model_linears(model) -> list[tuple[str, object, str, int, int]]:
         c = model.config
         h, d, inter = c.hidden_size, c.head_dim, c.intermediate_size
         shapes = {"qkv": (h, (c.num_attention_heads + 2 * c.num_key_value_heads) * d),
-                  "o": (c.num_attention_heads * d, h), "gate": (h, inter), "up": (h, inter), "down": (inter, h)}
-        out = [(f"layers.{i}.{n}", layer, n, *shapes[n]) for i, layer in enumerate(model.layers) for n in shapes]
+                  "o": (c.num_attention_heads * d, h), "gate": (h, inter), "up": (h, inter), "down": (inter, h),
+                  "glu": (h, 2 * inter)}  # gate and up in one pass, with silu * up (`native.Gemm.glu`)
+        out = [(f"layers.{i}.{n}", layer, n, *shapes[n]) for i, layer in enumerate(model.layers) for n in shapes
+               if (n == "glu") == (layer.glu is not None) or n not in ("gate", "up", "glu")]
         return out + [("lm_head", model, "lm_head", h, c.vocab_size)]
     return [(n, m, "forward", m.in_features, m.out_features) for n, m in model.named_modules()
             if isinstance(m, torch.nn.Linear)]
@@ -69,7 +71,8 @@ def linear_rate(dtype: torch.dtype, m: int, model, clock=time.perf_counter) -> f
     from pipeline.model.decoder import Decoder
 
     if isinstance(model, Decoder):
-        calls = [(getattr(holder, attr), i, o) for _, holder, attr, i, o in model_linears(model)[:5]]  # layer 0
+        calls = [(getattr(holder, attr), i, o) for name, holder, attr, i, o in model_linears(model)
+                 if name.startswith("layers.0.")]
         fast = []
     else:
         layers = [l for l in model.modules() if isinstance(l, torch.nn.Linear)][:7]

@@ -41,6 +41,7 @@ typedef struct {
     float *y;
     int64_t m, n, k, ldx, rows; /* rows: of a block */
     int threads;
+    const float *up, *up_bias; /* `batchgen_gemm_glu`: y = silu(x p + bias) * (x up + up_bias); else NULL */
 } Gemm;
 
 #if defined(__AVX512F__)
@@ -156,10 +157,11 @@ static inline void gemm_fetch_rows(const float *at, int64_t rows, int64_t ld, in
  * thread's `first` panel of the block, its x for this k block (the panels after find the block's x
  * in L2). 1.04-1.06x at 2,048 rows, level at a decode step's (BENCHMARKS.md). */
 static void gemm_block(const Gemm *g, int64_t i0, int64_t i1, int64_t pj, const char *pf, int64_t npf, const float *xp,
-                       int first) {
-    const float *bp = g->p + pj * GEMM_NR * g->k;
+                       int first, const float *packed, const float *all_bias, float *out, int64_t ldy) {
+    /* out: the output of row i0 at the panel's first column, rows ldy floats apart */
+    const float *bp = packed + pj * GEMM_NR * g->k;
     int64_t cols = g->n - pj * GEMM_NR < GEMM_NR ? g->n - pj * GEMM_NR : GEMM_NR;
-    const float *bias = g->bias ? g->bias + pj * GEMM_NR : NULL;
+    const float *bias = all_bias ? all_bias + pj * GEMM_NR : NULL;
     int64_t k = g->k, tiles = (i1 - i0 + GEMM_MR - 1) / GEMM_MR, blocks = k ? (k + GEMM_KB - 1) / GEMM_KB : 1;
     int64_t share = (npf + tiles * blocks - 1) / (tiles * blocks), from = 0;
     for (int64_t k0 = 0; k0 < k || k0 == 0; k0 += GEMM_KB) { /* (k = 0: one block, of zeros) */
@@ -170,30 +172,57 @@ static void gemm_block(const Gemm *g, int64_t i0, int64_t i1, int64_t pj, const 
             int64_t ct = cols - t * GEMM_PART;
             for (int64_t i = i0; i < i1; i += GEMM_MR) {
                 const float *x = GEMM_PACK_X ? xp + (i - i0) * k : g->x + i * g->ldx; /* (i - i0: whole tiles) */
-                float *y = g->y + i * g->n + pj * GEMM_NR + t * GEMM_PART;
+                float *y = out + (i - i0) * ldy + t * GEMM_PART;
                 int64_t mine = t || from >= npf ? 0 : npf - from < share ? npf - from : share;
                 const char *at = mine ? pf + 64 * from : pf;
                 if (!t) from += share;
                 if (i + GEMM_MR < i1) {
                     int64_t next = i1 - i - GEMM_MR < GEMM_MR ? i1 - i - GEMM_MR : GEMM_MR; /* its rows */
-                    if (k0 == 0) gemm_fetch_rows(y + GEMM_MR * g->n, next, g->n, 4 * (ct < GEMM_PART ? ct : GEMM_PART), 1);
+                    if (k0 == 0) gemm_fetch_rows(y + GEMM_MR * ldy, next, ldy, 4 * (ct < GEMM_PART ? ct : GEMM_PART), 1);
                     if (first && !GEMM_PACK_X) gemm_fetch_rows(x + GEMM_MR * g->ldx + k0, next, g->ldx, 4 * (k1 - k0), 0);
                 }
                 switch (i1 - i < GEMM_MR ? (int)(i1 - i) : GEMM_MR) { /* each row count its own unrolled tile */
-                case 1: gemm_tile(x, g->ldx, bt, k0, k1, last, y, g->n, bias_t, 1, ct, at, mine); break;
-                case 2: gemm_tile(x, g->ldx, bt, k0, k1, last, y, g->n, bias_t, 2, ct, at, mine); break;
-                case 3: gemm_tile(x, g->ldx, bt, k0, k1, last, y, g->n, bias_t, 3, ct, at, mine); break;
-                case 4: gemm_tile(x, g->ldx, bt, k0, k1, last, y, g->n, bias_t, 4, ct, at, mine); break;
-                case 5: gemm_tile(x, g->ldx, bt, k0, k1, last, y, g->n, bias_t, 5, ct, at, mine); break;
+                case 1: gemm_tile(x, g->ldx, bt, k0, k1, last, y, ldy, bias_t, 1, ct, at, mine); break;
+                case 2: gemm_tile(x, g->ldx, bt, k0, k1, last, y, ldy, bias_t, 2, ct, at, mine); break;
+                case 3: gemm_tile(x, g->ldx, bt, k0, k1, last, y, ldy, bias_t, 3, ct, at, mine); break;
+                case 4: gemm_tile(x, g->ldx, bt, k0, k1, last, y, ldy, bias_t, 4, ct, at, mine); break;
+                case 5: gemm_tile(x, g->ldx, bt, k0, k1, last, y, ldy, bias_t, 5, ct, at, mine); break;
 #if GEMM_MR == 8
-                case 6: gemm_tile(x, g->ldx, bt, k0, k1, last, y, g->n, bias_t, 6, ct, at, mine); break;
-                case 7: gemm_tile(x, g->ldx, bt, k0, k1, last, y, g->n, bias_t, 7, ct, at, mine); break;
+                case 6: gemm_tile(x, g->ldx, bt, k0, k1, last, y, ldy, bias_t, 6, ct, at, mine); break;
+                case 7: gemm_tile(x, g->ldx, bt, k0, k1, last, y, ldy, bias_t, 7, ct, at, mine); break;
 #endif
-                default: gemm_tile(x, g->ldx, bt, k0, k1, last, y, g->n, bias_t, GEMM_MR, ct, at, mine); break;
+                default: gemm_tile(x, g->ldx, bt, k0, k1, last, y, ldy, bias_t, GEMM_MR, ct, at, mine); break;
                 }
             }
         }
     }
+}
+
+/* Threads for n outputs: each takes a range of whole panels (at least one), so no more than panels. */
+static int gemm_threads(int threads, int64_t n) {
+    int64_t panels = (n + GEMM_NR - 1) / GEMM_NR;
+    return threads < 1 || panels < 1 ? 1 : (int64_t)threads > panels ? (int)panels : threads;
+}
+
+/* Rows of a block: its x within ~512 KB of L2 (rows of k floats), in whole tiles, at most 128 rows
+ * (with AVX2's tiles of 6 a block of 128 ends in a tile of 2 rows: capping at 126 instead took one
+ * more pass over the panels at 2,048 rows, 0.92-0.97x). */
+static int64_t gemm_rows(int64_t k) {
+    int64_t rows = 512 * 1024 / (4 * (k ? k : 1)) / GEMM_MR * GEMM_MR;
+    return rows < GEMM_MR ? GEMM_MR : rows > 128 ? 128 : rows;
+}
+
+/* A block's rows in whole tiles, as a thread's scratch holds them. */
+static int64_t gemm_scratch_rows(const Gemm *g) {
+    return ((g->rows < g->m ? g->rows : g->m) + GEMM_MR - 1) / GEMM_MR * GEMM_MR;
+}
+
+/* A thread's scratch: a block's x packed (AVX2), then the up projection's panel (`batchgen_gemm_glu`). */
+static size_t gemm_scratch(const Gemm *g) {
+    int64_t rows = gemm_scratch_rows(g);
+    size_t x = GEMM_PACK_X ? (size_t)rows * (size_t)(g->k ? g->k : 1) * sizeof(float) : 0;
+    size_t up = g->up ? (size_t)rows * GEMM_NR * sizeof(float) : 0;
+    return x + up > 64 ? x + up : 64;
 }
 
 /* Thread w's share: its own range of panels in every block of rows, blocks in order. In a block
@@ -217,16 +246,27 @@ static void gemm_item(const void *arg, int w, void *scratch) {
         for (int64_t pj = a; pj < b; pj++) {
             int64_t next = pj + 1 < b ? pj + 1 : a; /* (then the next block's first) */
             const char *pf = pj + 1 < b || blk + 1 < blocks ? (const char *)(g->p + next * GEMM_NR * g->k) : NULL;
-            gemm_block(g, i0, i1, pj, pf, pf ? lines : 0, xp, pj == a);
+            float *y = g->y + i0 * g->n + pj * GEMM_NR;
+            if (!g->up) {
+                gemm_block(g, i0, i1, pj, pf, pf ? lines : 0, xp, pj == a, g->p, g->bias, y, g->n);
+                continue;
+            }
+#if LAYER_OPS
+            /* the gate's panel into y, the up projection's into the thread's scratch (24 KB), then
+             * both while they are in cache: y = silu(gate) * up, as `batchgen_silu_mul` computes it */
+            float *up = xp + (GEMM_PACK_X ? gemm_scratch_rows(g) * g->k : 0);
+            gemm_block(g, i0, i1, pj, (const char *)(g->up + pj * GEMM_NR * g->k), lines, xp, pj == a, g->p, g->bias,
+                       y, g->n);
+            gemm_block(g, i0, i1, pj, pf, pf ? lines : 0, xp, 0, g->up, g->up_bias, up, GEMM_NR);
+            int64_t cols = g->n - pj * GEMM_NR < GEMM_NR ? g->n - pj * GEMM_NR : GEMM_NR; /* a multiple of W */
+            for (int64_t i = 0; i < i1 - i0; i++)
+                for (int64_t c = 0; c < cols; c += W)
+                    put(y + i * g->n, c, silu_vec(ld(y + i * g->n, c, 0), 0) * ld(up + i * GEMM_NR, c, 0), 0);
+#endif
         }
     }
 }
 
-/* Threads for n outputs: each takes a range of whole panels (at least one), so no more than panels. */
-static int gemm_threads(int threads, int64_t n) {
-    int64_t panels = (n + GEMM_NR - 1) / GEMM_NR;
-    return threads < 1 || panels < 1 ? 1 : (int64_t)threads > panels ? (int)panels : threads;
-}
 #endif
 
 /* Whether this build has the kernel (AVX-512 or AVX2). */
@@ -287,17 +327,33 @@ int batchgen_gemm(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx, 
                   float *y, int threads) {
 #if defined(GEMM_BUILT)
     if (m <= 0 || n <= 0) return 0;
-    /* a block's x within ~512 KB of L2 (rows of k floats), in whole tiles, at most 128 rows (with
-     * AVX2's tiles of 6 a block of 128 ends in a tile of 2 rows: capping at 126 instead took one more
-     * pass over the panels at 2,048 rows, 0.92-0.97x) */
-    int64_t rows = 512 * 1024 / (4 * (k ? k : 1)) / GEMM_MR * GEMM_MR;
-    rows = rows < GEMM_MR ? GEMM_MR : rows > 128 ? 128 : rows;
+    int64_t rows = gemm_rows(k);
     threads = gemm_threads(threads, n);
-    Gemm g = {x, p, bias, y, m, n, k, ldx, rows, threads};
-    int64_t packed_rows = ((rows < m ? rows : m) + GEMM_MR - 1) / GEMM_MR * GEMM_MR; /* a block's x, packed */
-    size_t scratch = GEMM_PACK_X ? (size_t)packed_rows * (size_t)(k ? k : 1) * sizeof(float) : 64;
-    return run(gemm_item, &g, threads, scratch, threads);
+    Gemm g = {x, p, bias, y, m, n, k, ldx, rows, threads, NULL, NULL};
+    return run(gemm_item, &g, threads, gemm_scratch(&g), threads);
 #else
     return (void)m, (void)n, (void)k, (void)x, (void)ldx, (void)p, (void)bias, (void)y, (void)threads, 1;
+#endif
+}
+
+/* A gated MLP's first half in one pass: y [m][n] = silu(x gate + gate_bias) * (x up + up_bias), each
+ * weight packed as for `batchgen_gemm`, each product with `batchgen_gemm`'s bits, and the rest as
+ * `batchgen_silu_mul(m, n, 0, ..., chunk, ...)` computes it: where that would take some elements one
+ * by one (PyTorch's chunks' tails, see cpu_layer_ops.c), -1 and nothing done, for the three passes to
+ * run instead. n a multiple of 16. One write of y, where the three passes wrote the gate's and the up
+ * projection's outputs and read both back (BENCHMARKS.md). */
+int batchgen_gemm_glu(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx, const float *gate,
+                      const float *gate_bias, const float *up, const float *up_bias, float *y, int64_t chunk,
+                      int threads) {
+#if defined(GEMM_BUILT) && LAYER_OPS
+    if (m <= 0 || n <= 0) return 0;
+    if (n % 16 || chunk < 1) return 1;
+    for (int64_t s = 0; s < m * n; s += chunk) /* silu_mul's chunks, each in pairs of vectors only */
+        if (((s + chunk < m * n ? s + chunk : m * n) - s) % (2 * W)) return -1;
+    Gemm g = {x, gate, gate_bias, y, m, n, k, ldx, gemm_rows(k), gemm_threads(threads, n), up, up_bias};
+    return run(gemm_item, &g, g.threads, gemm_scratch(&g), g.threads);
+#else
+    return (void)m, (void)n, (void)k, (void)x, (void)ldx, (void)gate, (void)gate_bias, (void)up, (void)up_bias, (void)y,
+           (void)chunk, (void)threads, 1;
 #endif
 }

@@ -58,13 +58,14 @@ class Layer:
     qkv: Linear  # (T, H) -> (T, (Hq + 2 Hkv) D)
     o: Linear  # (T, Hq D) -> (T, H)
     post_norm: torch.Tensor  # (H,)
-    # gate and up stay two GEMMs: fused they were no faster, and oneDNN's scratch for the fused
-    # one held more memory at long steps
+    # gate and up stay two weights (on oneDNN fused they were no faster, and its scratch for the
+    # fused one held more memory at long steps); batchgen's GEMM runs them as one pass, `glu`
     gate: Linear  # (T, H) -> (T, I)
     up: Linear  # (T, H) -> (T, I)
     down: Linear  # (T, I) -> (T, H)
     q_norm: torch.Tensor | None = None  # (D,) Qwen3
     k_norm: torch.Tensor | None = None
+    glu: Linear | None = None  # (T, H) -> (T, I): silu(gate) * up in one pass (`native.Gemm.glu`), or None
 
 
 class Decoder:
@@ -96,23 +97,25 @@ class Decoder:
         self.packed_weights = None if self._gemm is None else "ahead" if self._packed else "load"
         self._linears = {key: (names, bias) for key, names, bias in c.linears()}
         weights["model.embed_tokens.weight"] = self.embed  # the tied head's weight
+        # the norms, the MLP's gate and the rotary embeddings in one pass each (None: PyTorch's ops, the reference)
+        self.ops = native.layer_ops(dtype, self.hq, self.hkv, self.d, c.hidden_size, c.intermediate_size) \
+            if device.type == "cpu" else None
         self.lm_head = self._proj(weights, "lm_head")
         self.layers = [self._layer(weights, f"model.layers.{i}.") for i in range(c.num_hidden_layers)]
         self._cos = self._sin = torch.empty(0, self.d, dtype=dtype, device=device)
         self.adapters: lora.Adapters | None = None  # `set_adapters`
-        # the norms, the MLP's gate and the rotary embeddings in one pass each (None: PyTorch's ops, the reference)
-        self.ops = native.layer_ops(dtype, self.hq, self.hkv, self.d, c.hidden_size, c.intermediate_size) \
-            if device.type == "cpu" else None
         if device.type == "cpu":
             kernels.keep_freed_memory()  # activations reuse memory instead of faulting in fresh pages
 
     def _layer(self, weights: dict[str, torch.Tensor], p: str) -> Layer:
         """Layer `p` out of the checkpoint's tensors (taken from `weights`, so each goes once used)."""
+        gate, up = self._proj(weights, p + "gate"), self._proj(weights, p + "up")
+        glu = self._gemm.glu(gate, up, self.ops) if self._gemm is not None and self.ops is not None else None
         return Layer(input_norm=weights.pop(p + "input_layernorm.weight"), qkv=self._proj(weights, p + "qkv"),
                      o=self._proj(weights, p + "o"), post_norm=weights.pop(p + "post_attention_layernorm.weight"),
-                     gate=self._proj(weights, p + "gate"), up=self._proj(weights, p + "up"),
-                     down=self._proj(weights, p + "down"), q_norm=weights.pop(p + "self_attn.q_norm.weight", None),
-                     k_norm=weights.pop(p + "self_attn.k_norm.weight", None))
+                     gate=gate, up=up, down=self._proj(weights, p + "down"),
+                     q_norm=weights.pop(p + "self_attn.q_norm.weight", None),
+                     k_norm=weights.pop(p + "self_attn.k_norm.weight", None), glu=glu)
 
     def _proj(self, weights: dict[str, torch.Tensor], key: str) -> Linear:
         """The linear layer `key` of `config.linears()`: its weights (stacked by output) and biases
@@ -172,7 +175,8 @@ class Decoder:
                 self.adapters.apply(i, "o", out, o, ad)
             h = self._add_norm(x, o, layer.post_norm)  # x += o: x is this forward's own buffer
             if ad is None:
-                added = layer.down(self._gate(layer.gate(h), layer.up(h)))
+                mid = layer.glu(h) if layer.glu is not None else self._gate(layer.gate(h), layer.up(h))  # (T, I)
+                added = layer.down(mid)
                 continue
             gate, up = layer.gate(h), layer.up(h)  # (T, I) each
             self.adapters.apply(i, "gate", h, gate, ad)

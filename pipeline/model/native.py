@@ -147,6 +147,13 @@ LAYER_OPS_CAPABILITY = {2: "AVX512", 1: "AVX2"}  # batchgen_layer_ops(): whose b
 _GRAIN = 32768  # ATen's grain size (at::internal::GRAIN_SIZE): elementwise ops split into threads' chunks above it
 
 
+def silu_chunk(total: int) -> int:
+    """The elements of each thread's chunk as PyTorch splits an elementwise op over `total` now."""
+    threads = torch.get_num_threads()
+    tasks = 1 if total < _GRAIN or threads == 1 else min(threads, -(-total // _GRAIN))
+    return max(1, -(-total // tasks))
+
+
 class LayerOps:
     """The decoder's elementwise passes (`cpu_layer_ops.c`) on float32 or bfloat16 activations:
     the norm with its residual sum, the MLP's gate, the rotary embeddings. The reference is
@@ -172,10 +179,9 @@ class LayerOps:
         """gate = silu(gate) * up, in place; returns gate. PyTorch computes the last elements of
         each of its threads' chunks one by one (`cpu_layer_ops.c`): the chunks it would make now."""
         assert gate.is_contiguous() and up.is_contiguous() and gate.shape == up.shape and gate.dtype == up.dtype
-        total, threads = gate.numel(), torch.get_num_threads()
-        tasks = 1 if total < _GRAIN or threads == 1 else min(threads, -(-total // _GRAIN))
         if self._lib.batchgen_silu_mul(gate.shape[0], gate[0].numel() if gate.shape[0] else 0, DTYPES[gate.dtype],
-                                       gate.data_ptr(), up.data_ptr(), max(1, -(-total // tasks)), threads):
+                                       gate.data_ptr(), up.data_ptr(), silu_chunk(gate.numel()),
+                                       torch.get_num_threads()):
             raise MemoryError("batchgen's MLP kernel got no scratch memory")
         return gate
 
@@ -296,6 +302,30 @@ class Gemm:
             return y.view(*x.shape[:-1], n)
 
         forward.packed = packed  # (what the layer holds: for the tests and memory accounting)
+        forward.n, forward.k, forward.bias = n, k, b
+        return forward
+
+    def glu(self, gate, up, ops: LayerOps):
+        """A gated MLP's first half, `ops.silu_mul(gate(x), up(x))`, in one pass where its bits are
+        the same (`batchgen_gemm_glu`): for two forwards of `packed`, over the same inputs."""
+        assert gate.n == up.n and gate.k == up.k
+        n, k, lib = gate.n, gate.k, self._lib
+        pg, pu, bg, bu = gate.packed, up.packed, gate.bias, up.bias
+
+        def forward(x: torch.Tensor) -> torch.Tensor:  # (T, K) -> (T, N)
+            assert x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.shape[1] == k
+            rows = x if x.stride(1) == 1 and (x.shape[0] < 2 or x.stride(0) >= k) else x.contiguous()
+            y = torch.empty(rows.shape[0], n, dtype=torch.float32)
+            rc = lib.batchgen_gemm_glu(rows.shape[0], n, k, rows.data_ptr(), rows.stride(0), pg.data_ptr(),
+                                       None if bg is None else bg.data_ptr(), pu.data_ptr(),
+                                       None if bu is None else bu.data_ptr(), y.data_ptr(),
+                                       silu_chunk(rows.shape[0] * n), torch.get_num_threads())
+            if rc == -1:  # PyTorch would take some of these elements one by one: the three passes
+                return ops.silu_mul(gate(x), up(x))
+            if rc:
+                raise MemoryError("batchgen's linear kernel got no scratch memory")
+            return y
+
         return forward
 
 

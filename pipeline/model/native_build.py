@@ -110,7 +110,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                                                 i64, ptr, ptr, ptr, i32]),
                        ("batchgen_gemm_ok", []),
                        ("batchgen_gemm_pack_parts", [i64, ptr, ptr, ptr, i64, ptr, i32]),
-                       ("batchgen_gemm", [i64, i64, i64, ptr, i64, ptr, ptr, ptr, i32])):
+                       ("batchgen_gemm", [i64, i64, i64, ptr, i64, ptr, ptr, ptr, i32]),
+                       ("batchgen_gemm_glu", [i64, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i32])):
         f = getattr(lib, name, None)
         if f is not None:
             f.argtypes = args

@@ -68,6 +68,60 @@ def test_the_avx2_build_gives_the_avx512_builds_bits(monkeypatch):
         w, x, b = _rand(n, k, seed=7), _rand(m, k, seed=8), _rand(n, seed=9)
         assert torch.equal(avx2.linear(w, b)(x), GEMM.linear(w, b)(x)), (m, n, k)
         assert torch.equal(avx2.linear(w)(x), GEMM.linear(w)(x)), (m, n, k)
+    # its gated pass (x packed in the scratch before the up projection's panel): the build's three passes' bits
+    ops = native.LayerOps(native_build._build(2, 16))
+    for m, n, k in [(7, 64, 17), (300, 96, 100), (130, 1536, 576)]:
+        gate, up = avx2.linear(_rand(n, k, seed=10)), avx2.linear(_rand(n, k, seed=11), _rand(n, seed=12))
+        x = _rand(m, k, seed=13)
+        assert torch.equal(avx2.glu(gate, up, ops)(x), ops.silu_mul(gate(x), up(x))), (m, n, k)
+
+
+OPS = native.layer_ops(torch.float32, 4, 2, 16, 64, 64)
+
+
+# rows: one, a short tile, blocks of rows (300 at k 100: blocks of 128); outputs: one panel, a
+# panel and a tail of 16, many panels; chunks: one (under ATen's grain) and two threads' halves
+@pytest.mark.skipif(OPS is None, reason="no native layer ops here")
+@pytest.mark.parametrize("m,n,k", [(1, 48, 64), (7, 64, 17), (300, 96, 100), (130, 1536, 576), (64, 1024, 129)])
+@pytest.mark.parametrize("bias", [False, True], ids=["plain", "bias"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_gated_pass_gives_the_three_passes_bits(m, n, k, bias, threads):
+    """`Gemm.glu`: silu(x gate + b) * (x up + c) in one pass, to the bit the GEMM twice and then
+    `LayerOps.silu_mul` (three passes, whose bits are PyTorch's), on a whole batch and on a part of it."""
+    g, u, x = _rand(n, k, seed=10), _rand(n, k, seed=11), _rand(m, k, seed=12)
+    bg, bu = (_rand(n, seed=13), _rand(n, seed=14)) if bias else (None, None)
+    gate, up = GEMM.linear(g, bg), GEMM.linear(u, bu)
+    glu = GEMM.glu(gate, up, OPS)
+    was = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        want = OPS.silu_mul(gate(x), up(x))
+        assert torch.equal(want, F.silu(gate(x)) * up(x))  # the reference: PyTorch's ops
+        got = glu(x)
+        assert got.shape == (m, n) and torch.equal(got, want)
+        assert torch.equal(glu(x[m // 2 :]), OPS.silu_mul(gate(x[m // 2 :]), up(x[m // 2 :])))
+    finally:
+        torch.set_num_threads(was)
+
+
+@pytest.mark.skipif(OPS is None, reason="no native layer ops here")
+def test_the_gated_pass_leaves_to_the_two_passes_what_pytorch_takes_one_by_one(monkeypatch):
+    """48 outputs x 683 rows over two threads: each thread's chunk (16,392 elements) ends in 8 that
+    PyTorch's silu takes one by one. The one pass declines (-1), and `glu` runs the three passes."""
+    g, u, x = _rand(48, 32, seed=15), _rand(48, 32, seed=16), _rand(683, 32, seed=17)
+    gate, up = GEMM.linear(g), GEMM.linear(u)
+    was = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        chunk = native.silu_chunk(683 * 48)
+        assert chunk % 32
+        y = torch.empty(683, 48)
+        lib = GEMM._lib
+        assert lib.batchgen_gemm_glu(683, 48, 32, x.data_ptr(), 32, gate.packed.data_ptr(), None,
+                                     up.packed.data_ptr(), None, y.data_ptr(), chunk, 2) == -1
+        assert torch.equal(GEMM.glu(gate, up, OPS)(x), F.silu(gate(x)) * up(x))
+    finally:
+        torch.set_num_threads(was)
 
 
 def test_inputs_of_any_layout():
@@ -96,6 +150,7 @@ def test_decoder_on_it_agrees_with_onednn(arch, tmp_path, monkeypatch):
     # every linear layer of the decoder on it, none of the reference's
     layers = [dec.lm_head] + [f for layer in dec.layers for f in (layer.qkv, layer.o, layer.gate, layer.up, layer.down)]
     assert all(hasattr(f, "packed") for f in layers)
+    assert all(layer.glu is not None for layer in dec.layers) == (dec.ops is not None)  # the MLP's gate in one pass
     assert not any(hasattr(f, "packed") for f in [ref.lm_head, ref.layers[0].qkv, ref.layers[0].down])
     ids = torch.randint(3, 250, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     logits = []
