@@ -261,7 +261,7 @@ static void gemm_item(const void *arg, int w, void *scratch) {
             int64_t cols = g->n - pj * GEMM_NR < GEMM_NR ? g->n - pj * GEMM_NR : GEMM_NR; /* a multiple of W */
             for (int64_t i = 0; i < i1 - i0; i++)
                 for (int64_t c = 0; c < cols; c += W)
-                    put(y + i * g->n, c, silu_vec(ld(y + i * g->n, c, 0), 0) * ld(up + i * GEMM_NR, c, 0), 0);
+                    put(y + i * g->n, c, gated(ld(y + i * g->n, c, 0), ld(up + i * GEMM_NR, c, 0), 0), 0);
 #endif
         }
     }
@@ -322,15 +322,21 @@ int batchgen_gemm_pack_parts(int64_t parts, const float *const *w, const int64_t
 #endif
 }
 
+#if defined(GEMM_BUILT)
+/* The pass over m > 0 rows and n > 0 outputs, gated where `up` is given (`gemm_item`). */
+static int gemm_go(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx, const float *p, const float *bias,
+                   const float *up, const float *up_bias, float *y, int threads) {
+    Gemm g = {x, p, bias, y, m, n, k, ldx, gemm_rows(k), gemm_threads(threads, n), up, up_bias};
+    return run(gemm_item, &g, g.threads, gemm_scratch(&g), g.threads);
+}
+#endif
+
 /* y [m][n] (contiguous) = x [m][k] (rows ldx apart) times the packed weight, + bias [n] (or none). */
 int batchgen_gemm(int64_t m, int64_t n, int64_t k, const float *x, int64_t ldx, const float *p, const float *bias,
                   float *y, int threads) {
 #if defined(GEMM_BUILT)
     if (m <= 0 || n <= 0) return 0;
-    int64_t rows = gemm_rows(k);
-    threads = gemm_threads(threads, n);
-    Gemm g = {x, p, bias, y, m, n, k, ldx, rows, threads, NULL, NULL};
-    return run(gemm_item, &g, threads, gemm_scratch(&g), threads);
+    return gemm_go(m, n, k, x, ldx, p, bias, NULL, NULL, y, threads);
 #else
     return (void)m, (void)n, (void)k, (void)x, (void)ldx, (void)p, (void)bias, (void)y, (void)threads, 1;
 #endif
@@ -348,10 +354,9 @@ int batchgen_gemm_glu(int64_t m, int64_t n, int64_t k, const float *x, int64_t l
 #if defined(GEMM_BUILT) && LAYER_OPS
     if (m <= 0 || n <= 0) return 0;
     if (n % 16 || chunk < 1) return 1;
-    for (int64_t s = 0; s < m * n; s += chunk) /* silu_mul's chunks, each in pairs of vectors only */
-        if (((s + chunk < m * n ? s + chunk : m * n) - s) % (2 * W)) return -1;
-    Gemm g = {x, gate, gate_bias, y, m, n, k, ldx, gemm_rows(k), gemm_threads(threads, n), up, up_bias};
-    return run(gemm_item, &g, g.threads, gemm_scratch(&g), g.threads);
+    for (int64_t s = 0; s < m * n; s += chunk) /* silu_mul's chunks: no element at or past a tail's start */
+        if (tail_start(s, chunk, m * n, 2 * W) < (s + chunk < m * n ? s + chunk : m * n)) return -1;
+    return gemm_go(m, n, k, x, ldx, gate, gate_bias, up, up_bias, y, threads);
 #else
     return (void)m, (void)n, (void)k, (void)x, (void)ldx, (void)gate, (void)gate_bias, (void)up, (void)up_bias, (void)y,
            (void)chunk, (void)threads, 1;

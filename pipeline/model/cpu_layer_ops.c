@@ -233,6 +233,9 @@ static inline __attribute__((always_inline)) vf sleef_exp(vf d) {
 /* silu(x) = x / (1 + e^-x), in float32, in the dtype: as PyTorch's vectors compute it */
 static inline __attribute__((always_inline)) vf silu_vec(vf x, int bf16) { return narrow(x / (1.0f + sleef_exp(-x)), bf16); }
 
+/* The gate's value: silu(g) * u, as PyTorch's vectors compute it (also the GEMM's gated pass, cpu_gemm.c). */
+static inline __attribute__((always_inline)) vf gated(vf g, vf u, int bf16) { return silu_vec(g, bf16) * u; }
+
 /* PyTorch's loop splits the elements into its threads' chunks (`chunk` each, the last shorter) and
  * in each takes two of its vectors (32 floats, 64 bfloat16 with AVX-512; 16 and 32 with AVX2) at a
  * time from the chunk's start, and
@@ -257,8 +260,8 @@ static void silu_item(const void *job, int item, void *scratch) {
         }
         if (i + 2 * W <= tail && i + 2 * W <= last) { /* two whole vectors, independent: as PyTorch's loop */
             vf x0 = ld(j->g, i, j->bf16), x1 = ld(j->g, i + W, j->bf16);
-            put(j->g, i, silu_vec(x0, j->bf16) * ld(j->u, i, j->bf16), j->bf16);
-            put(j->g, i + W, silu_vec(x1, j->bf16) * ld(j->u, i + W, j->bf16), j->bf16);
+            put(j->g, i, gated(x0, ld(j->u, i, j->bf16), j->bf16), j->bf16);
+            put(j->g, i + W, gated(x1, ld(j->u, i + W, j->bf16), j->bf16), j->bf16);
             i += W;
             continue;
         }
@@ -267,7 +270,7 @@ static void silu_item(const void *job, int item, void *scratch) {
             for (int l = 0; l < W; l++)
                 if (i + l >= tail_start(i + l, j->chunk, total, pair)) vec &= (lanes_t)~(1u << l);
         vf x = ldm(j->g, i, j->bf16, vec);
-        stm(j->g, i, silu_vec(x, j->bf16) * ldm(j->u, i, j->bf16, vec), j->bf16, vec);
+        stm(j->g, i, gated(x, ldm(j->u, i, j->bf16, vec), j->bf16), j->bf16, vec);
         for (int l = 0; l < W; l++) {
             if (vec >> l & 1) continue;
             if (!j->bf16) {

@@ -291,10 +291,7 @@ class Gemm:
         lib = self._lib
 
         def forward(x: torch.Tensor) -> torch.Tensor:  # (..., K) -> (..., N)
-            assert x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[-1] == k
-            rows = x.reshape(-1, k)
-            if rows.stride(1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < k):
-                rows = rows.contiguous()
+            rows = _gemm_rows(x, k)
             y = torch.empty(rows.shape[0], n, dtype=torch.float32)
             if lib.batchgen_gemm(rows.shape[0], n, k, rows.data_ptr(), rows.stride(0), packed.data_ptr(),
                                  None if b is None else b.data_ptr(), y.data_ptr(), torch.get_num_threads()):
@@ -313,8 +310,8 @@ class Gemm:
         pg, pu, bg, bu = gate.packed, up.packed, gate.bias, up.bias
 
         def forward(x: torch.Tensor) -> torch.Tensor:  # (T, K) -> (T, N)
-            assert x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.shape[1] == k
-            rows = x if x.stride(1) == 1 and (x.shape[0] < 2 or x.stride(0) >= k) else x.contiguous()
+            assert x.dim() == 2
+            rows = _gemm_rows(x, k)
             y = torch.empty(rows.shape[0], n, dtype=torch.float32)
             rc = lib.batchgen_gemm_glu(rows.shape[0], n, k, rows.data_ptr(), rows.stride(0), pg.data_ptr(),
                                        None if bg is None else bg.data_ptr(), pu.data_ptr(),
@@ -327,6 +324,15 @@ class Gemm:
             return y
 
         return forward
+
+
+def _gemm_rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x (..., K) float32 on the CPU as the GEMM reads it: rows of K contiguous floats, any distance apart."""
+    assert x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[-1] == k
+    rows = x.reshape(-1, k)
+    if rows.stride(1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < k):
+        rows = rows.contiguous()
+    return rows
 
 
 def gemm(dtype: torch.dtype, hq: int, hkv: int, d: int) -> Gemm | None:
