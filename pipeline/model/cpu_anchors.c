@@ -19,6 +19,10 @@ enum { NK = 16, KC = 112, LANES = 3 * W, RB = (VREGS - 1 - CB) / CB < 16 ? (VREG
 /* keys a register tile of scores for nv lane vectors (nv x keys accumulators, at most 28 with AVX-512,
  * a third of the registers with AVX2); KC is a multiple of each */
 #define KEYS(nv) (VREGS >= 32 ? ((nv) == 3 ? 8 : (nv) == 2 ? 14 : 16) : ((nv) == 3 ? 4 : (nv) == 2 ? 4 : 14))
+/* lines of keys and values (float32) a step of a tile's scores loop fetches ahead: a tile's keys' lines
+ * and as many of values come in D steps, so one line a step for 8 keys, two for 14 or 16 (a burst at
+ * the tile's start held up its FMAs, as it did the 8-key tile's before: BENCHMARKS.md) */
+#define LINES(nv) ((KEYS(nv) + 7) / 8)
 enum { KA = 128, PACK = 256 }; /* AMX (below): keys per chunk; keys per packing item */
 
 typedef struct {
@@ -42,7 +46,7 @@ static inline __attribute__((always_inline)) void block_scores(const Block *b, c
                                                                int dot, float scale, int real, vf *top,
                                                                const char *pk, int k_lines, const char *pv,
                                                                int v_lines) {
-    const int nk = KEYS(nv);
+    const int nk = KEYS(nv), per = LINES(nv);
     vf acc[3][NK];
 #pragma GCC unroll 16
     for (int j = 0; j < nk; j++)
@@ -50,9 +54,10 @@ static inline __attribute__((always_inline)) void block_scores(const Block *b, c
     if (!dot) {
         const float *kf = k;
         for (int i = 0; i < D; i++) {
-            /* one line of the keys and values to come per step, spread over the tile's FMAs */
-            if (i < k_lines) _mm_prefetch(pk + 64 * i, _MM_HINT_T1);
-            else if (i - k_lines < v_lines) _mm_prefetch(pv + 64 * (i - k_lines), _MM_HINT_T1);
+            /* LINES(nv) lines of the keys and values to come per step, spread over the tile's FMAs */
+            for (int l = per * i; l < per * (i + 1); l++)
+                if (l < k_lines) _mm_prefetch(pk + 64 * l, _MM_HINT_T1);
+                else if (l - k_lines < v_lines) _mm_prefetch(pv + 64 * (l - k_lines), _MM_HINT_T1);
             vf q[3];
             for (int u = 0; u < nv; u++) {
                 q[u] = ld(b->qt, i * LANES + W * u, 0);
@@ -164,7 +169,7 @@ static void block_item(const void *arg, int w, void *scratch) {
             int64_t vb = mine + nk < j1 ? mine + nk : j1;
             const char *pk = keys + ka * D * es, *pv = values + mine * D * es;
             int kl = (int)(((kb - ka) * D * es + 63) / 64), vl = (int)(((vb - mine) * D * es + 63) / 64);
-            if (dot || kl + vl > D) { /* more lines than steps (bfloat16's loop has D / 2; 16 keys a tile): up front */
+            if (dot || kl + vl > LINES(nv) * D) { /* more lines than the steps take (bfloat16's loop has D / 2): up front */
                 prefetch_rows(keys, ka, kb, D * es);
                 prefetch_rows(values, mine, vb, D * es);
                 kl = vl = 0;
