@@ -580,10 +580,16 @@ static inline __attribute__((always_inline)) vf lane_sums(const vf *v) {
 }
 #endif
 
-/* The lines of a float32 row of D elements, element `at` of `buf`, into L1 or L2 (`hint`). */
-#define FETCH_ROW(buf, at, hint)                                                                  \
-    for (int c_ = 0; c_ < D * 4; c_ += 64) _mm_prefetch((const char *)(buf) + (at) * 4 + c_, hint)
-enum { AHEAD = 32 }; /* own keys (float32) a score or a weighted value fetches ahead */
+/* The lines of a row of D elements (bfloat16 or float32), element `at` of `buf`, into L1 or L2
+ * (`hint`); each dtype's loop of a constant trip count. */
+#define FETCH_ROW(buf, at, bf16, hint)                                                                  \
+    do {                                                                                                \
+        if (bf16)                                                                                       \
+            for (int c_ = 0; c_ < D * 2; c_ += 64) _mm_prefetch((const char *)(buf) + (at) * 2 + c_, hint); \
+        else                                                                                            \
+            for (int c_ = 0; c_ < D * 4; c_ += 64) _mm_prefetch((const char *)(buf) + (at) * 4 + c_, hint); \
+    } while (0)
+enum { AHEAD = 32 }; /* own keys a score or a weighted value fetches ahead */
 
 static void own_item(const void *arg, int w, void *scratch) {
     const Decode *job = arg;
@@ -595,31 +601,16 @@ static void own_item(const void *arg, int w, void *scratch) {
             qv[g][c] = ld(job->q, t * job->q_tok + (int64_t)(h * G + g) * job->q_head + W * c, bf16) * job->scale;
     int64_t lo = job->own_len[t], base = (job->slot[t] * job->hkv + h) * job->cap * D;
     /* Each row's own keys and values stream from memory every step, and the hardware prefetchers
-     * stop at every 4 KB page. float32 (a page every 16 keys): each score fetches a key's lines
-     * AHEAD keys on into L1 and its own key's values into L2 (read after every score), and each
-     * weighted value fetches the values AHEAD keys on into L1: past an item's first AHEAD keys every
-     * line is asked for (before, each page's first two lines started the prefetchers: this ran
-     * 1.08-1.12x as fast on rows of 150-300 own keys, BENCHMARKS.md). bfloat16: the next item's keys and values come
-     * into L2 while this one's scores compute, a few lines per key (all at once, they held up this
-     * item's own reads). */
-    int es = bf16 ? 2 : 4, more = bf16 && w + 1 < job->n * job->hkv;
-    int64_t next = more ? job->own_len[(w + 1) / job->hkv] : 0;
-    const char *nk = (const char *)job->own_k, *nv = (const char *)job->own_v;
-    if (more) {
-        int64_t at = (job->slot[(w + 1) / job->hkv] * job->hkv + (w + 1) % job->hkv) * job->cap * D * es;
-        nk += at, nv += at;
-    }
+     * stop at every 4 KB page (16 keys of float32, 32 of bfloat16). So each score fetches the key
+     * AHEAD keys on into L1 and its own key's values into L2 (they are read after every score), and
+     * each weighted value fetches the values AHEAD keys on into L1: past an item's first AHEAD keys
+     * every line is asked for. Before, float32 fetched two lines a page for the prefetchers to
+     * carry on from, and bfloat16 the next item's rows into L2: this ran 1.08-1.12x as fast on rows
+     * of 150-300 own keys in both dtypes (BENCHMARKS.md). */
     for (int64_t j0 = 0; j0 < lo; j0 += W) { /* 16 keys at a time, each query head's products lane-summed at once */
-        int64_t upto = j0 + W < lo && j0 + W < next ? j0 + W : next; /* the last block: the rest */
-        int64_t lines = upto > j0 ? ((upto - j0) * D * es + 63) / 64 : 0; /* (0 without `more`) */
-        const char *pk = nk + j0 * D * es, *pv = nv + j0 * D * es;
         for (int j = 0; j < W; j++) {
-            for (int64_t l = j * lines / W; l < (j + 1) * lines / W; l++)
-                _mm_prefetch(pk + 64 * l, _MM_HINT_T1), _mm_prefetch(pv + 64 * l, _MM_HINT_T1);
-            if (!bf16) {
-                if (j0 + j + AHEAD < lo) FETCH_ROW(job->own_k, base + (j0 + j + AHEAD) * D, _MM_HINT_T0);
-                if (j0 + j < lo) FETCH_ROW(job->own_v, base + (j0 + j) * D, _MM_HINT_T1);
-            }
+            if (j0 + j + AHEAD < lo) FETCH_ROW(job->own_k, base + (j0 + j + AHEAD) * D, bf16, _MM_HINT_T0);
+            if (j0 + j < lo) FETCH_ROW(job->own_v, base + (j0 + j) * D, bf16, _MM_HINT_T1);
             int64_t at = base + (j0 + j < lo ? j0 + j : j0) * D; /* past the end: a real key, masked below */
             vf k[D / W];
             for (int c = 0; c < D / W; c++) k[c] = ld(job->own_k, at + W * c, bf16);
@@ -648,7 +639,7 @@ static void own_item(const void *arg, int w, void *scratch) {
         for (int c = 0; c < D / W; c++) o[g][c] = SPLAT(0.0f);
     }
     for (int64_t j = 0; j < lo; j++) {
-        if (!bf16 && j + AHEAD < lo) FETCH_ROW(job->own_v, base + (j + AHEAD) * D, _MM_HINT_T0);
+        if (j + AHEAD < lo) FETCH_ROW(job->own_v, base + (j + AHEAD) * D, bf16, _MM_HINT_T0);
         vf v[D / W];
         for (int c = 0; c < D / W; c++) v[c] = ld(job->own_v, base + j * D + W * c, bf16);
         for (int g = 0; g < G; g++) {
