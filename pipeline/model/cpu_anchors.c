@@ -170,8 +170,8 @@ static void block_item(const void *arg, int w, void *scratch) {
             const char *pk = keys + ka * D * es, *pv = values + mine * D * es;
             int kl = (int)(((kb - ka) * D * es + 63) / 64), vl = (int)(((vb - mine) * D * es + 63) / 64);
             if (dot || kl + vl > LINES(nv) * D) { /* more lines than the steps take (bfloat16's loop has D / 2): up front */
-                prefetch_rows(keys, ka, kb, D * es);
-                prefetch_rows(values, mine, vb, D * es);
+                prefetch_rows(keys, ka, kb, D * es, 0);
+                prefetch_rows(values, mine, vb, D * es, 0);
                 kl = vl = 0;
             }
             if (n - jb < nk) { /* the slice's last keys: padded, so that every tile has its keys */

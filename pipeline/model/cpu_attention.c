@@ -150,12 +150,14 @@ static inline __attribute__((always_inline)) vf exp_neg(vf x) {
     return scale_pow2(y, n, x);
 }
 
-/* Rows [from, to) of `row` bytes each into L2, ahead of their use: an anchor or a row's own keys
- * stream from memory once per step, and the hardware prefetchers stop at each 4 KB page, so a
- * kernel that reads them only as it needs them waits on memory (BENCHMARKS.md). */
+/* Rows [from, to) of `row` bytes each into L2 (or L1: `near`), ahead of their use: an anchor or a
+ * row's own keys stream from memory once per step, and the hardware prefetchers stop at each 4 KB
+ * page, so a kernel that reads them only as it needs them waits on memory (BENCHMARKS.md). */
 static inline __attribute__((always_inline)) void prefetch_rows(const char *base, int64_t from, int64_t to,
-                                                                int64_t row) {
-    for (int64_t i = from * row; i < to * row; i += 64) _mm_prefetch(base + i, _MM_HINT_T1);
+                                                                int64_t row, int near) {
+    for (int64_t i = from * row; i < to * row; i += 64)
+        if (near) _mm_prefetch(base + i, _MM_HINT_T0);
+        else _mm_prefetch(base + i, _MM_HINT_T1);
 }
 
 /* One parallel pass: `item` over work items 0..items-1, shared out as threads come for them; each
@@ -580,15 +582,6 @@ static inline __attribute__((always_inline)) vf lane_sums(const vf *v) {
 }
 #endif
 
-/* The lines of a row of D elements (bfloat16 or float32), element `at` of `buf`, into L1 or L2
- * (`hint`); each dtype's loop of a constant trip count. */
-#define FETCH_ROW(buf, at, bf16, hint)                                                                  \
-    do {                                                                                                \
-        if (bf16)                                                                                       \
-            for (int c_ = 0; c_ < D * 2; c_ += 64) _mm_prefetch((const char *)(buf) + (at) * 2 + c_, hint); \
-        else                                                                                            \
-            for (int c_ = 0; c_ < D * 4; c_ += 64) _mm_prefetch((const char *)(buf) + (at) * 4 + c_, hint); \
-    } while (0)
 enum { AHEAD = 32 }; /* own keys a score or a weighted value fetches ahead */
 
 static void own_item(const void *arg, int w, void *scratch) {
@@ -599,7 +592,9 @@ static void own_item(const void *arg, int w, void *scratch) {
     for (int g = 0; g < G; g++)
         for (int c = 0; c < D / W; c++)
             qv[g][c] = ld(job->q, t * job->q_tok + (int64_t)(h * G + g) * job->q_head + W * c, bf16) * job->scale;
-    int64_t lo = job->own_len[t], base = (job->slot[t] * job->hkv + h) * job->cap * D;
+    int64_t lo = job->own_len[t], r0 = (job->slot[t] * job->hkv + h) * job->cap, base = r0 * D; /* its key 0 */
+    const char *keys = job->own_k, *values = job->own_v;
+    const int64_t row = D * (bf16 ? 2 : 4); /* bytes of a key */
     /* Each row's own keys and values stream from memory every step, and the hardware prefetchers
      * stop at every 4 KB page (16 keys of float32, 32 of bfloat16). So each score fetches the key
      * AHEAD keys on into L1 and its own key's values into L2 (they are read after every score), and
@@ -609,8 +604,8 @@ static void own_item(const void *arg, int w, void *scratch) {
      * of 150-300 own keys in both dtypes (BENCHMARKS.md). */
     for (int64_t j0 = 0; j0 < lo; j0 += W) { /* 16 keys at a time, each query head's products lane-summed at once */
         for (int j = 0; j < W; j++) {
-            if (j0 + j + AHEAD < lo) FETCH_ROW(job->own_k, base + (j0 + j + AHEAD) * D, bf16, _MM_HINT_T0);
-            if (j0 + j < lo) FETCH_ROW(job->own_v, base + (j0 + j) * D, bf16, _MM_HINT_T1);
+            if (j0 + j + AHEAD < lo) prefetch_rows(keys, r0 + j0 + j + AHEAD, r0 + j0 + j + AHEAD + 1, row, 1);
+            if (j0 + j < lo) prefetch_rows(values, r0 + j0 + j, r0 + j0 + j + 1, row, 0);
             int64_t at = base + (j0 + j < lo ? j0 + j : j0) * D; /* past the end: a real key, masked below */
             vf k[D / W];
             for (int c = 0; c < D / W; c++) k[c] = ld(job->own_k, at + W * c, bf16);
@@ -639,7 +634,7 @@ static void own_item(const void *arg, int w, void *scratch) {
         for (int c = 0; c < D / W; c++) o[g][c] = SPLAT(0.0f);
     }
     for (int64_t j = 0; j < lo; j++) {
-        if (j + AHEAD < lo) FETCH_ROW(job->own_v, base + (j + AHEAD) * D, bf16, _MM_HINT_T0);
+        if (j + AHEAD < lo) prefetch_rows(values, r0 + j + AHEAD, r0 + j + AHEAD + 1, row, 1);
         vf v[D / W];
         for (int c = 0; c < D / W; c++) v[c] = ld(job->own_v, base + j * D + W * c, bf16);
         for (int g = 0; g < G; g++) {
