@@ -33,26 +33,37 @@ static void amx_prefill_keys(AmxPrefill *b, const uint16_t *keys, const uint16_t
         int n = len - c0 < KA ? (int)(len - c0) : KA, pairs = (n + 31) / 32;
         amx_scores(keys + c0 * D, n, b->qt, nv, b->s, b->k);
         for (int u = 0; u < nv; u++) { /* the chunk's softmax, 16 rows a vector; earlier chunks rescaled */
-            float *s = b->s + W * u, first = b->pos[u][0];
-            vf top = b->m[u];
-            for (int j = 0; j < n; j++) {
-                vf x = ld(s, j * AL, 0) * scale;
-                if (causal && c0 + j > first)
-                    x = (vf)_mm512_mask_blend_ps(_mm512_cmp_ps_mask((__m512)SPLAT((float)(c0 + j)), (__m512)b->pos[u],
-                                                                    _CMP_GT_OQ),
-                                                 (__m512)x, _mm512_set1_ps(-1e30f));
-                st(s + j * AL, x);
-                top = (vf)_mm512_max_ps((__m512)top, (__m512)x);
+            const float *s = b->s + W * u;
+            float first = b->pos[u][0];
+            /* the maximum of the unscaled scores a row sees, then scaled: rounding is monotone, so
+             * that is the maximum of the scaled scores, with no pass that writes them */
+            /* (four running maxima: one chain waits on each max's latency; the maximum is exact in
+             * any order) */
+            __m512 m0 = _mm512_set1_ps(-__builtin_inff()), m1 = m0, m2 = m0, m3 = m0;
+#define SEEN(j) (causal && c0 + (j) > first \
+                     ? _mm512_cmp_ps_mask((__m512)b->pos[u], _mm512_set1_ps((float)(c0 + (j))), _CMP_GE_OQ) : 0xffff)
+            int j = 0;
+            for (; j + 4 <= n; j += 4) {
+                m0 = _mm512_mask_max_ps(m0, SEEN(j), m0, (__m512)ld(s, j * AL, 0));
+                m1 = _mm512_mask_max_ps(m1, SEEN(j + 1), m1, (__m512)ld(s, (j + 1) * AL, 0));
+                m2 = _mm512_mask_max_ps(m2, SEEN(j + 2), m2, (__m512)ld(s, (j + 2) * AL, 0));
+                m3 = _mm512_mask_max_ps(m3, SEEN(j + 3), m3, (__m512)ld(s, (j + 3) * AL, 0));
             }
+            for (; j < n; j++) m0 = _mm512_mask_max_ps(m0, SEEN(j), m0, (__m512)ld(s, j * AL, 0));
+            __m512 most = _mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3));
+            vf top = (vf)_mm512_max_ps((__m512)b->m[u], (__m512)((vf)most * scale));
             vf rescale = exp_neg(b->m[u] - top), sum = b->sum[u] * rescale;
-            for (int j = 0; j < 32 * pairs; j += 2) {
-                vf e0 = j < n ? exp_neg(ld(s, j * AL, 0) - top) : SPLAT(0.0f);
-                vf e1 = j + 1 < n ? exp_neg(ld(s, (j + 1) * AL, 0) - top) : SPLAT(0.0f);
+            for (j = 0; j < 32 * pairs; j += 2) { /* a key a row does not see weighs 0 */
+                __mmask16 see0 = j >= n ? 0 : SEEN(j), see1 = j + 1 >= n ? 0 : SEEN(j + 1);
+                vf e0 = see0 ? (vf)_mm512_maskz_mov_ps(see0, (__m512)exp_neg(ld(s, j * AL, 0) * scale - top)) : SPLAT(0.0f);
+                vf e1 = see1 ? (vf)_mm512_maskz_mov_ps(see1, (__m512)exp_neg(ld(s, (j + 1) * AL, 0) * scale - top))
+                             : SPLAT(0.0f);
                 sum += e0 + e1;
                 /* row l's pair (weight of key j, of key j + 1), rounded to bfloat16 */
                 _mm512_storeu_si512(PT(u, 0) + j * W,
                                     _mm512_permutexvar_epi16(ilv, (__m512i)_mm512_cvtne2ps_pbh((__m512)e1, (__m512)e0)));
             }
+#undef SEEN
             b->m[u] = top, b->sum[u] = sum;
             if (_mm512_cmp_ps_mask((__m512)rescale, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ))
                 for (int i = 0; i < D; i++) st(b->ot + i * AL + W * u, ld(b->ot, i * AL + W * u, 0) * rescale);
@@ -107,9 +118,14 @@ static void amx_prefill_item(const void *arg, int w, void *scratch) {
     amx_prefill_keys(b, own, p->packed + p->own_at[seg] + h * lo * D, lo, (int64_t)pos[W * nv - 1] + 1, 1, nv,
                      job->scale);
     _tile_release();
-    for (int l = 0; l < real; l++) {
-        float *dst = job->out + (tok[l] * job->hq + head[l]) * D, inv = 1.0f / b->sum[l / W][l % W];
-        for (int i = 0; i < D; i++) dst[i] = b->ot[i * AL + l] * inv;
+    for (int u = 0; u < nv; u++) { /* outputs^T over the sums, then 16 x 16 blocks turned into rows */
+        __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), (__m512)b->sum[u]), r[16];
+        for (int i0 = 0; i0 < D; i0 += W) {
+            for (int i = 0; i < W; i++) r[i] = _mm512_mul_ps((__m512)ld(b->ot, (i0 + i) * AL + W * u, 0), inv);
+            transpose16(r);
+            for (int l = W * u; l < W * u + W && l < real; l++)
+                _mm512_storeu_ps(job->out + (tok[l] * job->hq + head[l]) * D + i0, r[l - W * u]);
+        }
     }
 }
 

@@ -297,14 +297,20 @@ typedef struct {
 } Amx;
 
 
-/* Queries^T for the tiles (`QT` layout: [rows / 16][D/2][16][2], pairs of elements) of `lanes` rows,
- * row l being query head head[l] of token tok[l] of q (bfloat16, strides in elements, even). */
+/* Queries^T for the tiles (`QT` layout: [rows / 16][D/2][16][2], pairs of elements) of `lanes` rows
+ * (a multiple of 16), row l being query head head[l] of token tok[l] of q (bfloat16, strides in
+ * elements, even): 16 rows' pairs at a time, transposed in registers (`transpose16`). */
 static void amx_queries(uint16_t *qt, const void *q, int64_t q_tok, int64_t q_head, const int64_t *tok,
                         const int64_t *head, int lanes) {
     const int32_t *q32 = q;
-    for (int l = 0; l < lanes; l++) /* qt[rg][pair][row in rg] = (q[2 pair], q[2 pair + 1]) */
-        for (int p = 0; p < D / 2; p++)
-            ((int32_t *)qt)[((l / W) * (D / 2) + p) * W + l % W] = q32[(tok[l] * q_tok + head[l] * q_head) / 2 + p];
+    for (int l0 = 0; l0 < lanes; l0 += W) /* qt[rg][pair][row in rg] = (q[2 pair], q[2 pair + 1]) */
+        for (int p0 = 0; p0 < D / 2; p0 += W) {
+            __m512 r[16];
+            for (int l = 0; l < W; l++)
+                r[l] = _mm512_loadu_ps((const float *)q32 + (tok[l0 + l] * q_tok + head[l0 + l] * q_head) / 2 + p0);
+            transpose16(r);
+            for (int p = 0; p < W; p++) _mm512_storeu_ps((float *)qt + ((l0 / W) * (D / 2) + p0 + p) * W, r[p]);
+        }
 }
 
 /* Eight tiles of 16 rows of 64 bytes: the four sums, two A and two B tiles of the products below. */
