@@ -420,10 +420,17 @@ static void amx_item(const void *arg, int w, void *scratch) {
         for (int u = 0; u < nv; u++) { /* the chunk's softmax, 16 rows a vector; earlier chunks rescaled */
             const float *s = b->s + W * u;
             vf top = b->m[u] * (1.0f / job->scale); /* the maximum unscaled (scale > 0) */
-            for (int j = 0; j < n; j++) top = (vf)_mm512_max_ps((__m512)top, (__m512)ld(s, j * AL, 0));
+            __m512 m0 = (__m512)top, m1 = m0, m2 = m0, m3 = m0; /* four chains: the maximum is exact in any order */
+            int j = 0;
+            for (; j + 4 <= n; j += 4) {
+                m0 = _mm512_max_ps(m0, (__m512)ld(s, j * AL, 0)), m1 = _mm512_max_ps(m1, (__m512)ld(s, (j + 1) * AL, 0));
+                m2 = _mm512_max_ps(m2, (__m512)ld(s, (j + 2) * AL, 0)), m3 = _mm512_max_ps(m3, (__m512)ld(s, (j + 3) * AL, 0));
+            }
+            for (; j < n; j++) m0 = _mm512_max_ps(m0, (__m512)ld(s, j * AL, 0));
+            top = (vf)_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3));
             top *= job->scale;
             vf rescale = exp_neg(b->m[u] - top), sum = b->sum[u] * rescale;
-            for (int j = 0; j < 32 * pairs; j += 2) {
+            for (j = 0; j < 32 * pairs; j += 2) {
                 vf e0 = j < n ? exp_neg(ld(s, j * AL, 0) * job->scale - top) : SPLAT(0.0f);
                 vf e1 = j + 1 < n ? exp_neg(ld(s, (j + 1) * AL, 0) * job->scale - top) : SPLAT(0.0f);
                 sum += e0 + e1;
