@@ -52,7 +52,7 @@ enum { W = 16 }; /* floats per vector; keys per prefill tile */
  * GFLOP/s) */
 enum { W = 8 };
 #endif
-/* prefill_attention's kernels (native.PREFILL): float32 on the 32-lane tile (bfloat16 widened onto the
+/* prefill_attention's kernels (native.PREFILL): float32 on the wide tile (bfloat16 widened onto the
  * 16-lane one), AVX-512 BF16 dot products, AMX tiles, and the 16-lane tile for either (the reference);
  * with AVX2 the tiles have half the lanes */
 enum { PREFILL_WIDEN = 0, PREFILL_DOTS = 1, PREFILL_AMX = 2, PREFILL_TILE16 = 3 };
@@ -352,7 +352,7 @@ static inline __attribute__((always_inline)) void tile_values(float *ot, const v
 
 /* The tile's lanes against keys/values [0, len) of one head; `causal`: lane l sees keys <= pos[l].
  * NB blocks' scores, then their softmax as one group, then their values (the group's rescale with
- * the first block's; x * 1 is x after it: the 32-lane tile's bits). */
+ * the first block's; x * 1 is x after it: the wide tile's bits). */
 static void tile_keys(Tile *t, const char *keys, const char *values, int64_t len, int causal, int bf16) {
     float first = t->pos[0];
     for (int64_t j0 = 0; j0 < len; j0 += NB * W) {
@@ -381,88 +381,110 @@ static void tile_keys(Tile *t, const char *keys, const char *values, int64_t len
 }
 
 /* ---------------------------------------------------------------------------------------------
- * The float32 prefill tile: 32 query rows (two vectors of lanes) against the same blocks of 16
- * keys. Each key element broadcast (scores) and each value element broadcast (weighted values)
- * feeds two FMAs, one per half: 10 loads per 16 FMAs where the 16-lane tile has 17, which bound it
- * on a core with two 512-bit FMA ports (BENCHMARKS.md). Each half is the 16-lane tile's lanes with
- * the tile's every operation in its order (scores a chain over the dimensions, the softmax folded
- * per block of 16 keys, the values scaled then summed key by key), so its outputs are the same
- * bits as two 16-lane tiles'; the multiply-adds are written out so that no contraction differs. */
-enum { PW = 2 * W, KH = VREGS >= 32 ? 8 : 4 }; /* lanes of the tile; keys (scores) and dimensions (values) per register block */
+ * The float32 prefill tile, wide: NH vectors of 16 query rows (48 lanes with AVX-512's 32
+ * registers, 32 with AVX2's 16) against the same blocks of 16 keys. Each key element broadcast
+ * (scores) and each value element broadcast (weighted values) feeds NH FMAs, one per vector of
+ * lanes: 9 loads per 24 FMAs where two vectors have 10 per 16 and the 16-lane tile 17 per 16, and
+ * loads bound the tile on a core with two 512-bit FMA ports (BENCHMARKS.md). A segment's last rows
+ * take the narrowest tile that holds them (`wide_lanes`: 2 vectors, or the 16-lane tile for one),
+ * so few lanes are wasted on rows past its end. Each vector is the 16-lane tile's lanes with the
+ * tile's every operation in its order (scores a chain over the dimensions, the softmax folded per
+ * block of 16 keys, the values scaled then summed key by key), so its outputs are the same bits as
+ * 16-lane tiles'; the multiply-adds are written out so that no contraction differs. The functions
+ * take the vectors in use, `nh` (2 or NH), as a constant: each is inlined into `wide_pass_2` and
+ * `wide_pass_3`, whose loops then have fixed trips. */
+#if defined(__AVX512F__)
+#define NH 3
+#else
+#define NH 2
+#endif
+enum { PW = NH * W, KH = VREGS >= 32 ? 8 : 4 }; /* lanes of the widest tile; keys (scores) and dimensions (values) per register block */
 typedef struct {
-    float qt[D * PW]; /* [D][32] queries, scaled: half h in lanes 16h..16h+15 */
-    float ot[D * PW]; /* [D][32] weighted values, not yet divided by sum */
-    vf m[2], sum[2], pos[2]; /* per half, as in Tile */
-} Tile32;
+    float qt[D * PW]; /* [D][nh W] queries, scaled: vector h in lanes 16h..16h+15 */
+    float ot[D * PW]; /* [D][nh W] weighted values, not yet divided by sum */
+    vf m[NH], sum[NH], pos[NH]; /* per vector, as in Tile */
+} WideTile;
 
-static void tile32_start(Tile32 *t, const float *q, int64_t q_tok, int64_t q_head, const int64_t *tok,
-                         const int64_t *head, const float *pos, float scale) {
-    tile_queries(t->qt, PW, q, q_tok, q_head, tok, head, scale, 0);
-    for (int h = 0; h < 2; h++) {
+/* Lanes of the tile for a segment's rows from here on (`left` of them): all NH vectors while the
+ * rows fill them, else the fewest vectors that hold them (W: the 16-lane tile). */
+static int wide_lanes(int64_t left) { return left >= PW ? PW : (int)((left + W - 1) / W) * W; }
+
+static inline __attribute__((always_inline)) void wide_start(WideTile *t, int nh, const float *q, int64_t q_tok,
+                                                             int64_t q_head, const int64_t *tok, const int64_t *head,
+                                                             const float *pos, float scale) {
+    tile_queries(t->qt, nh * W, q, q_tok, q_head, tok, head, scale, 0);
+    for (int h = 0; h < nh; h++) {
         memcpy(&t->pos[h], pos + W * h, sizeof(vf));
         t->m[h] = SPLAT(-1e30f), t->sum[h] = SPLAT(0.0f);
     }
-    memset(t->ot, 0, sizeof t->ot);
+    memset(t->ot, 0, sizeof(float) * D * nh * W);
 }
 
-/* Both halves' scores s[h][j] of a block's n keys, 8 keys at a time (16 accumulators); keys j >= n
- * repeat key 0, masked later (n = W a constant for whole blocks). Prefetches into L1 meanwhile, one
- * line a step: kl lines at pk in the first 8 keys' loop, vl at pv in the second (each at most D). */
-static inline __attribute__((always_inline)) void tile32_scores(vf s[2][W], const float *qt, const float *k, int n,
-                                                                 const char *pk, int kl, const char *pv, int vl) {
+/* Every vector's scores s[h][j] of a block's n keys, KH keys at a time (nh KH accumulators); keys
+ * j >= n repeat key 0, masked later (n = W a constant for whole blocks). Prefetches into L1
+ * meanwhile, one line a step: kl lines at pk in the first KH keys' loop, vl at pv in the second
+ * (each at most D). */
+static inline __attribute__((always_inline)) void wide_scores(vf s[NH][W], int nh, const float *qt, const float *k,
+                                                              int n, const char *pk, int kl, const char *pv, int vl) {
     for (int j0 = 0; j0 < W; j0 += KH) {
-        vf a0[KH], a1[KH];
-        for (int j = 0; j < KH; j++) a0[j] = a1[j] = SPLAT(0.0f);
+        vf a[NH][KH];
+        for (int h = 0; h < nh; h++)
+            for (int j = 0; j < KH; j++) a[h][j] = SPLAT(0.0f);
         for (int i = 0; i < D; i++) {
             if (j0 == 0 && i < kl) _mm_prefetch(pk + 64 * i, _MM_HINT_T0);
             if (j0 == KH && i < vl) _mm_prefetch(pv + 64 * i, _MM_HINT_T0);
-            vf q0 = ld(qt, i * PW, 0), q1 = ld(qt, i * PW + W, 0);
-            IN_REG(q0);
-            IN_REG(q1);
+            vf q[NH];
+            for (int h = 0; h < nh; h++) {
+                q[h] = ld(qt, i * nh * W + W * h, 0);
+                IN_REG(q[h]);
+            }
             for (int j = 0; j < KH; j++) {
                 vf kj = SPLAT(k[(j0 + j < n ? j0 + j : 0) * D + i]);
-                a0[j] = fma16(q0, kj, a0[j]), a1[j] = fma16(q1, kj, a1[j]);
+                for (int h = 0; h < nh; h++) a[h][j] = fma16(q[h], kj, a[h][j]);
             }
         }
-        for (int j = 0; j < KH; j++) s[0][j0 + j] = a0[j], s[1][j0 + j] = a1[j];
+        for (int h = 0; h < nh; h++)
+            for (int j = 0; j < KH; j++) s[h][j0 + j] = a[h][j];
     }
 }
 
-/* ot = ot * rescale (per half) + the values^T x weights of nb blocks of n[b] keys (values v: the
- * blocks' rows one after another), 8 dimensions at a time, ot read and written once a group: the
+/* ot = ot * r[h] (per vector) + the values^T x weights of nb blocks of n[b] keys (values v: the
+ * blocks' rows one after another), KH dimensions at a time, ot read and written once a group: the
  * 16-lane tile's multiply-adds in its order (the same bits). */
-static inline __attribute__((always_inline)) void tile32_values(float *ot, vf s[][2][W], const float *v,
-                                                                 const int *n, int nb, vf r0, vf r1) {
+static inline __attribute__((always_inline)) void wide_values(float *ot, int nh, vf s[][NH][W], const float *v,
+                                                              const int *n, int nb, const vf *r) {
     for (int c = 0; c < D / KH; c++) {
-        vf o0[KH], o1[KH];
-        for (int i = 0; i < KH; i++) {
-            o0[i] = ld(ot, (KH * c + i) * PW, 0) * r0;
-            o1[i] = ld(ot, (KH * c + i) * PW + W, 0) * r1;
-        }
+        vf o[NH][KH];
+        for (int h = 0; h < nh; h++)
+            for (int i = 0; i < KH; i++) o[h][i] = ld(ot, (KH * c + i) * nh * W + W * h, 0) * r[h];
         for (int b = 0; b < nb; b++) {
             const float *vb = v + b * W * D;
             for (int j = 0; j < n[b]; j++) {
-                vf s0 = s[b][0][j], s1 = s[b][1][j];
-                IN_REG(s0);
-                IN_REG(s1);
+                vf sj[NH];
+                for (int h = 0; h < nh; h++) {
+                    sj[h] = s[b][h][j];
+                    IN_REG(sj[h]);
+                }
                 for (int i = 0; i < KH; i++) {
                     vf vj = SPLAT(vb[j * D + KH * c + i]);
-                    o0[i] = fma16(s0, vj, o0[i]), o1[i] = fma16(s1, vj, o1[i]);
+                    for (int h = 0; h < nh; h++) o[h][i] = fma16(sj[h], vj, o[h][i]);
                 }
             }
         }
-        for (int i = 0; i < KH; i++) st(ot + (KH * c + i) * PW, o0[i]), st(ot + (KH * c + i) * PW + W, o1[i]);
+        for (int h = 0; h < nh; h++)
+            for (int i = 0; i < KH; i++) st(ot + (KH * c + i) * nh * W + W * h, o[h][i]);
     }
 }
 
-/* As tile_keys, for both halves: keys [0, len) of one float32 head; `causal`: lane l sees keys <=
- * pos[l] (a half past its own last position meets keys that give it no weight, and leaves it as it was).
- * While a block's scores run, the lines of the next group's block of keys and of this block's
- * values come into L1, a line per step of the scores' loop (the rows are whole lines: D % 16 == 0). */
-static void tile32_keys(Tile32 *t, const float *keys, const float *values, int64_t len, int causal) {
-    float first0 = t->pos[0][0], first1 = t->pos[1][0];
+/* As tile_keys, for every vector: keys [0, len) of one float32 head; `causal`: lane l sees keys <=
+ * pos[l] (a vector past its own last position meets keys that give it no weight, and leaves it as
+ * it was). While a block's scores run, the lines of the next group's block of keys and of this
+ * block's values come into L1, a line per step of the scores' loop (the rows are whole lines: D %
+ * 16 == 0). */
+static inline __attribute__((always_inline)) void wide_keys(WideTile *t, int nh, const float *keys,
+                                                            const float *values, int64_t len, int causal) {
     for (int64_t j0 = 0; j0 < len; j0 += NB * W) {
-        vf s[NB][2][W];
+        vf s[NB][NH][W], r[NH];
         int n[NB], nb = 0;
         for (; nb < NB && j0 + nb * W < len; nb++) {
             int64_t jb = j0 + nb * W, ka = jb + NB * W < len ? jb + NB * W : len;
@@ -470,15 +492,33 @@ static void tile32_keys(Tile32 *t, const float *keys, const float *values, int64
             int kl = (int)((ka + W < len ? W : len - ka) * D / 16), vl = n[nb] * D / 16;
             const char *pk = (const char *)(keys + ka * D), *pv = (const char *)(values + jb * D);
             if (n[nb] == W) /* a whole block: n a constant, no key index to clamp */
-                tile32_scores(s[nb], t->qt, keys + jb * D, W, pk, kl, pv, vl);
+                wide_scores(s[nb], nh, t->qt, keys + jb * D, W, pk, kl, pv, vl);
             else
-                tile32_scores(s[nb], t->qt, keys + jb * D, n[nb], pk, kl, pv, vl);
+                wide_scores(s[nb], nh, t->qt, keys + jb * D, n[nb], pk, kl, pv, vl);
         }
-        vf r0 = fold_group(s[0][0], 2 * W, n, nb, causal, j0, first0, t->pos[0], &t->m[0], &t->sum[0]);
-        vf r1 = fold_group(s[0][1], 2 * W, n, nb, causal, j0, first1, t->pos[1], &t->m[1], &t->sum[1]);
-        tile32_values(t->ot, s, values + j0 * D, n, nb, r0, r1);
+        for (int h = 0; h < nh; h++)
+            r[h] = fold_group(s[0][h], NH * W, n, nb, causal, j0, t->pos[h][0], t->pos[h], &t->m[h], &t->sum[h]);
+        wide_values(t->ot, nh, s, values + j0 * D, n, nb, r);
     }
 }
+
+/* One item's lanes against its anchor's keys, then its own (nh vectors). */
+static inline __attribute__((always_inline)) void wide_pass(WideTile *t, int nh, const float *anchor_k,
+                                                            const float *anchor_v, int64_t la, const float *own_k,
+                                                            const float *own_v, int64_t own_len) {
+    if (la) wide_keys(t, nh, anchor_k, anchor_v, la, 0);
+    wide_keys(t, nh, own_k, own_v, own_len, 1);
+}
+static void wide_pass_2(WideTile *t, const float *ak, const float *av, int64_t la, const float *mk, const float *mv,
+                        int64_t len) {
+    wide_pass(t, 2, ak, av, la, mk, mv, len);
+}
+#if NH == 3
+static void wide_pass_3(WideTile *t, const float *ak, const float *av, int64_t la, const float *mk, const float *mv,
+                        int64_t len) {
+    wide_pass(t, 3, ak, av, la, mk, mv, len);
+}
+#endif
 
 /* ---------------------------------------------------------------------------------------------
  * Decode, two phases. A: the rows reading one anchor against its keys, the anchor read once per
@@ -762,20 +802,32 @@ static void prefill_item(const void *arg, int w, void *scratch) {
     tile_out(job->out, job->hq, tok, head, t->ot, W, &t->sum, p.rows - p.r0);
 }
 
-/* As prefill_item, float32 only, with 32 lanes (r0..r0+31) on the tile of two halves. */
-static void prefill32_item(const void *arg, int w, void *scratch) {
+/* As prefill_item, float32 only, with `wide_lanes` lanes from r0 on: NH or 2 vectors on the wide
+ * tile, or one on the 16-lane tile (`prefill_item`). */
+static void prefill_wide_item(const void *arg, int w, void *scratch) {
     const Prefill *job = arg;
-    Tile32 *t = scratch;
+    int64_t seg = job->items[3 * w], r0 = job->items[3 * w + 2];
+    int lanes = wide_lanes((job->t1[seg] - job->t0[seg]) * G - r0), nh = lanes / W;
+    if (nh == 1) {
+        prefill_item(arg, w, scratch);
+        return;
+    }
+    WideTile *t = scratch;
     int64_t tok[PW], head[PW];
     float pos[PW];
-    PrefillLanes p = prefill_lanes(job, w, PW, tok, head, pos);
-    const float *ak = (const float *)job->anc_k[p.seg], *av = (const float *)job->anc_v[p.seg];
-    tile32_start(t, job->q, job->q_tok, job->q_head, tok, head, pos, job->scale);
-    if (p.la)
-        tile32_keys(t, ak + p.h * p.la * D, av + p.h * p.la * D, p.la, 0);
-    tile32_keys(t, (const float *)((const char *)job->own_k[p.seg] + p.own),
-                (const float *)((const char *)job->own_v[p.seg] + p.own), (int64_t)pos[PW - 1] + 1, 1);
-    tile_out(job->out, job->hq, tok, head, t->ot, PW, t->sum, p.rows - p.r0);
+    PrefillLanes p = prefill_lanes(job, w, lanes, tok, head, pos);
+    const float *ak = p.la ? (const float *)job->anc_k[p.seg] + p.h * p.la * D : NULL;
+    const float *av = p.la ? (const float *)job->anc_v[p.seg] + p.h * p.la * D : NULL;
+    const float *mk = (const float *)((const char *)job->own_k[p.seg] + p.own);
+    const float *mv = (const float *)((const char *)job->own_v[p.seg] + p.own);
+    wide_start(t, nh, job->q, job->q_tok, job->q_head, tok, head, pos, job->scale);
+#if NH == 3
+    if (nh == 3)
+        wide_pass_3(t, ak, av, p.la, mk, mv, (int64_t)pos[lanes - 1] + 1);
+    else
+#endif
+        wide_pass_2(t, ak, av, p.la, mk, mv, (int64_t)pos[lanes - 1] + 1);
+    tile_out(job->out, job->hq, tok, head, t->ot, lanes, t->sum, p.rows - p.r0);
 }
 
 /* Slices of the anchors' keys for phase A: more items than `items` when they would leave threads
@@ -917,19 +969,24 @@ int batchgen_prefill_attention(int nseg, int hq, int hkv, int d, int bf16, const
 #if defined(BATCHGEN_SIMD)
     int amx = kernel == PREFILL_AMX;
     if (amx && !(bf16 && batchgen_amx())) return 1; /* asked for tiles this CPU or build does not have */
-    int wide = !bf16 && kernel == PREFILL_WIDEN; /* float32 on the 32-lane tile */
+    int wide = !bf16 && kernel == PREFILL_WIDEN; /* float32 on the wide tile */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-    int lanes = amx ? AL : wide ? PW : W, items = 0;
+    int lanes = amx ? AL : W, items = 0;
 #else
-    int lanes = wide ? PW : W, items = 0; /* (amx was refused above: no tiles in this build) */
+    int lanes = W, items = 0; /* (amx was refused above: no tiles in this build) */
 #endif
-    for (int s = 0; s < nseg; s++) items += hkv * (int)((G * (t1[s] - t0[s]) + lanes - 1) / lanes);
+    /* each segment's rows in items of `lanes` (the wide tile: `wide_lanes` of the rows left) */
+#define STEP(left) (wide ? wide_lanes(left) : lanes)
+    for (int s = 0; s < nseg; s++)
+        for (int64_t r = 0, rows = G * (t1[s] - t0[s]); r < rows; r += STEP(rows - r)) items += hkv;
     int64_t *list = malloc(sizeof(int64_t) * 3 * (size_t)(items ? items : 1));
     if (!list) return 1;
     int k = 0;
     for (int s = 0; s < nseg; s++)
         for (int h = 0; h < hkv; h++)
-            for (int64_t r = 0; r < G * (t1[s] - t0[s]); r += lanes, k++) list[3 * k] = s, list[3 * k + 1] = h, list[3 * k + 2] = r;
+            for (int64_t r = 0, rows = G * (t1[s] - t0[s]); r < rows; r += STEP(rows - r), k++)
+                list[3 * k] = s, list[3 * k + 1] = h, list[3 * k + 2] = r;
+#undef STEP
     Prefill job = {hq, hkv, bf16, q, q_tok, q_head, t0, t1, own_k, own_v, own_cap, own_index,
                    offset, anc_k, anc_v, anc_len, scale, out, list, kernel};
     int failed;
@@ -938,7 +995,8 @@ int batchgen_prefill_attention(int nseg, int hq, int hkv, int d, int bf16, const
         failed = amx_prefill(&job, nseg, items, threads);
     else
 #endif
-        failed = wide ? run(prefill32_item, &job, items, sizeof(Tile32), threads)
+        failed = wide ? run(prefill_wide_item, &job, items, sizeof(WideTile) > sizeof(Tile) ? sizeof(WideTile) : sizeof(Tile),
+                            threads)
                       : run(prefill_item, &job, items, sizeof(Tile), threads);
     free(list);
     return failed;

@@ -31,8 +31,8 @@ from pipeline.model.native_build import (FLAGS, INCLUDED, MAX_FOLD, MAX_HEAD, SO
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 ANCHORS = {"tiles": 0, "matmul": 1, "matmul-avx512": 2}  # decode_attention's kernels for the anchors
-# prefill_attention's kernels: "widen" is float32's 32-lane tile (bfloat16 widened onto the 16-lane one),
-# "dots" and "amx" bfloat16's, "tile16" the 16-lane tile for either (the reference the 32-lane one matches bit for bit)
+# prefill_attention's kernels: "widen" is float32's wide tile (bfloat16 widened onto the 16-lane one),
+# "dots" and "amx" bfloat16's, "tile16" the 16-lane tile for either (the reference the wide one matches bit for bit)
 PREFILL = {"widen": 0, "dots": 1, "amx": 2, "tile16": 3}
 
 
@@ -126,8 +126,8 @@ def prefill_attention(q: torch.Tensor, hkv: int, t0: torch.Tensor, t1: torch.Ten
     buffer (data pointers own_k/own_v of contiguous [rows, Hkv, own_cap[s], D]), already written.
     Each token reads its anchor (as in `decode_attention`) and then its own keys up to its own
     index. Writes the segments' rows of out (T, Hq, D) float32. False if the kernel could not run
-    (also: `kernel` "amx" where `amx` says no). float32 runs on the 32-lane tile, or on the 16-lane
-    one with `kernel` "tile16" (the same bits). bfloat16 runs on `kernel` (`PREFILL`, default
+    (also: `kernel` "amx" where `amx` says no). float32 runs on the wide tile (48 lanes with
+    AVX-512), or on the 16-lane one with `kernel` "tile16" (the same bits). bfloat16 runs on `kernel` (`PREFILL`, default
     `prefill_kernel`'s): on AMX tiles or AVX-512 BF16 dot products, the weights rounded to bfloat16 as
     PyTorch's kernels round them, or widened to float32 on the 16-lane tile ("widen", "tile16")."""
     hq, d = q.shape[1], q.shape[2]

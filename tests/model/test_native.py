@@ -191,7 +191,7 @@ def test_prefill_kernel_equals_reference(hq, hkv, d, dtype, kernel, uniform):
     after tokens copied from its parent, a second segment under the long anchor; causal by own index, the
     rows' keys already stored. `kernel`: bfloat16 on AVX-512 BF16 dot products (where this CPU has them,
     else widened), on AMX tiles (refused where `native.amx` says no), or widened to float32; float32
-    on its 32-lane tile ("widen") or the 16-lane one ("tile16").
+    on its wide tile ("widen") or the 16-lane one ("tile16").
     `uniform`: zero queries and values of whole numbers, so every weight is exactly 1 (in bfloat16
     too) and each output the exact mean of the values it reads: a key read twice or missed shows."""
     g = torch.Generator().manual_seed(2)
@@ -236,15 +236,16 @@ def test_prefill_kernel_equals_reference(hq, hkv, d, dtype, kernel, uniform):
 @pytest.mark.usefixtures("build")
 @needs_kernel
 @pytest.mark.parametrize("hq,hkv,d", [(4, 2, 16), (9, 3, 64), (8, 8, 32), (8, 1, 128), (12, 2, 80), (3, 1, 48)])
-def test_prefill_32_lanes_are_the_16_lane_tiles_bits(hq, hkv, d):
-    """float32 prefill on its 32-lane tile gives the 16-lane tile's outputs bit for bit: segments of
-    1 to 70 tokens (lane counts on both sides of every multiple of 16 and 32, tiles with one half
-    past the rows), fresh or continuing after up to 40 stored keys, under anchors of 0 to 100 keys."""
+def test_prefill_wide_tiles_are_the_16_lane_tiles_bits(hq, hkv, d):
+    """float32 prefill on its wide tile (48 lanes with AVX-512, a segment's last rows on 32 or 16)
+    gives the 16-lane tile's outputs bit for bit: segments of 1 to 70 tokens (row counts on both
+    sides of every multiple of 16, 32 and 48, so every width and remainder runs), fresh or continuing
+    after up to 40 stored keys, under anchors of 0 to 100 keys."""
     g = torch.Generator().manual_seed(9)
     rng = random.Random(9)
-    for trial in range(6):
+    for trial in range(8):
         n_seg = rng.randint(1, 6)
-        sizes = [rng.choice([1, 2, 5, 6, 11, 16, 21, 33, 70]) for _ in range(n_seg)]
+        sizes = [rng.choice([1, 2, 5, 6, 11, 16, 21, 33, 47, 48, 49, 70]) for _ in range(n_seg)]
         offsets = [rng.choice([0, 0, 3, 17, 40]) for _ in range(n_seg)]
         cap = max(o + n for o, n in zip(offsets, sizes))
         own_k, own_v = (torch.randn(n_seg, hkv, cap, d, generator=g) for _ in range(2))
