@@ -37,24 +37,12 @@ static void amx_prefill_keys(AmxPrefill *b, const uint16_t *keys, const uint16_t
             float first = b->pos[u][0];
             /* the maximum of the unscaled scores a row sees, then scaled: rounding is monotone, so
              * that is the maximum of the scaled scores, with no pass that writes them */
-            /* (four running maxima: one chain waits on each max's latency; the maximum is exact in
-             * any order) */
-            __m512 m0 = _mm512_set1_ps(-__builtin_inff()), m1 = m0, m2 = m0, m3 = m0;
-#define SEEN(j) (causal && c0 + (j) > first \
-                     ? _mm512_cmp_ps_mask((__m512)b->pos[u], _mm512_set1_ps((float)(c0 + (j))), _CMP_GE_OQ) : 0xffff)
-            int j = 0;
-            for (; j + 4 <= n; j += 4) {
-                m0 = _mm512_mask_max_ps(m0, SEEN(j), m0, (__m512)ld(s, j * AL, 0));
-                m1 = _mm512_mask_max_ps(m1, SEEN(j + 1), m1, (__m512)ld(s, (j + 1) * AL, 0));
-                m2 = _mm512_mask_max_ps(m2, SEEN(j + 2), m2, (__m512)ld(s, (j + 2) * AL, 0));
-                m3 = _mm512_mask_max_ps(m3, SEEN(j + 3), m3, (__m512)ld(s, (j + 3) * AL, 0));
-            }
-            for (; j < n; j++) m0 = _mm512_mask_max_ps(m0, SEEN(j), m0, (__m512)ld(s, j * AL, 0));
-            __m512 most = _mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3));
+            __m512 most = column_max(s, n, _mm512_set1_ps(-__builtin_inff()), causal, c0, first, b->pos[u]);
             vf top = (vf)_mm512_max_ps((__m512)b->m[u], (__m512)((vf)most * scale));
             vf rescale = exp_neg(b->m[u] - top), sum = b->sum[u] * rescale;
-            for (j = 0; j < 32 * pairs; j += 2) { /* a key a row does not see weighs 0 */
-                __mmask16 see0 = j >= n ? 0 : SEEN(j), see1 = j + 1 >= n ? 0 : SEEN(j + 1);
+            for (int j = 0; j < 32 * pairs; j += 2) { /* a key a row does not see weighs 0 */
+                __mmask16 see0 = j >= n ? 0 : rows_seeing(causal, c0 + j, first, b->pos[u]);
+                __mmask16 see1 = j + 1 >= n ? 0 : rows_seeing(causal, c0 + j + 1, first, b->pos[u]);
                 vf e0 = see0 ? (vf)_mm512_maskz_mov_ps(see0, (__m512)exp_neg(ld(s, j * AL, 0) * scale - top)) : SPLAT(0.0f);
                 vf e1 = see1 ? (vf)_mm512_maskz_mov_ps(see1, (__m512)exp_neg(ld(s, (j + 1) * AL, 0) * scale - top))
                              : SPLAT(0.0f);
@@ -63,7 +51,6 @@ static void amx_prefill_keys(AmxPrefill *b, const uint16_t *keys, const uint16_t
                 _mm512_storeu_si512(PT(u, 0) + j * W,
                                     _mm512_permutexvar_epi16(ilv, (__m512i)_mm512_cvtne2ps_pbh((__m512)e1, (__m512)e0)));
             }
-#undef SEEN
             b->m[u] = top, b->sum[u] = sum;
             if (_mm512_cmp_ps_mask((__m512)rescale, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ))
                 for (int i = 0; i < D; i++) st(b->ot + i * AL + W * u, ld(b->ot, i * AL + W * u, 0) * rescale);

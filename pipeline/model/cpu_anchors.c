@@ -313,6 +313,29 @@ static void amx_queries(uint16_t *qt, const void *q, int64_t q_tok, int64_t q_he
         }
 }
 
+/* The rows of a 16-row vector that see key `key`: all, unless `causal` and the key comes after
+ * `first` (the smallest of the rows' own indices `pos`), then those with pos >= key. */
+static inline __attribute__((always_inline)) __mmask16 rows_seeing(int causal, int64_t key, float first, vf pos) {
+    return causal && key > first ? _mm512_cmp_ps_mask((__m512)pos, _mm512_set1_ps((float)key), _CMP_GE_OQ) : 0xffff;
+}
+
+/* The maximum of `from` and the scores s[j * AL] (j < n, 16 rows a vector) each row sees
+ * (`rows_seeing` key c0 + j), in four chains: one chain waits on each max's latency, and the
+ * maximum is exact in any order. Shared by decode's anchors and prefill (cpu_amx_prefill.c). */
+static inline __attribute__((always_inline)) __m512 column_max(const float *s, int n, __m512 from, int causal,
+                                                               int64_t c0, float first, vf pos) {
+    __m512 m0 = from, m1 = from, m2 = from, m3 = from;
+    int j = 0;
+    for (; j + 4 <= n; j += 4) {
+        m0 = _mm512_mask_max_ps(m0, rows_seeing(causal, c0 + j, first, pos), m0, (__m512)ld(s, j * AL, 0));
+        m1 = _mm512_mask_max_ps(m1, rows_seeing(causal, c0 + j + 1, first, pos), m1, (__m512)ld(s, (j + 1) * AL, 0));
+        m2 = _mm512_mask_max_ps(m2, rows_seeing(causal, c0 + j + 2, first, pos), m2, (__m512)ld(s, (j + 2) * AL, 0));
+        m3 = _mm512_mask_max_ps(m3, rows_seeing(causal, c0 + j + 3, first, pos), m3, (__m512)ld(s, (j + 3) * AL, 0));
+    }
+    for (; j < n; j++) m0 = _mm512_mask_max_ps(m0, rows_seeing(causal, c0 + j, first, pos), m0, (__m512)ld(s, j * AL, 0));
+    return _mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3));
+}
+
 /* Eight tiles of 16 rows of 64 bytes: the four sums, two A and two B tiles of the products below. */
 static void amx_configure(void) {
     TileConfig cfg = {.palette = 1};
@@ -420,17 +443,10 @@ static void amx_item(const void *arg, int w, void *scratch) {
         for (int u = 0; u < nv; u++) { /* the chunk's softmax, 16 rows a vector; earlier chunks rescaled */
             const float *s = b->s + W * u;
             vf top = b->m[u] * (1.0f / job->scale); /* the maximum unscaled (scale > 0) */
-            __m512 m0 = (__m512)top, m1 = m0, m2 = m0, m3 = m0; /* four chains: the maximum is exact in any order */
-            int j = 0;
-            for (; j + 4 <= n; j += 4) {
-                m0 = _mm512_max_ps(m0, (__m512)ld(s, j * AL, 0)), m1 = _mm512_max_ps(m1, (__m512)ld(s, (j + 1) * AL, 0));
-                m2 = _mm512_max_ps(m2, (__m512)ld(s, (j + 2) * AL, 0)), m3 = _mm512_max_ps(m3, (__m512)ld(s, (j + 3) * AL, 0));
-            }
-            for (; j < n; j++) m0 = _mm512_max_ps(m0, (__m512)ld(s, j * AL, 0));
-            top = (vf)_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3));
+            top = (vf)column_max(s, n, (__m512)top, 0, 0, 0.0f, SPLAT(0.0f));
             top *= job->scale;
             vf rescale = exp_neg(b->m[u] - top), sum = b->sum[u] * rescale;
-            for (j = 0; j < 32 * pairs; j += 2) {
+            for (int j = 0; j < 32 * pairs; j += 2) {
                 vf e0 = j < n ? exp_neg(ld(s, j * AL, 0) * job->scale - top) : SPLAT(0.0f);
                 vf e1 = j + 1 < n ? exp_neg(ld(s, (j + 1) * AL, 0) * job->scale - top) : SPLAT(0.0f);
                 sum += e0 + e1;
