@@ -8,7 +8,7 @@ runs each seed's case (--dtype: in that dtype, in both, or in the dtype the seed
 one time in five), prints one JSON line per finding and a summary line, and exits 1 on any float32
 token mismatch, exception, missing or extra row, engine error or wrong finish_reason. In bfloat16,
 greedy runs may part where the reference's logits are tied at bfloat16 precision (the rule
-tests/engine/test_engine.py's `_bf16_tie` states); parts beyond that rule are reported as
+tests/helpers/reference.py's `bf16_tie` states); parts beyond that rule are reported as
 "bf16 beyond tie rule" and do not fail: bfloat16 rounds differently across batch shapes even in
 PyTorch's own kernels (the fuzz saw it on the 'hf' path with BATCHGEN_NATIVE=0 too).
 """
@@ -36,8 +36,7 @@ from pipeline.model.decoder import Decoder
 from pipeline.model.kernels import warm_vector_math
 from pipeline.model.load import ModelLoadError, load_model
 from tests.engine.fuzz_cases import DTYPES, EOS, Case, Job, Knobs, case_of_seed
-from tests.engine.test_engine import _bf16_tie
-from tests.helpers.reference import reference_generate
+from tests.helpers.reference import bf16_tie, reference_generate
 
 BF16_BEYOND_TIE = "bf16 beyond tie rule"
 
@@ -153,7 +152,7 @@ def compare(case: Case, path: str, ref_model, want_all: list[list[int]], got: di
             elif c.token_ids != want:
                 g = c.token_ids
                 first = next((k for k, (a, b) in enumerate(zip(g, want)) if a != b), min(len(g), len(want)))
-                if dtype == "bfloat16" and _bf16_tie(ref_model, list(j.prompt), want, g):
+                if dtype == "bfloat16" and bf16_tie(ref_model, list(j.prompt), want, g):
                     continue
                 kind = BF16_BEYOND_TIE if dtype == "bfloat16" else "tokens"
                 out.append(finding(kind, i, s, first_diff=first, prompt_len=len(j.prompt), want=want, got=g))

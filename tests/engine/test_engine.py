@@ -7,7 +7,7 @@ import torch
 from tests.helpers.jobsets import SYSTEM, edge_case_requests, tokenizer
 from pipeline.engine.engine import Engine
 from pipeline.engine.prefix_tree import PrefixTree
-from tests.helpers.reference import reference_generate
+from tests.helpers.reference import bf16_tie, reference_generate
 from pipeline.engine.types import Request, SamplingParams
 from tests.helpers.tiny_models import ARCHS, make_model
 
@@ -222,27 +222,6 @@ def r_len(reqs, key):
     return next(r.params.max_new_tokens for r in reqs if r.key == key)
 
 
-def _bf16_tie(model, prompt, want, got) -> bool:
-    """At the first token where got and want part, are the two tokens tied at bfloat16 precision:
-    their logits in the reference's own bfloat16 forward closer than that forward's own error
-    there (its largest distance from the float32 forward of the same weights over the vocabulary),
-    or within two units in the last place? Greedy runs that both round in bfloat16 part at such
-    near-ties, the reference's kernels and batchgen's rounding differently (measured on tiny models:
-    gaps of up to 6 units in the last place, at most 0.91 of that error)."""
-    i = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
-    if i is None:  # one is a prefix of the other: an EOS chosen on one side only is a tie too
-        i = min(len(got), len(want))
-        if i >= len(want) or i >= len(got):
-            return False
-    ids = torch.tensor([prompt + want[:i]])
-    with torch.inference_mode():
-        logits = model(ids).logits[0, -1].float()
-        exact = copy.deepcopy(model).float()(ids).logits[0, -1]
-    a, b = logits[want[i]].item(), logits[got[i]].item()
-    ulp = 2.0 ** (torch.frexp(torch.tensor(max(abs(a), abs(b)))).exponent.item() - 8)  # bfloat16: 8-bit significand
-    return abs(a - b) <= max(2 * ulp, (logits - exact).abs().max().item())
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma2"])
 def test_bfloat16_greedy_equals_bfloat16_uncached_generate(arch, tok):
     """In bfloat16 the engine's and plain generate's kernels round differently, so greedy choices
@@ -260,7 +239,7 @@ def test_bfloat16_greedy_equals_bfloat16_uncached_generate(arch, tok):
             if got[(r.key, s)] == want:
                 equal += 1
             else:
-                assert _bf16_tie(model, r.prompt_ids, want, got[(r.key, s)]), f"{arch}: job {r.key} sample {s}"
+                assert bf16_tie(model, r.prompt_ids, want, got[(r.key, s)]), f"{arch}: job {r.key} sample {s}"
     assert equal >= len(got) * 2 // 3
 
 

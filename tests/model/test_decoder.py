@@ -18,7 +18,7 @@ from pipeline.model.load import load_config, load_model
 from pipeline.run.preflight import context_window, vocab_size
 from pipeline.model.step import Segment, build
 from tests.helpers.reference import reference_generate
-from tests.engine.test_engine import _bf16_tie
+from tests.helpers.reference import bf16_tie
 from tests.helpers.tiny_models import ARCHS, EXTRA, make_decoder, make_model
 
 EOS = [2]
@@ -142,7 +142,7 @@ def test_bfloat16_greedy_equals_bfloat16_uncached_generate(arch, tok, tmp_path):
         want = reference_generate(model, r, EOS)
         for s in range(r.params.n):
             equal += got[(r.key, s)] == want
-            assert got[(r.key, s)] == want or _bf16_tie(model, r.prompt_ids, want, got[(r.key, s)]), f"{arch}: {r.key}"
+            assert got[(r.key, s)] == want or bf16_tie(model, r.prompt_ids, want, got[(r.key, s)]), f"{arch}: {r.key}"
     assert equal >= len(got) * 2 // 3
 
 

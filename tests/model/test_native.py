@@ -352,7 +352,7 @@ def test_engine_on_the_anchor_kernels(dtype, monkeypatch):
     """Heads of 32, whose bfloat16 anchors go through AMX tiles where this CPU has them: greedy
     output equals plain generate (in bfloat16, or parts from it exactly where the reference's
     own logits are tied), and equals the engine on the tile kernel the matrix products replaced."""
-    from tests.engine.test_engine import _bf16_tie
+    from tests.helpers.reference import bf16_tie
 
     tok = tokenizer()
     model = make_model("llama_head32", dtype=dtype)
@@ -372,7 +372,7 @@ def test_engine_on_the_anchor_kernels(dtype, monkeypatch):
         for s in range(r.params.n):
             got = outs["matmul"][(r.key, s)]
             equal += got == want
-            assert got == want or (dtype == torch.bfloat16 and _bf16_tie(model, r.prompt_ids, want, got)), r.key
+            assert got == want or (dtype == torch.bfloat16 and bf16_tie(model, r.prompt_ids, want, got)), r.key
     assert equal >= len(outs["matmul"]) * 2 // 3
     if dtype == torch.float32 or not native.amx(dtype, 4, 2, 32):  # the same float32 sums, in another order
         assert outs["matmul"] == outs["tiles"]
@@ -385,7 +385,7 @@ def test_engine_bfloat16_prefill_on_each_path(arch, kernel, monkeypatch):
     """bfloat16 prefill on AMX tiles and on AVX-512 BF16 dot products (where this CPU has them) and
     widened to float32, each forced: greedy output equals plain generate in bfloat16, or parts from it
     exactly where the reference's own logits are tied."""
-    from tests.engine.test_engine import _bf16_tie
+    from tests.helpers.reference import bf16_tie
 
     tok = tokenizer()
     model = make_model(arch, dtype=torch.bfloat16)
@@ -405,7 +405,7 @@ def test_engine_bfloat16_prefill_on_each_path(arch, kernel, monkeypatch):
         want = reference_generate(model, r, [2])
         for s in range(r.params.n):
             equal += got[(r.key, s)] == want
-            assert got[(r.key, s)] == want or _bf16_tie(model, r.prompt_ids, want, got[(r.key, s)]), r.key
+            assert got[(r.key, s)] == want or bf16_tie(model, r.prompt_ids, want, got[(r.key, s)]), r.key
     assert equal >= len(got) * 2 // 3
 
 
