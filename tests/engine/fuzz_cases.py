@@ -16,8 +16,8 @@ import transformers as T
 
 from tests.helpers import tiny_models
 
-EOS = (2,)
-VOCAB = 256
+EOS = (tiny_models.COMMON["eos_token_id"],)
+VOCAB = tiny_models.VOCAB
 LLAMA_FAMILY = {"llama": T.LlamaConfig, "qwen2": T.Qwen2Config, "qwen3": T.Qwen3Config, "mistral": T.MistralConfig}
 OTHERS = ("gemma2", "phi3", "gpt2", "gpt_neox", "opt")  # tests/helpers/tiny_models.py's configs
 PATHS = ("hf", "load", "load_nodecoder")
@@ -41,7 +41,6 @@ class ModelSpec:
             config = tiny_models.CONFIGS[self.family]()
             if self.kv_heads:
                 config.num_key_value_heads = self.kv_heads
-        config.initializer_range = 0.3  # wide weights: few greedy near-ties (as tiny_models)
         return config
 
     @property
@@ -91,13 +90,7 @@ class Case:
     runs: tuple[tuple[str, Knobs], ...]
 
     def build_model(self) -> torch.nn.Module:
-        torch.manual_seed(self.seed)
-        config, dtype = self.model.config(), self.model.torch_dtype
-        try:
-            model = T.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
-        except ValueError:  # e.g. Gemma2 (logit soft-capping) runs eager attention only
-            model = T.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=dtype)
-        return model.eval()
+        return tiny_models.model_from_config(self.model.config(), self.seed, self.model.torch_dtype)
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -111,7 +104,7 @@ def draw_model(rng: random.Random) -> ModelSpec:
         return ModelSpec(family, dtype, kv_heads=rng.choice([1, 2, 4]) if family in ("gemma2", "phi3") else None)
     heads = rng.choice([2, 4, 8])
     kv_heads = rng.choice([k for k in (1, 2, 4, 8) if heads % k == 0])
-    kw = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0, hidden_size=64,
+    kw = dict(**tiny_models.COMMON, hidden_size=64,
               intermediate_size=rng.choice([96, 128]), num_hidden_layers=rng.choice([1, 2, 2, 3]),
               num_attention_heads=heads, num_key_value_heads=kv_heads,
               max_position_embeddings=512, tie_word_embeddings=rng.random() < 0.4)

@@ -38,7 +38,11 @@ EXTRA = {
 
 
 def make_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    config = (CONFIGS.get(arch) or EXTRA[arch])()
+    return model_from_config((CONFIGS.get(arch) or EXTRA[arch])(), seed, dtype)
+
+
+def model_from_config(config: T.PretrainedConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A random model of `config` (its weights drawn wide, from `seed`), in eval mode."""
     config.initializer_range = 0.3
     torch.manual_seed(seed)
     try:
