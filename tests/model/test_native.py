@@ -4,6 +4,7 @@ import os
 import platform
 
 import random
+import re
 
 import pytest
 import torch
@@ -445,3 +446,23 @@ def test_builds_for_other_cpus(march, tmp_path):
     done = subprocess.run([compiler, *flags, "-fopenmp", "-DBATCHGEN_G=3", "-DBATCHGEN_D=64", "-o",
                            str(tmp_path / "lib.so"), str(native.SOURCE)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_every_source_the_build_reads_is_in_the_package():
+    """The build compiles SOURCE, which #includes the rest: every file it includes is in INCLUDED
+    (the cache key: a change to any of them builds anew) and in the wheel's package data. A wheel
+    once held only two of the six sources, and an installed batchgen fell back to PyTorch's kernels."""
+    import fnmatch
+    import tomllib
+
+    def includes(path):
+        found = []
+        for name in re.findall(r'^#include "([^"]+)"', path.read_text(), re.M):
+            found += [name, *includes(path.with_name(name))]
+        return found
+
+    assert sorted(includes(native_build.SOURCE)) == sorted(p.name for p in native_build.INCLUDED)
+    root = native_build.SOURCE.parents[2]
+    data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["pipeline.model"]
+    for path in [native_build.SOURCE, *native_build.INCLUDED]:
+        assert any(fnmatch.fnmatch(path.name, pattern) for pattern in data), path.name
