@@ -31,10 +31,13 @@ from pipeline.model import native
 
 def old_library(rev: str, fold: int, head: int, out: Path) -> ctypes.CDLL:
     """The kernels of revision `rev`, built with this checkout's flags, loaded as `native` loads them."""
-    for src in [native.SOURCE, *native.INCLUDED]:
-        text = subprocess.run(["git", "show", f"{rev}:pipeline/model/{src.name}"], capture_output=True, check=True,
-                              cwd=src.parent).stdout
-        (out / src.name).write_bytes(text)
+    # every C source of that revision's model package: its files are not this checkout's (they were split)
+    names = subprocess.run(["git", "ls-tree", "--name-only", rev, "pipeline/model/"], capture_output=True,
+                           check=True, text=True, cwd=native.SOURCE.parents[2]).stdout.split()
+    for name in (n for n in names if n.endswith(".c")):
+        text = subprocess.run(["git", "show", f"{rev}:{name}"], capture_output=True, check=True,
+                              cwd=native.SOURCE.parents[2]).stdout
+        (out / Path(name).name).write_bytes(text)
     target = out / "old.so"
     subprocess.run(["cc", *native.FLAGS, native.THREADING[0][0], f"-DBATCHGEN_G={fold}", f"-DBATCHGEN_D={head}",
                     "-o", str(target), str(out / native.SOURCE.name)], check=True)

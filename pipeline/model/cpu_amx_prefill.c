@@ -11,7 +11,7 @@
  *   outputs^T [D][rows] += values^T [D][keys] . weights^T, the values transposed once per call
  *     (`pack_vt`): each anchor once for every segment reading it, each segment's own keys once for
  *     its items.
- * Included by cpu_attention.c after its Prefill job (not built alone); pipeline/native.py hashes it
+ * Included by cpu_prefill.c after its Prefill job (not built alone); native_build.py hashes it
  * into the library's name. */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 typedef struct {

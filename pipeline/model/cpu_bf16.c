@@ -9,7 +9,7 @@
  *     bfloat16 flash attention and matmuls round them), their sum taken before rounding;
  *   outputs [D][lanes] += values^T . weights, the weights of each pair of keys interleaved per
  *     lane, the values of the pair interleaved per dimension once per 16 keys.
- * Included by cpu_attention.c after its Tile and helpers (not built alone); pipeline/native.py
+ * Included by cpu_prefill.c, after cpu_tiles.c's Tile and helpers (not built alone); native_build.py
  * hashes it into the library's name. */
 #if defined(__AVX512BF16__)
 enum { TILE_BF16 = 1 };

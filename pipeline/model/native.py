@@ -1,4 +1,4 @@
-"""batchgen's compiled attention kernels for CPUs (`cpu_attention.c`, which includes `cpu_anchors.c`):
+"""batchgen's compiled attention kernels for CPUs (`cpu_attention.c` and the files it includes):
 decode tokens and runs of prefill tokens, each against its anchor and its own keys in one pass;
 the decoder's norms and MLP gate in one pass each (`LayerOps`, `cpu_layer_ops.c`); and its float32
 linear layers (`Gemm`, `cpu_gemm.c`).

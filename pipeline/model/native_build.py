@@ -25,8 +25,9 @@ from pipeline.model.files import cache_dir
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 # #included by SOURCE: part of the cache key too
-INCLUDED = [Path(__file__).with_name(n) for n in ("cpu_anchors.c", "cpu_bf16.c", "cpu_amx_prefill.c",
-                                                                  "cpu_layer_ops.c", "cpu_gemm.c")]
+INCLUDED = [Path(__file__).with_name(n) for n in ("cpu_vectors.c", "cpu_threads.c", "cpu_tiles.c", "cpu_decode.c",
+                                                  "cpu_anchors.c", "cpu_amx_anchors.c", "cpu_prefill.c", "cpu_bf16.c",
+                                                  "cpu_amx_prefill.c", "cpu_layer_ops.c", "cpu_step_ops.c", "cpu_gemm.c")]
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-pthread"]
 # -fopenmp: the kernel's threads are torch's (the loader shares the libgomp.so.1 torch has loaded),
 # which still spin after torch's last op; new pthreads would fight them for the cores (slower:
