@@ -31,18 +31,21 @@ from pipeline.model.step import Step
 def attend(step: Step, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
            sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """One layer's attention for the step's flat tokens: q (Hq, T, D), k/v (Hkv, T, D) (views are
-    fine); the new keys/values are stored first. Returns (T, Hq, Dv) in float32."""
+    fine); the new keys/values are stored first. Returns (T, Hq, Dv) in float32, or from the
+    compiled kernels in q's dtype (bfloat16 rounded there as `.to` rounds, saving the cast's pass)."""
     hq, t, d = q.shape
     hkv = k.shape[0]
     fold = hq // hkv
     step.store(layer, k, v)
 
-    out = q.new_empty(t, hq, v.shape[-1], dtype=torch.float32)
     if step.native is not None and sliding_window is None and softcap is None \
-            and native_ok(q.dtype, hq, hkv, d, v.shape[-1]) and _native(step, layer, q, hkv, scale, out):
-        step.kernel_layers[0] += 1
-        return out
+            and native_ok(q.dtype, hq, hkv, d, v.shape[-1]):
+        out = q.new_empty(t, hq, v.shape[-1])  # (T, Hq, Dv), q's dtype
+        if _native(step, layer, q, hkv, scale, out):
+            step.kernel_layers[0] += 1
+            return out
     step.kernel_layers[1] += 1
+    out = q.new_empty(t, hq, v.shape[-1], dtype=torch.float32)
     lse = q.new_empty(t, hq, dtype=torch.float32)
     if step.n_dec:  # one token per decoding slot, against the slots' own keys, in runs of slots
         n = step.n_dec

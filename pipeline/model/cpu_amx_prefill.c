@@ -111,7 +111,7 @@ static void amx_prefill_item(const void *arg, int w, void *scratch) {
             for (int i = 0; i < W; i++) r[i] = _mm512_mul_ps((__m512)ld(b->ot, (i0 + i) * AL + W * u, 0), inv);
             transpose16(r);
             for (int l = W * u; l < W * u + W && l < real; l++)
-                _mm512_storeu_ps(job->out + (tok[l] * job->hq + head[l]) * D + i0, r[l - W * u]);
+                put(job->out, (tok[l] * job->hq + head[l]) * D + i0, (vf)r[l - W * u], job->out_bf16);
         }
     }
 }

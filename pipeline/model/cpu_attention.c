@@ -36,7 +36,7 @@
  *   q           [T, Hq, D] with strides (q_tok, q_head, 1)
  *   own k/v     [rows, Hkv, cap, D] contiguous: a batch's row slots, or a prefix being prefilled
  *   anchor k/v  [1, Hkv, len, D]    contiguous, or none (pointer 0)
- *   out         [T, Hq, D] float32, contiguous
+ *   out         [T, Hq, D] contiguous, float32 or (`out_bf16`) bfloat16, rounded as PyTorch's cast rounds
  * Scores, softmax and sums in float32, as PyTorch's kernels compute them (AMX: the weights meet the
  * values as two bfloat16 parts, 16 bits of their 24). */
 #include <pthread.h>

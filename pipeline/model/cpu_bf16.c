@@ -105,10 +105,15 @@ static void tile_bf16_keys(TileBf *t, const uint16_t *keys, const uint16_t *valu
 }
 
 /* The first `rows` lanes' outputs, each divided by its sum of weights. */
-static void tile_bf16_out(const TileBf *t, float *out, int hq, const int64_t *tok, const int64_t *head, int64_t rows) {
+static void tile_bf16_out(const TileBf *t, void *out, int out_bf16, int hq, const int64_t *tok, const int64_t *head,
+                          int64_t rows) {
     for (int l = 0; l < W && l < rows; l++) {
-        float *dst = out + (tok[l] * hq + head[l]) * D, inv = 1.0f / t->sum[l];
-        for (int i = 0; i < D; i++) dst[i] = t->ot[i * W + l] * inv;
+        float inv = 1.0f / t->sum[l];
+        for (int c = 0; c < D / W; c++) {
+            vf x;
+            for (int i = 0; i < W; i++) x[i] = t->ot[(W * c + i) * W + l] * inv;
+            put(out, (tok[l] * hq + head[l]) * D + W * c, x, out_bf16);
+        }
     }
 }
 #else

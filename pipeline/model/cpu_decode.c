@@ -18,7 +18,8 @@ typedef struct {
     int64_t cap;
     const int64_t *slot, *own_len, *anc_k, *anc_v, *anc_len; /* per row; anchor pointer 0: none */
     float scale;
-    float *out;
+    void *out;            /* float32, or bfloat16 where out_bf16 (rounded as PyTorch's cast rounds) */
+    int out_bf16;
     int64_t stride;       /* own scores per query head in B's scratch: the longest row's, padded to W */
     int64_t *order;       /* anchored rows, grouped by anchor */
     int64_t *items;       /* A: (first of the group in `order`, rows in it, key head, first lane, slice, group) */
@@ -167,7 +168,7 @@ static void own_item(const void *arg, int w, void *scratch) {
     }
     for (int g = 0; g < G; g++) {
         int64_t row = (int64_t)t * job->hq + h * G + g;
-        float *dst = job->out + row * D, own = 1.0f, total = sum[g];
+        float own = 1.0f, total = sum[g];
         vf anchor = SPLAT(0.0f);
         if (job->anc_k[t]) { /* merge with the anchor's partial softmaxes, all scaled to the largest maximum */
             float top = m[g];
@@ -186,7 +187,7 @@ static void own_item(const void *arg, int w, void *scratch) {
                 for (int c = 0; c < D / W; c++) o[g][c] += ld(a, W * c, 0) * anchor;
             }
         }
-        for (int c = 0; c < D / W; c++) st(dst + W * c, o[g][c] * (1.0f / total));
+        for (int c = 0; c < D / W; c++) put(job->out, row * D + W * c, o[g][c] * (1.0f / total), job->out_bf16);
     }
 }
 
@@ -211,11 +212,12 @@ static int slices_for(int64_t items, int threads, int64_t shortest, int64_t leas
 int batchgen_decode_attention(int n, int hq, int hkv, int d, int bf16, const void *q, int64_t q_tok, int64_t q_head,
                               const void *own_k, const void *own_v, int64_t cap, const int64_t *slot,
                               const int64_t *own_len, const int64_t *anc_k, const int64_t *anc_v,
-                              const int64_t *anc_len, float scale, float *out, int threads, int anchors) {
+                              const int64_t *anc_len, float scale, void *out, int threads, int anchors,
+                              int out_bf16) {
     if (!ok(hq, hkv, d, bf16) || anchors < 0 || anchors > 2) return 1;
 #if defined(BATCHGEN_SIMD)
     Decode job = {hq, hkv, bf16, q, q_tok, q_head, own_k, own_v, cap, slot, own_len, anc_k, anc_v, anc_len,
-                  scale, out, W, NULL, NULL, NULL, n, 1, NULL, NULL, NULL};
+                  scale, out, out_bf16 != 0, W, NULL, NULL, NULL, n, 1, NULL, NULL, NULL};
     int64_t *pairs = malloc(sizeof(int64_t) * 2 * (size_t)(n ? n : 1)), anchored = 0, base = 0, shortest = 0;
     int amx = anchors == 1 && bf16 && HAVE_AMX && D % 32 == 0 && amx_usable(), tiles = anchors == 0;
     int lanes = tiles ? W : amx ? 4 * W : LANES, items = 0, groups = 0, packs = 0;
@@ -291,7 +293,7 @@ int batchgen_decode_attention(int n, int hq, int hkv, int d, int bf16, const voi
 #else
     return (void)n, (void)q, (void)q_tok, (void)q_head, (void)own_k, (void)own_v, (void)cap, (void)slot,
            (void)own_len, (void)anc_k, (void)anc_v, (void)anc_len, (void)scale, (void)out, (void)threads,
-           (void)anchors, 1;
+           (void)anchors, (void)out_bf16, 1;
 #endif
 }
 

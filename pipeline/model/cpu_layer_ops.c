@@ -28,33 +28,6 @@
 #if LAYER_OPS
 #include <math.h>
 
-/* W float32 to bfloat16, rounded to nearest even (NaN kept a NaN), as PyTorch's cast rounds. */
-static inline __attribute__((always_inline)) vh to_bf16(vf f) {
-#if defined(__AVX512BF16__) && LAYER_OPS == 2
-    __m256bh b = _mm512_cvtneps_pbh((__m512)f); /* the instruction rounds the same way */
-    vh h;
-    memcpy(&h, &b, sizeof h);
-    return h;
-#else
-    vu u;
-    memcpy(&u, &f, sizeof u);
-    vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
-    vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    vu bits = (rounded & ~nan) | ((u >> 16 | 0x40u) & nan);
-    return __builtin_convertvector(bits, vh);
-#endif
-}
-
-/* Stores 16 floats at p[i] in the dtype: float32 as they are, or rounded to bfloat16. */
-static inline __attribute__((always_inline)) void put(void *p, int64_t i, vf v, int bf16) {
-    if (!bf16) {
-        memcpy((float *)p + i, &v, sizeof v);
-    } else {
-        vh h = to_bf16(v);
-        memcpy((uint16_t *)p + i, &h, sizeof h);
-    }
-}
-
 /* The dtype's value of v: v itself in float32, v rounded to bfloat16 and widened back. */
 static inline __attribute__((always_inline)) vf narrow(vf v, int bf16) {
     if (!bf16) return v;

@@ -13,7 +13,8 @@ typedef struct {
     int64_t q_tok, q_head;
     const int64_t *t0, *t1, *own_k, *own_v, *own_cap, *own_index, *offset, *anc_k, *anc_v, *anc_len; /* per segment */
     float scale;
-    float *out;
+    void *out;      /* float32, or bfloat16 where out_bf16 (rounded as PyTorch's cast rounds) */
+    int out_bf16;
     int64_t *items; /* (segment, key head, first lane) */
     int kernel;     /* `PREFILL_*` */
 } Prefill;
@@ -46,8 +47,8 @@ static PrefillLanes prefill_lanes(const Prefill *job, int w, int lanes, int64_t 
 
 /* The first `real` of a prefill tile's `lanes` lanes out: ot [D][lanes] divided by each lane's sum
  * (sum[l / W][l % W]) into out [token][head][D], lane l being query head head[l] of token tok[l]. */
-static void tile_out(float *out, int hq, const int64_t *tok, const int64_t *head, const float *ot, int lanes,
-                     const vf *sum, int real) {
+static void tile_out(void *out, int out_bf16, int hq, const int64_t *tok, const int64_t *head, const float *ot,
+                     int lanes, const vf *sum, int real) {
     real = real < lanes ? real : lanes;
 #if defined(__AVX512F__)
     for (int g = 0; g < real; g += W)
@@ -56,12 +57,16 @@ static void tile_out(float *out, int hq, const int64_t *tok, const int64_t *head
             for (int i = 0; i < W; i++) r[i] = (__m512)ld(ot, (W * c + i) * lanes + g, 0);
             transpose16(r); /* r[l]: lane g + l's dimensions W c .. W c + W - 1 */
             for (int l = 0; l < W && g + l < real; l++)
-                st(out + (tok[g + l] * hq + head[g + l]) * D + W * c, (vf)r[l] * (1.0f / sum[(g + l) / W][l]));
+                put(out, (tok[g + l] * hq + head[g + l]) * D + W * c, (vf)r[l] * (1.0f / sum[(g + l) / W][l]), out_bf16);
         }
 #else
     for (int l = 0; l < real; l++) {
-        float *dst = out + (tok[l] * hq + head[l]) * D, inv = 1.0f / sum[l / W][l % W];
-        for (int i = 0; i < D; i++) dst[i] = ot[i * lanes + l] * inv;
+        float inv = 1.0f / sum[l / W][l % W];
+        for (int c = 0; c < D / W; c++) {
+            vf x;
+            for (int i = 0; i < W; i++) x[i] = ot[(W * c + i) * lanes + l] * inv;
+            put(out, (tok[l] * hq + head[l]) * D + W * c, x, out_bf16);
+        }
     }
 #endif
 }
@@ -82,7 +87,7 @@ static void prefill_item(const void *arg, int w, void *scratch) {
             tile_bf16_keys(b, (const uint16_t *)ak + p.h * p.la * D, (const uint16_t *)av + p.h * p.la * D, p.la, 0,
                            job->scale);
         tile_bf16_keys(b, (const uint16_t *)mk, (const uint16_t *)mv, (int64_t)pos[W - 1] + 1, 1, job->scale);
-        tile_bf16_out(b, job->out, job->hq, tok, head, p.rows - p.r0);
+        tile_bf16_out(b, job->out, job->out_bf16, job->hq, tok, head, p.rows - p.r0);
         return;
     }
 #endif
@@ -90,7 +95,7 @@ static void prefill_item(const void *arg, int w, void *scratch) {
     if (p.la)
         tile_keys(t, ak + p.h * p.la * D * es, av + p.h * p.la * D * es, p.la, 0, job->bf16);
     tile_keys(t, mk, mv, (int64_t)pos[W - 1] + 1, 1, job->bf16);
-    tile_out(job->out, job->hq, tok, head, t->ot, W, &t->sum, p.rows - p.r0);
+    tile_out(job->out, job->out_bf16, job->hq, tok, head, t->ot, W, &t->sum, p.rows - p.r0);
 }
 
 /* As prefill_item, float32 only, with `wide_lanes` lanes from r0 on: NH or 2 vectors on the wide
@@ -118,7 +123,7 @@ static void prefill_wide_item(const void *arg, int w, void *scratch) {
     else
 #endif
         wide_pass_2(t, ak, av, p.la, mk, mv, (int64_t)pos[lanes - 1] + 1);
-    tile_out(job->out, job->hq, tok, head, t->ot, lanes, t->sum, p.rows - p.r0);
+    tile_out(job->out, job->out_bf16, job->hq, tok, head, t->ot, lanes, t->sum, p.rows - p.r0);
 }
 #endif /* BATCHGEN_SIMD */
 
@@ -136,7 +141,8 @@ int batchgen_prefill_attention(int nseg, int hq, int hkv, int d, int bf16, const
                                int64_t q_head, const int64_t *t0, const int64_t *t1, const int64_t *own_k,
                                const int64_t *own_v, const int64_t *own_cap, const int64_t *own_index,
                                const int64_t *offset, const int64_t *anc_k, const int64_t *anc_v,
-                               const int64_t *anc_len, float scale, float *out, int threads, int kernel) {
+                               const int64_t *anc_len, float scale, void *out, int threads, int kernel,
+                               int out_bf16) {
     if (!ok(hq, hkv, d, bf16) || kernel < PREFILL_WIDEN || kernel > PREFILL_TILE16) return 1;
 #if defined(BATCHGEN_SIMD)
     int amx = kernel == PREFILL_AMX;
@@ -160,7 +166,7 @@ int batchgen_prefill_attention(int nseg, int hq, int hkv, int d, int bf16, const
                 list[3 * k] = s, list[3 * k + 1] = h, list[3 * k + 2] = r;
 #undef STEP
     Prefill job = {hq, hkv, bf16, q, q_tok, q_head, t0, t1, own_k, own_v, own_cap, own_index,
-                   offset, anc_k, anc_v, anc_len, scale, out, list, kernel};
+                   offset, anc_k, anc_v, anc_len, scale, out, out_bf16 != 0, list, kernel};
     int failed;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
     if (amx)
@@ -175,6 +181,6 @@ int batchgen_prefill_attention(int nseg, int hq, int hkv, int d, int bf16, const
 #else
     return (void)nseg, (void)q, (void)q_tok, (void)q_head, (void)t0, (void)t1, (void)own_k, (void)own_v,
            (void)own_cap, (void)own_index, (void)offset, (void)anc_k, (void)anc_v, (void)anc_len, (void)scale,
-           (void)out, (void)threads, (void)kernel, 1;
+           (void)out, (void)threads, (void)kernel, (void)out_bf16, 1;
 #endif
 }

@@ -82,6 +82,33 @@ static inline __attribute__((always_inline)) vf ld(const void *p, int64_t i, int
 
 static inline __attribute__((always_inline)) void st(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
+/* W float32 to bfloat16, rounded to nearest even (NaN kept a NaN), as PyTorch's cast rounds. */
+static inline __attribute__((always_inline)) vh to_bf16(vf f) {
+#if defined(__AVX512BF16__)
+    __m256bh b = _mm512_cvtneps_pbh((__m512)f); /* the instruction rounds the same way */
+    vh h;
+    memcpy(&h, &b, sizeof h);
+    return h;
+#else
+    vu u;
+    memcpy(&u, &f, sizeof u);
+    vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
+    vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    vu bits = (rounded & ~nan) | ((u >> 16 | 0x40u) & nan);
+    return __builtin_convertvector(bits, vh);
+#endif
+}
+
+/* Stores W floats at p[i] in the dtype: float32 as they are, or rounded to bfloat16. */
+static inline __attribute__((always_inline)) void put(void *p, int64_t i, vf v, int bf16) {
+    if (!bf16) {
+        memcpy((float *)p + i, &v, sizeof v);
+    } else {
+        vh h = to_bf16(v);
+        memcpy((uint16_t *)p + i, &h, sizeof h);
+    }
+}
+
 /* e^x for x <= 0, 0 below -87 (Cephes' expf: range reduction by ln 2, degree-6 polynomial; n
  * rounded by adding and taking away 1.5 x 2^23, the power of two applied by vscalefps: fewer
  * instructions, and fewer that only one port runs, than vrndscaleps and building the exponent). */

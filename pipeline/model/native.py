@@ -72,22 +72,23 @@ def decode_attention(q: torch.Tensor, own_k: torch.Tensor, own_v: torch.Tensor, 
                      scale: float, out: torch.Tensor, anchors: str = "matmul") -> bool:
     """One query per row, q (n, Hq, D) (last dim contiguous), over its anchor's keys (data pointers
     `anc_k`/`anc_v` (n,) of contiguous [1, Hkv, len, D] buffers, 0 for none; `anc_len` (n,)) then
-    its slot's first `own_len` keys in own_k/own_v [slots, Hkv, cap, D]. Writes out (n, Hq, D)
-    float32. The int64 arrays are contiguous CPU tensors. False if the kernel could not run (a
-    layout `supports` refuses; no scratch memory). `anchors` (`ANCHORS`): the anchors as matrix
+    its slot's first `own_len` keys in own_k/own_v [slots, Hkv, cap, D]. Writes out (n, Hq, D),
+    float32, or bfloat16 for bfloat16 q (rounded as `.to` rounds: the cast's pass saved). The
+    int64 arrays are contiguous CPU tensors. False if the kernel could not run (a layout
+    `supports` refuses; no scratch memory). `anchors` (`ANCHORS`): the anchors as matrix
     products, on AMX tiles where `amx` says (bfloat16), else in AVX-512 registers ("matmul"), or
     in AVX-512 registers always ("matmul-avx512"), or as the 16-row tiles prefill uses ("tiles",
     the kernel the matrix products replaced, kept for the tests and the benchmark)."""
     n, hq, d = q.shape
     _, hkv, cap, _ = own_v.shape
     assert q.stride(2) == 1 and own_k.is_contiguous() and own_v.is_contiguous() and out.is_contiguous()
-    assert out.dtype == torch.float32 and q.dtype == own_k.dtype == own_v.dtype and own_k.shape == own_v.shape
+    assert out.dtype in (torch.float32, q.dtype) and q.dtype == own_k.dtype == own_v.dtype and own_k.shape == own_v.shape
     assert all(x.numel() == n for x in (slot, own_len, anc_k, anc_v, anc_len))
     lib = _lib_for(q, hkv)
     return lib is not None and not lib.batchgen_decode_attention(
         n, hq, hkv, d, DTYPES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1), own_k.data_ptr(),
         own_v.data_ptr(), cap, *_ints(slot, own_len, anc_k, anc_v, anc_len), scale, out.data_ptr(),
-        torch.get_num_threads(), ANCHORS[anchors])
+        torch.get_num_threads(), ANCHORS[anchors], int(out.dtype == torch.bfloat16))
 
 
 def amx(dtype: torch.dtype, hq: int, hkv: int, d: int) -> bool:
@@ -125,13 +126,14 @@ def prefill_attention(q: torch.Tensor, hkv: int, t0: torch.Tensor, t1: torch.Ten
     (last dim contiguous), whose keys sit at own indices offset[s].. of row own_index[s] of its own
     buffer (data pointers own_k/own_v of contiguous [rows, Hkv, own_cap[s], D]), already written.
     Each token reads its anchor (as in `decode_attention`) and then its own keys up to its own
-    index. Writes the segments' rows of out (T, Hq, D) float32. False if the kernel could not run
+    index. Writes the segments' rows of out (T, Hq, D), float32 or, for bfloat16 q, bfloat16 (as in
+    `decode_attention`). False if the kernel could not run
     (also: `kernel` "amx" where `amx` says no). float32 runs on the wide tile (48 lanes with
     AVX-512), or on the 16-lane one with `kernel` "tile16" (the same bits). bfloat16 runs on `kernel` (`PREFILL`, default
     `prefill_kernel`'s): on AMX tiles or AVX-512 BF16 dot products, the weights rounded to bfloat16 as
     PyTorch's kernels round them, or widened to float32 on the 16-lane tile ("widen", "tile16")."""
     hq, d = q.shape[1], q.shape[2]
-    assert q.stride(2) == 1 and out.is_contiguous() and out.dtype == torch.float32 and q.dtype in DTYPES
+    assert q.stride(2) == 1 and out.is_contiguous() and out.dtype in (torch.float32, q.dtype) and q.dtype in DTYPES
     lib = _lib_for(q, hkv)
     if lib is None:
         return False
@@ -140,7 +142,7 @@ def prefill_attention(q: torch.Tensor, hkv: int, t0: torch.Tensor, t1: torch.Ten
     return not lib.batchgen_prefill_attention(
         t0.numel(), hq, hkv, d, DTYPES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1),
         *_ints(t0, t1, own_k, own_v, own_cap, own_index, offset, anc_k, anc_v, anc_len), scale, out.data_ptr(),
-        torch.get_num_threads(), PREFILL[kernel])
+        torch.get_num_threads(), PREFILL[kernel], int(out.dtype == torch.bfloat16))
 
 
 LAYER_OPS_CAPABILITY = {2: "AVX512", 1: "AVX2"}  # batchgen_layer_ops(): whose bits the library's passes are

@@ -99,8 +99,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     arguments as ints and crash."""
     i32, i64, ptr, f32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     for name, args in (("batchgen_decode_attention", [i32] * 5 + [ptr, i64, i64, ptr, ptr, i64] + [ptr] * 5
-                        + [f32, ptr, i32, i32]),
-                       ("batchgen_prefill_attention", [i32] * 5 + [ptr, i64, i64] + [ptr] * 10 + [f32, ptr, i32, i32]),
+                        + [f32, ptr, i32, i32, i32]),
+                       ("batchgen_prefill_attention", [i32] * 5 + [ptr, i64, i64] + [ptr] * 10 + [f32, ptr] + [i32] * 3),
                        ("batchgen_supports", [i32] * 5), ("batchgen_amx", []), ("batchgen_bf16_dots", [i32]),
                        ("batchgen_add_rms_norm", [i64, i64, i32, ptr, ptr, ptr, f32, ptr, i32]),
                        ("batchgen_silu_mul", [i64, i64, i32, ptr, ptr, i64, i32]),

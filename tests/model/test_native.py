@@ -90,6 +90,17 @@ def test_kernel_equals_reference(hq, hkv, d, dtype, anchors):
     assert native.supports(dtype, hq, hkv, d, d)
     assert native.decode_attention(q, own_k, own_v, *args, d ** -0.5, out, anchors=anchors)
     assert torch.allclose(out, want, **_tolerance(dtype, hq, hkv, d, anchors)), (out - want).abs().max()
+    _same_bits_in_the_dtype(out, lambda o: native.decode_attention(q, own_k, own_v, *args, d ** -0.5, o, anchors=anchors),
+                            dtype)
+
+
+def _same_bits_in_the_dtype(out, call, dtype):
+    """The kernel's output written in bfloat16 (the engine's path) is its float32 output cast, bit for bit."""
+    if dtype == torch.float32:
+        return
+    narrow = torch.full(out.shape, float("nan"), dtype=dtype)
+    assert call(narrow)
+    assert torch.equal(narrow.view(torch.int16), out.to(dtype).view(torch.int16))
 
 
 def _many_rows(hq, hkv, d, dtype, lengths, rows_each, uniform, seed=3):
@@ -232,6 +243,13 @@ def test_prefill_kernel_equals_reference(hq, hkv, d, dtype, kernel, uniform):
         # moves by at most 2^-9 of the largest value it reads
         atol += 2.0 ** -9 * max(x[1].abs().max().item() for x in (*buffers.values(), *anchors))
     assert torch.allclose(out, want, atol=atol, rtol=1e-5), (out - want).abs().max()
+    _same_bits_in_the_dtype(out, lambda o: native.prefill_attention(
+        q, hkv, lt(starts), lt([a + n for a, (n, *_) in zip(starts, segments)]),
+        lt([buffers[b][0].data_ptr() for _, b, *_ in segments]), lt([buffers[b][1].data_ptr() for _, b, *_ in segments]),
+        lt([buffers[b][0].shape[2] for _, b, *_ in segments]), lt([r for _, _, r, *_ in segments]),
+        lt([o for *_, o, _ in segments]), lt([anc(0, a) for *_, a in segments]), lt([anc(1, a) for *_, a in segments]),
+        lt([anchors[a][0].shape[2] if a is not None else 0 for *_, a in segments]), d ** -0.5, o, kernel=kernel),
+        dtype)
 
 
 @pytest.mark.usefixtures("build")
