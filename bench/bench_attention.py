@@ -83,7 +83,7 @@ def calls(rows: int, length: int, dtype: torch.dtype, hq: int, hkv: int, d: int,
         return not lib.batchgen_decode_attention(
             rows, hq, hkv, d, native.DTYPES[dtype], q.data_ptr(), q.stride(0), q.stride(1), own_k.data_ptr(),
             own_v.data_ptr(), own_k.shape[2], *(x.data_ptr() for x in (slot, own_len, ak, av, anc_len)), d ** -0.5,
-            out.data_ptr(), torch.get_num_threads(), native.ANCHORS["matmul"])
+            out.data_ptr(), torch.get_num_threads(), native.ANCHORS["matmul"], 0)  # out float32
 
     flops = 4 * rows * hq * (length + own) * d
     # the same two products as bmm: (Hkv, rows x G, D) x (Hkv, D, L), then (Hkv, rows x G, L) x (Hkv, L, D)
