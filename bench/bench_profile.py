@@ -18,6 +18,10 @@ its own rate), the stores of new keys and values into their buffers (`Step.store
 pages are written for the first time, their page faults), and the rest around them. The profile's
 own counting of each call's FLOPs and bytes is timed and taken out of the engine's, the phases' and
 attention's times.
+The machine may drift while the workload runs: the GEMM rate at 2,048 rows is measured before the run
+too, and a change of more than a tenth is reported (no ratio to a floor is firm then); a phase's
+"linear / floor" (its linear layers' time against their floor) near 1 says its floors were taken at
+the speed it ran at.
 
 Then it counts the kernels (ATen ops that compute; views excluded) of one decode step, dynamic
 and static (`Engine(static_decode=True)`, the shapes a CUDA graph can capture).
@@ -144,6 +148,9 @@ def main() -> int:
     head_flops = 2 * config.vocab_size * config.hidden_size
 
     Engine(model, eos_token_ids=[]).generate(reqs[:2])  # warm-up: kernels, probes, allocator
+    # the GEMM rate before the run too: a shared machine drifts, and floors taken at a faster (or slower)
+    # moment than the phases ran would read as the engine's own gap (BENCHMARKS.md, "ninth session")
+    rate_before = linear_rate(model.dtype, 2048, model)
     engine = Engine(model, eos_token_ids=[])
     phases = defaultdict(lambda: defaultdict(float, by_rows=[]))
     timer = {"attention": 0.0, "linear": 0.0, "attention_gflop": 0.0, "kv_gb": 0.0}
@@ -264,12 +271,16 @@ def main() -> int:
           f"{args.threads} threads: {len(reqs)} jobs, prefill "
           f"{engine.stats.prefill_tokens} tokens, {engine.stats.completion_tokens} new tokens, {total:.1f} s in the engine")
     print(f"linear rate here: {rates[2048]:.0f} GFLOP/s at 2048 rows (the GEMM rate of the attention floor), "
-          f"{rates[64]:.0f} at 64 rows (oneDNN); memory read {bandwidth:.1f} GB/s (the decode KV floor)\n")
-    print("| phase | forwards | tokens | wall s | linear s | attention s | other s | matmul floor s | wall / floor "
-          "| attention GFLOP | attention GFLOP/s | attention floor s | wall / both floors | decode KV read GB "
-          "| KV read floor s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    report = {"total_s": total, "rates": rates, "phases": {}}
+          f"{rates[64]:.0f} at 64 rows (oneDNN); memory read {bandwidth:.1f} GB/s (the decode KV floor)")
+    drift = rates[2048] / rate_before
+    print(f"before the run, {rate_before:.0f} GFLOP/s at 2048 rows: "
+          + ("steady" if abs(drift - 1) <= 0.1 else f"the machine drifted by {drift - 1:+.0%}: "
+             "no ratio to a floor below is firm") + "\n")
+    print("| phase | forwards | tokens | wall s | linear s | attention s | other s | matmul floor s | linear / floor "
+          "| wall / floor | attention GFLOP | attention GFLOP/s | attention floor s | wall / both floors "
+          "| decode KV read GB | KV read floor s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    report = {"total_s": total, "rates": rates, "rate_before_2048": rate_before, "phases": {}}
     for name in ("prefill", "mixed", "decode"):
         ph = phases.get(name)
         if not ph:
@@ -278,7 +289,8 @@ def main() -> int:
         attention_floor = ph["attention_gflop"] / rates[2048]  # attention's FLOPs at the GEMM rate
         other = ph["wall"] - ph["linear_measured"] - ph["attention"]
         print(f"| {name} | {ph['forwards']:.0f} | {ph['tokens']:.0f} | {ph['wall']:.2f} | {ph['linear_measured']:.2f} | "
-              f"{ph['attention']:.2f} | {other:.2f} | {floor:.2f} | {ph['wall'] / floor:.2f} | "
+              f"{ph['attention']:.2f} | {other:.2f} | {floor:.2f} | {ph['linear_measured'] / floor:.2f} | "
+              f"{ph['wall'] / floor:.2f} | "
               f"{ph['attention_gflop']:.0f} | {ph['attention_gflop'] / max(ph['attention'], 1e-9):.0f} | "
               f"{attention_floor:.2f} | {ph['wall'] / (floor + attention_floor):.2f} | {ph['kv_gb']:.1f} | "
               f"{ph['kv_gb'] / bandwidth:.2f} |")
