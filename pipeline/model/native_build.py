@@ -120,6 +120,12 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def build_error() -> str | None:
+    """Why a layout's library could not be built in this process (the first one that failed), or None:
+    where it could not, their work ran on PyTorch's kernels instead, slower, and a run says so."""
+    return next(iter(_errors.values()), None)
+
+
 def _lib(fold: int, head: int) -> ctypes.CDLL | None:
     """The library for this layout, built on the first call; None if it cannot be built."""
     key = (fold, head)

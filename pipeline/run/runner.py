@@ -198,11 +198,13 @@ class _Run:
                             "rerun the same command to resume")
         counts = self._write_output()
         stats = committer.finished
+        from pipeline.model.native_build import build_error  # torch-free; loaded already by the prepack
         about = {"attention_path": (engine or new_engine()).attention_path,
                  "attention_kernels": used(compiled=stats.compiled_attention_layers,
                                            pytorch=stats.pytorch_attention_layers),
                  "model_code": used(batchgen=stats.own_decoder_forwards, transformers=stats.transformers_forwards),
                  "decoder_declined": self.model.decoder_declined,
+                 "kernels_build_error": build_error(),
                  "packed_weights": self.model.packed_weights,
                  "output": self.output,
                  "errors_file": errors_path(self.output, fmt) if counts.failed else None,

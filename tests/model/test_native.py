@@ -325,13 +325,24 @@ def test_layouts_it_does_not_serve():
     assert "9 query heads over 1 key heads" in native.why_not(torch.float32, 9, 1, 64, 64)
 
 
+def _unbuildable(monkeypatch, tmp_path):
+    """From now on (for this test) the kernels cannot be built: no C compiler, an empty cache, and
+    nothing built or checked yet (fresh caches, the test's own: the process's are left as they were)."""
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path / "cache"))
+    libs, errors = {}, {}
+    for module in (native, native_build):
+        monkeypatch.setattr(module, "_libs", libs)
+        monkeypatch.setattr(module, "_errors", errors)
+    monkeypatch.setattr(attention, "_NATIVE_OK", {})
+    monkeypatch.setattr(native, "_prefill_kernels", {})
+
+
 def test_switched_off_and_unbuildable(monkeypatch, tmp_path):
     monkeypatch.setenv("BATCHGEN_NATIVE", "0")
     assert native.why_not(torch.float32, 4, 2, 64, 64) == "BATCHGEN_NATIVE=0"
     monkeypatch.delenv("BATCHGEN_NATIVE")
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(native, "_libs", {})
+    _unbuildable(monkeypatch, tmp_path)
     assert not native.supports(torch.float32, 4, 2, 48, 48)
     assert "could not be built" in native.why_not(torch.float32, 4, 2, 48, 48)
 
@@ -442,7 +453,25 @@ def test_the_summary_says_which_kernels_ran(tmp_path, model_dir, monkeypatch):
         monkeypatch.setenv("BATCHGEN_NATIVE", flag)
         out = tmp_path / f"out{flag}.parquet"
         run(["process", str(src), "-o", str(out), "--max-new-tokens", "3"], model_dir)
-        assert json.loads((tmp_path / f"out{flag}.parquet.summary.json").read_text())["attention_kernels"] == want
+        summary = json.loads((tmp_path / f"out{flag}.parquet.summary.json").read_text())
+        assert summary["attention_kernels"] == want and summary["kernels_build_error"] is None
+
+
+def test_a_run_says_when_the_kernels_could_not_be_built(tmp_path, model_dir, monkeypatch):
+    """Without a C compiler (a slim container) a run still completes, on PyTorch's kernels, and says
+    why it ran slower: in its summary (`kernels_build_error`) and in a note on stderr."""
+    import json
+
+    from tests.helpers.cli_helpers import run, write_jsonl
+
+    _unbuildable(monkeypatch, tmp_path)
+    src = write_jsonl(tmp_path / "jobs.jsonl", [{"prompt": f"One shared system prompt. Question {i}"}
+                                                for i in range(3)])
+    result = run(["process", str(src), "-o", str(tmp_path / "out.parquet"), "--max-new-tokens", "3"], model_dir)
+    summary = json.loads((tmp_path / "out.parquet.summary.json").read_text())
+    assert summary["completed"] == 3 and summary["attention_kernels"] == "pytorch"
+    assert "no-such-compiler" in summary["kernels_build_error"]
+    assert "the compiled CPU kernels could not be built" in result.output and "no-such-compiler" in result.output
 
 
 @pytest.mark.parametrize("march", ["skylake-avx512", "cascadelake", "sapphirerapids", "x86-64-v3", "x86-64-v2"])
