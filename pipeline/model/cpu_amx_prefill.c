@@ -11,7 +11,7 @@
  *   outputs^T [D][rows] += values^T [D][keys] . weights^T, the values transposed once per call
  *     (`pack_vt`): each anchor once for every segment reading it, each segment's own keys once for
  *     its items.
- * Included by cpu_prefill.c after its Prefill job (not built alone); native_build.py hashes it
+ * Included by cpu_prefill.c after its Prefill job and `tile_out` (not built alone); native_build.py hashes it
  * into the library's name. */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 typedef struct {
@@ -105,15 +105,7 @@ static void amx_prefill_item(const void *arg, int w, void *scratch) {
     amx_prefill_keys(b, own, p->packed + p->own_at[seg] + h * lo * D, lo, (int64_t)pos[W * nv - 1] + 1, 1, nv,
                      job->scale);
     _tile_release();
-    for (int u = 0; u < nv; u++) { /* outputs^T over the sums, then 16 x 16 blocks turned into rows */
-        __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), (__m512)b->sum[u]), r[16];
-        for (int i0 = 0; i0 < D; i0 += W) {
-            for (int i = 0; i < W; i++) r[i] = _mm512_mul_ps((__m512)ld(b->ot, (i0 + i) * AL + W * u, 0), inv);
-            transpose16(r);
-            for (int l = W * u; l < W * u + W && l < real; l++)
-                put(job->out, (tok[l] * job->hq + head[l]) * D + i0, (vf)r[l - W * u], job->out_bf16);
-        }
-    }
+    tile_out(job->out, job->out_bf16, job->hq, tok, head, b->ot, AL, b->sum, real);
 }
 
 /* The job's segments on AMX tiles (job->items: (segment, key head, first of AL lanes)): their values

@@ -9,7 +9,7 @@
  *     bfloat16 flash attention and matmuls round them), their sum taken before rounding;
  *   outputs [D][lanes] += values^T . weights, the weights of each pair of keys interleaved per
  *     lane, the values of the pair interleaved per dimension once per 16 keys.
- * Included by cpu_prefill.c, after cpu_tiles.c's Tile and helpers (not built alone); native_build.py
+ * Included by cpu_prefill.c, after cpu_tiles.c's Tile and helpers and `tile_out` (not built alone); native_build.py
  * hashes it into the library's name. */
 #if defined(__AVX512BF16__)
 enum { TILE_BF16 = 1 };
@@ -104,18 +104,6 @@ static void tile_bf16_keys(TileBf *t, const uint16_t *keys, const uint16_t *valu
     }
 }
 
-/* The first `rows` lanes' outputs, each divided by its sum of weights. */
-static void tile_bf16_out(const TileBf *t, void *out, int out_bf16, int hq, const int64_t *tok, const int64_t *head,
-                          int64_t rows) {
-    for (int l = 0; l < W && l < rows; l++) {
-        float inv = 1.0f / t->sum[l];
-        for (int c = 0; c < D / W; c++) {
-            vf x;
-            for (int i = 0; i < W; i++) x[i] = t->ot[(W * c + i) * W + l] * inv;
-            put(out, (tok[l] * hq + head[l]) * D + W * c, x, out_bf16);
-        }
-    }
-}
 #else
 enum { TILE_BF16 = 0 }; /* bfloat16 widened to float32 by the float32 tile instead */
 static int bf16_dots_fast(void) { return 0; }

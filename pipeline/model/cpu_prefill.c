@@ -19,6 +19,32 @@ typedef struct {
     int kernel;     /* `PREFILL_*` */
 } Prefill;
 
+/* The first `real` of a prefill tile's `lanes` lanes out (every prefill kernel's): ot [D][lanes] divided by each lane's sum
+ * (sum[l / W][l % W]) into out [token][head][D], lane l being query head head[l] of token tok[l]. */
+static void tile_out(void *out, int out_bf16, int hq, const int64_t *tok, const int64_t *head, const float *ot,
+                     int lanes, const vf *sum, int real) {
+    real = real < lanes ? real : lanes;
+#if defined(__AVX512F__)
+    for (int g = 0; g < real; g += W)
+        for (int c = 0; c < D / W; c++) {
+            __m512 r[W];
+            for (int i = 0; i < W; i++) r[i] = (__m512)ld(ot, (W * c + i) * lanes + g, 0);
+            transpose16(r); /* r[l]: lane g + l's dimensions W c .. W c + W - 1 */
+            for (int l = 0; l < W && g + l < real; l++)
+                put(out, (tok[g + l] * hq + head[g + l]) * D + W * c, (vf)r[l] * (1.0f / sum[(g + l) / W][l]), out_bf16);
+        }
+#else
+    for (int l = 0; l < real; l++) {
+        float inv = 1.0f / sum[l / W][l % W];
+        for (int c = 0; c < D / W; c++) {
+            vf x;
+            for (int i = 0; i < W; i++) x[i] = ot[(W * c + i) * lanes + l] * inv;
+            put(out, (tok[l] * hq + head[l]) * D + W * c, x, out_bf16);
+        }
+    }
+#endif
+}
+
 /* bfloat16 prefill: widened to float32 on the float32 tile, on AVX-512 BF16 dot products (cpu_bf16.c)
  * where the build has them, on AMX tiles (cpu_amx_prefill.c) where the CPU has them and Linux lends them */
 #include "cpu_bf16.c"        /* the 16-lane tile on AVX-512 BF16 dot products */
@@ -45,31 +71,6 @@ static PrefillLanes prefill_lanes(const Prefill *job, int w, int lanes, int64_t 
     return p;
 }
 
-/* The first `real` of a prefill tile's `lanes` lanes out: ot [D][lanes] divided by each lane's sum
- * (sum[l / W][l % W]) into out [token][head][D], lane l being query head head[l] of token tok[l]. */
-static void tile_out(void *out, int out_bf16, int hq, const int64_t *tok, const int64_t *head, const float *ot,
-                     int lanes, const vf *sum, int real) {
-    real = real < lanes ? real : lanes;
-#if defined(__AVX512F__)
-    for (int g = 0; g < real; g += W)
-        for (int c = 0; c < D / W; c++) {
-            __m512 r[W];
-            for (int i = 0; i < W; i++) r[i] = (__m512)ld(ot, (W * c + i) * lanes + g, 0);
-            transpose16(r); /* r[l]: lane g + l's dimensions W c .. W c + W - 1 */
-            for (int l = 0; l < W && g + l < real; l++)
-                put(out, (tok[g + l] * hq + head[g + l]) * D + W * c, (vf)r[l] * (1.0f / sum[(g + l) / W][l]), out_bf16);
-        }
-#else
-    for (int l = 0; l < real; l++) {
-        float inv = 1.0f / sum[l / W][l % W];
-        for (int c = 0; c < D / W; c++) {
-            vf x;
-            for (int i = 0; i < W; i++) x[i] = ot[(W * c + i) * lanes + l] * inv;
-            put(out, (tok[l] * hq + head[l]) * D + W * c, x, out_bf16);
-        }
-    }
-#endif
-}
 
 static void prefill_item(const void *arg, int w, void *scratch) {
     const Prefill *job = arg;
@@ -87,7 +88,7 @@ static void prefill_item(const void *arg, int w, void *scratch) {
             tile_bf16_keys(b, (const uint16_t *)ak + p.h * p.la * D, (const uint16_t *)av + p.h * p.la * D, p.la, 0,
                            job->scale);
         tile_bf16_keys(b, (const uint16_t *)mk, (const uint16_t *)mv, (int64_t)pos[W - 1] + 1, 1, job->scale);
-        tile_bf16_out(b, job->out, job->out_bf16, job->hq, tok, head, p.rows - p.r0);
+        tile_out(job->out, job->out_bf16, job->hq, tok, head, b->ot, W, &b->sum, p.rows - p.r0);
         return;
     }
 #endif
