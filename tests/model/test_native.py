@@ -28,25 +28,25 @@ needs_kernel = pytest.mark.skipif(not native.supports(torch.float32, 4, 2, 64, 6
 BUILDS = ["native"] + (["x86-64-v3"] if {"avx512f", "avx2", "fma"} <= cpu_flags() else [])
 
 
+def _fresh_kernel_caches(monkeypatch):
+    """For this test, nothing built or checked yet: every cache of built or checked kernels a fresh
+    dict of the test's own (the process's are left as they were, and are back after it)."""
+    libs, errors = {}, {}
+    for module in (native, native_build):  # native imports both dicts by name
+        monkeypatch.setattr(module, "_libs", libs)
+        monkeypatch.setattr(module, "_errors", errors)
+    monkeypatch.setattr(attention, "_NATIVE_OK", {})
+    monkeypatch.setattr(native, "_prefill_kernels", {})
+
+
 @pytest.fixture(params=BUILDS)
 def build(request, monkeypatch):
-    """The test runs on each of `BUILDS` in turn (every cache of built or checked kernels emptied
-    for the other build, then put back)."""
-    if request.param == "native":
-        yield request.param
-        return
-    caches = (native_build._libs, native_build._errors, attention._NATIVE_OK, native._prefill_kernels)
-    saved = [dict(c) for c in caches]
-    for c in caches:
-        c.clear()
-    build_for(monkeypatch, request.param)
-    try:
+    """The test runs on each of `BUILDS` in turn (the other build with caches of its own)."""
+    if request.param != "native":
+        _fresh_kernel_caches(monkeypatch)
+        build_for(monkeypatch, request.param)
         assert native.supports(torch.float32, 4, 2, 64, 64), native.why_not(torch.float32, 4, 2, 64, 64)
-        yield request.param
-    finally:
-        for c, old in zip(caches, saved):
-            c.clear()
-            c.update(old)
+    return request.param
 
 
 def _case(hq, hkv, d, dtype, seed=0):
@@ -327,15 +327,10 @@ def test_layouts_it_does_not_serve():
 
 def _unbuildable(monkeypatch, tmp_path):
     """From now on (for this test) the kernels cannot be built: no C compiler, an empty cache, and
-    nothing built or checked yet (fresh caches, the test's own: the process's are left as they were)."""
+    nothing built or checked yet."""
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path / "cache"))
-    libs, errors = {}, {}
-    for module in (native, native_build):
-        monkeypatch.setattr(module, "_libs", libs)
-        monkeypatch.setattr(module, "_errors", errors)
-    monkeypatch.setattr(attention, "_NATIVE_OK", {})
-    monkeypatch.setattr(native, "_prefill_kernels", {})
+    _fresh_kernel_caches(monkeypatch)
 
 
 def test_switched_off_and_unbuildable(monkeypatch, tmp_path):
