@@ -237,15 +237,10 @@ def process(inputs, output, model, trust_remote_code, adapters, device, dtype, m
     if summary["failed"]:
         click.echo(f"errors: {summary['errors_file']}", err=True)
     if summary.get("kernels_build_error"):
-        why = _first_line(summary["kernels_build_error"])
+        why = summary["kernels_build_error"].splitlines()[0][:200]  # its first line (stripped: never empty)
         click.echo(f"batchgen: note: the compiled CPU kernels could not be built ({why}); the work ran on "
                    "PyTorch's kernels instead, with the same results but slower. A C compiler (`cc`, or the one "
                    "$CC names) gives the fast path.", err=True)
-
-
-def _first_line(text: str, limit: int = 200) -> str:
-    line = text.strip().splitlines()[0] if text.strip() else text
-    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 @main.command(epilog="\b\nExample:\n  batchgen plan data/fewshot.jsonl --min-shared-tokens 8")
