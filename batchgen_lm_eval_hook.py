@@ -3,7 +3,7 @@
 runs at every start of Python, before a program sets up its sys.path, so importing it must not
 import (and fix the location of) the `pipeline` package. It adds an import hook and nothing else: when
 lm-eval imports its table of models (`lm_eval.models`), `batchgen` is added to it as the lazy
-target `pipeline.evalharness:BatchgenLM`, so neither lm-eval nor batchgen's backend is imported by
+target `batchgen.pipeline.evalharness:BatchgenLM`, so neither lm-eval nor batchgen's backend is imported by
 a program that does not use lm-eval.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 # the finder and loader below are duck-typed
 
 NAME = "batchgen"
-TARGET = "pipeline.evalharness:BatchgenLM"
+TARGET = "batchgen.pipeline.evalharness:BatchgenLM"
 _TABLE = "lm_eval.models"
 
 
@@ -55,7 +55,7 @@ class _Registering:
         self.inner.exec_module(module)
         from lm_eval.api.registry import model_registry
 
-        if NAME not in model_registry:  # importing pipeline.evalharness later upgrades it to the class
+        if NAME not in model_registry:  # importing batchgen.pipeline.evalharness later upgrades it to the class
             model_registry.register(NAME, target=TARGET)
 
 

@@ -6,12 +6,21 @@ pipeline, with the same validation and results as the `batchgen` command line.
     engine = batchgen.Engine.load("HuggingFaceTB/SmolLM2-360M-Instruct")      # a model kept loaded
     df = engine.generate(df, temperature=0.7, n=4)                            # DataFrame in, DataFrame out
 
-`jobs/` (rows in, results out) and `pipeline/` (tokenizing, planning, the engine) are the
-internals. Scoring (`batchgen.score`) will sit beside `generate` when it lands.
+`batchgen.jobs` (rows in, results out; the repository's `jobs/`) and `batchgen.pipeline`
+(tokenizing, planning, the engine; `pipeline/`) are the internals, installed under this package
+only (pyproject's package-dir), so a user's own `jobs.py` or `pipeline.py` never shadows them.
 """
-from pipeline import __version__
-
-from batchgen.api import Engine, generate
-from jobs.errors import BatchgenError, OptionError
+from batchgen.jobs.errors import BatchgenError, OptionError
+from batchgen.pipeline import __version__
 
 __all__ = ["BatchgenError", "Engine", "OptionError", "generate", "__version__"]
+
+
+def __getattr__(name: str):
+    # the API (pyarrow, the readers) loads on first use: `python -m batchgen` and every
+    # `batchgen.pipeline` import pass through this package and need none of it
+    if name in ("Engine", "generate"):
+        from batchgen import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'batchgen' has no attribute {name!r}")

@@ -16,11 +16,11 @@ from typing import Any, Callable, TypeVar
 import pyarrow as pa
 
 from batchgen.convert import ERROR, Source, results_as, source_of
-from jobs import GenerationDefaults, InvalidRow, Job, JobError, Location
-from jobs.checks import Checker
-from jobs.errors import keyword_option, option_names
-from jobs.params import CONSTRAINTS, PARAMS, constraint, split_fields
-from jobs.columns import CREATED, ORDER
+from batchgen.jobs import GenerationDefaults, InvalidRow, Job, JobError, Location
+from batchgen.jobs.checks import Checker
+from batchgen.jobs.errors import keyword_option, option_names
+from batchgen.jobs.params import CONSTRAINTS, PARAMS, constraint, split_fields
+from batchgen.jobs.columns import CREATED, ORDER
 
 # keyword options besides the generation parameters (jobs/params.py: PARAMS, CONSTRAINTS, aliases)
 RUN_OPTIONS = ("prompt_template", "system", "min_shared_tokens", "max_batch_tokens", "output_format", "overwrite",
@@ -64,8 +64,8 @@ class Engine:
     """A loaded model and its tokenizer, for repeated `generate` calls."""
 
     def __init__(self, model: Any, tokenizer: Any, *, name: str | None = None) -> None:
-        from pipeline.model.hf import as_forward
-        from pipeline.text.tokenize import Tokenizer
+        from batchgen.pipeline.model.hf import as_forward
+        from batchgen.pipeline.text.tokenize import Tokenizer
 
         self.model = as_forward(model)  # a transformers model, or one `Engine.load` loaded
         self.tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer(tokenizer)
@@ -77,11 +77,11 @@ class Engine:
     def load(cls, model: str | None = None, *, device: str = "auto", dtype: str = "auto",
              trust_remote_code: bool = False, threads: int | None = None) -> "Engine":
         """Load a model (a Hugging Face id or local directory; None: the embedded default model)."""
-        from pipeline.model.load import DEFAULT_MODEL, load_model
-        from pipeline.text.tokenize import Tokenizer
+        from batchgen.pipeline.model.load import DEFAULT_MODEL, load_model
+        from batchgen.pipeline.text.tokenize import Tokenizer
 
         if threads is not None:  # torch's threads are the process's: changed only when asked
-            from pipeline.model.kernels import set_threads
+            from batchgen.pipeline.model.kernels import set_threads
 
             set_threads(threads)
         loaded, source = load_model(model, device, dtype, trust_remote_code)
@@ -90,11 +90,11 @@ class Engine:
     @_keywords
     def generate(self, jobs: Any, *, output: str | None = None, progress: bool = False, **options: Any) -> Any:
         """As `batchgen.generate`, with this engine's model (loading options do not apply)."""
-        from pipeline.run.inmemory import tokenized
-        from pipeline.run.preflight import check_output
-        from pipeline.run.runner import fingerprint, write_results
+        from batchgen.pipeline.run.inmemory import tokenized
+        from batchgen.pipeline.run.preflight import check_output
+        from batchgen.pipeline.run.runner import fingerprint, write_results
 
-        from pipeline.run.adapters import Adapters
+        from batchgen.pipeline.run.adapters import Adapters
 
         opts = run_options(options)
         source = source_of(jobs)
@@ -117,9 +117,9 @@ class Engine:
         return results_as(source, _in_order(rows, errors, checked, schema), schema)
 
     def _read(self, source: Source, opts: Any, adapters: Any) -> tuple[dict[int, Job], dict[int, InvalidRow], pa.Schema]:
-        from jobs.readers import jobs_of_records
-        from pipeline.run.inmemory import checked_rows
-        from pipeline.run.inputrows import read_checked
+        from batchgen.jobs.readers import jobs_of_records
+        from batchgen.pipeline.run.inmemory import checked_rows
+        from batchgen.pipeline.run.inputrows import read_checked
 
         if source.kind == "files":
             return read_checked(source.paths, opts, adapters)
@@ -134,9 +134,9 @@ class Engine:
         """Result rows and error rows, each with its input position, as the CLI's runner makes them."""
         from tqdm.auto import tqdm
 
-        from pipeline.engine.engine import Engine as Core
-        from pipeline.text.expand import finished_jobs
-        from pipeline.text.results import job_rows
+        from batchgen.pipeline.engine.engine import Engine as Core
+        from batchgen.pipeline.text.expand import finished_jobs
+        from batchgen.pipeline.text.results import job_rows
 
         jobs = checked.jobs
         core = Core.for_model(self.model, self.tokenizer.eos_token_ids, min_shared_tokens=opts.min_shared_tokens,
@@ -156,7 +156,7 @@ class Engine:
 def run_options(options: dict[str, Any]) -> Any:
     """RunOptions from keyword options: generation parameters are checked as a job's fields are
     (location "options"), so an unsupported one is refused, not ignored."""
-    from pipeline.run.options import RunOptions
+    from batchgen.pipeline.run.options import RunOptions
 
     unknown = sorted(k for k in options if k not in RUN_OPTIONS and not _is_param(k))
     if unknown:
@@ -175,7 +175,7 @@ def run_options(options: dict[str, Any]) -> Any:
 
 def _adapter_specs(adapters: Any) -> tuple[str, ...]:
     """`adapters={"name": path}` as the CLI's `--adapter NAME=PATH` values."""
-    from jobs.errors import OptionError
+    from batchgen.jobs.errors import OptionError
 
     if not isinstance(adapters, dict):
         raise OptionError("adapters", f"must be a dict of name -> adapter directory, got {type(adapters).__name__}")
@@ -189,7 +189,7 @@ def _adapter_specs(adapters: Any) -> tuple[str, ...]:
 
 
 def _is_param(name: str) -> bool:
-    from jobs.params import RESERVED
+    from batchgen.jobs.params import RESERVED
 
     return name in RESERVED
 

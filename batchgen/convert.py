@@ -10,8 +10,8 @@ from typing import Any, Mapping
 
 import pyarrow as pa
 
-from jobs import JobError, Location
-from jobs.writers import conform_rows
+from batchgen.jobs import JobError, Location
+from batchgen.jobs.writers import conform_rows
 
 ERROR = "error"  # the results' extra column: why a job failed (null for those that ran)
 

@@ -40,7 +40,7 @@ def prepare(work: Path, adapters: int, jobs: int, max_new_tokens: int, rank: int
     import transformers
 
     from bench.corpus import system_prompt
-    from pipeline.model.load import default_model_path
+    from batchgen.pipeline.model.load import default_model_path
     from tests.helpers.tiny_adapters import make_adapter, merged
 
     source = default_model_path()

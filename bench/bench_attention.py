@@ -3,7 +3,7 @@
 Many rows decoding over one long shared prefix (the anchor): per layer, every row's query heads
 read the prefix's keys and values, 4 x rows x query heads x prefix x head size FLOPs, a matrix
 product ((rows x G) x D against D x L per key head). This times that call through the compiled
-kernels (`pipeline.model.native.decode_attention`, each row with a single own key, so the anchor is
+kernels (`batchgen.pipeline.model.native.decode_attention`, each row with a single own key, so the anchor is
 nearly all of it):
   blocked   the engine's kernel: the anchor as matrix products, on AMX tiles for bfloat16
             where the CPU has them (`native.amx`), else in AVX-512 registers
@@ -40,7 +40,7 @@ import time
 
 import torch
 
-from pipeline.model import attention, kernels, native
+from batchgen.pipeline.model import attention, kernels, native
 
 SYSTEMS = ("blocked", "avx512", "tiles", "pytorch", "bmm", "linear", "old")
 GEMM_ROWS = 2048

@@ -35,11 +35,11 @@ def main() -> None:
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--repeat", type=int, default=3)
     args = p.parse_args()
-    from jobs.params import Constraint
-    from pipeline.engine.engine import Engine
-    from pipeline.model.load import load_model
-    from pipeline.text.tokenize import Tokenizer
-    from pipeline.engine.types import Request, SamplingParams
+    from batchgen.jobs.params import Constraint
+    from batchgen.pipeline.engine.engine import Engine
+    from batchgen.pipeline.model.load import load_model
+    from batchgen.pipeline.text.tokenize import Tokenizer
+    from batchgen.pipeline.engine.types import Request, SamplingParams
 
     model, source = load_model(None, "cpu", "float32")
     tok = Tokenizer.load(source)
@@ -50,7 +50,7 @@ def main() -> None:
                for i in range(args.rows)]
     factory = tok.grammars.factory(Constraint("json_schema", json.dumps(SCHEMA)))
 
-    import pipeline.engine.engine as core
+    import batchgen.pipeline.engine.engine as core
 
     choosing = [0.0]
     plain_sample = core.sample

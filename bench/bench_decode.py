@@ -29,8 +29,8 @@ def prompts(b: int, p: int, seed: int = 0) -> list[list[int]]:
 
 
 def run_engine(model, ps, cascade: bool) -> dict:
-    from pipeline.engine.engine import Engine
-    from pipeline.engine.types import Request, SamplingParams
+    from batchgen.pipeline.engine.engine import Engine
+    from batchgen.pipeline.engine.types import Request, SamplingParams
 
     engine = Engine(model, eos_token_ids=[], min_shared_tokens=16, max_batch_tokens=10**9, cascade=cascade)
     steps = []
@@ -50,8 +50,8 @@ def run_engine(model, ps, cascade: bool) -> dict:
 
 
 def warm_up(model) -> None:
-    from pipeline.engine.engine import Engine
-    from pipeline.engine.types import Request, SamplingParams
+    from batchgen.pipeline.engine.engine import Engine
+    from batchgen.pipeline.engine.types import Request, SamplingParams
 
     if hasattr(model, "generate"):  # transformers' model
         with torch.inference_mode():
@@ -83,7 +83,7 @@ def run_generate(model, ps) -> dict:
 
 def child(system: str, b: int, p: int, threads: int, queue) -> None:
     torch.set_num_threads(threads)
-    from pipeline.model.load import load_model
+    from batchgen.pipeline.model.load import load_model
 
     base = _rss_mb()  # the interpreter and libraries: not the group's memory
     # the engine's paths on what a CLI run loads (batchgen's decoder), `generate` on transformers' model
@@ -107,7 +107,7 @@ def speed_child(systems: list[str], b: int, p: int, threads: int, repeat: int, q
     """Decode step times of every system, measured in turns in one process: the host's speed drifts
     by tens of percent over minutes here, and turns make a slow spell hit every system alike."""
     torch.set_num_threads(threads)
-    from pipeline.model.load import load_model
+    from batchgen.pipeline.model.load import load_model
 
     own = load_model(None, "cpu", "float32")[0] if set(systems) - {"generate"} else None
     hf = load_model(None, "cpu", "float32", own_decoder=False)[0] if "generate" in systems else None
@@ -161,7 +161,7 @@ def main() -> None:
 
     from transformers import AutoConfig
 
-    from pipeline.model.load import default_model_path
+    from batchgen.pipeline.model.load import default_model_path
 
     path = default_model_path()  # the parent loads no weights: children start small
     per_token = kv_bytes_per_token(AutoConfig.from_pretrained(path))

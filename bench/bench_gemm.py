@@ -35,7 +35,7 @@ SHAPES = [(HIDDEN, 960), (HIDDEN, HIDDEN), (HIDDEN, 2 * INTER), (INTER, HIDDEN)]
 def layers_alone(rows_list: list[int], layers: int, rounds: int, old: str | None = None) -> None:
     """`old`: a git revision whose GEMM (built from its kernel sources) runs beside this one's, in the
     same rounds: the A/B of two builds (its outputs checked for the same bits)."""
-    from pipeline.model import kernels, native
+    from batchgen.pipeline.model import kernels, native
 
     gemm = native.gemm(torch.float32, 9, 3, 64)
     if gemm is None:
@@ -80,7 +80,7 @@ def layers_alone(rows_list: list[int], layers: int, rounds: int, old: str | None
 def gated_alone(rows_list: list[int], layers: int, rounds: int) -> None:
     """The MLP's gate: the gate and up projections (576 -> 1,536 each) then `silu_mul` (two GEMM
     passes and an elementwise one), against `Gemm.glu`'s one pass; their bits checked equal."""
-    from pipeline.model import kernels, native
+    from batchgen.pipeline.model import kernels, native
 
     gemm, ops = native.gemm(torch.float32, 9, 3, 64), native.layer_ops(torch.float32, 9, 3, 64, HIDDEN, INTER)
     if gemm is None or ops is None:
@@ -116,11 +116,11 @@ def engine_turns(turns: int, jobs: int, workload: str) -> None:
     from transformers import AutoTokenizer
 
     from bench import corpus
-    from pipeline.engine.engine import Engine
-    from pipeline.engine.types import Request, SamplingParams
-    from pipeline.model import kernels
-    from pipeline.model.decoder import Decoder
-    from pipeline.model.load import load_model
+    from batchgen.pipeline.engine.engine import Engine
+    from batchgen.pipeline.engine.types import Request, SamplingParams
+    from batchgen.pipeline.model import kernels
+    from batchgen.pipeline.model.decoder import Decoder
+    from batchgen.pipeline.model.load import load_model
 
     ours, source = load_model(None, "cpu", "float32")
     os.environ["BATCHGEN_GEMM"] = "0"

@@ -140,7 +140,7 @@ def main() -> None:
     torch.set_num_threads(1)
     from transformers import AutoTokenizer
 
-    from pipeline.model.load import default_model_path
+    from batchgen.pipeline.model.load import default_model_path
 
     hf = AutoTokenizer.from_pretrained(default_model_path())
     vocab = len(hf)

@@ -26,7 +26,7 @@ import torch
 
 from bench.bench_attention import cpu_model
 from bench.bench_profile import bucket, linear_rate, model_linears
-from pipeline.model import native
+from batchgen.pipeline.model import native
 
 
 def old_library(rev: str, fold: int, head: int, out: Path) -> ctypes.CDLL:
@@ -58,9 +58,9 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     from bench import corpus
-    from pipeline.engine.engine import Engine
-    from pipeline.engine.types import Request, SamplingParams
-    from pipeline.model.load import load_model
+    from batchgen.pipeline.engine.engine import Engine
+    from batchgen.pipeline.engine.types import Request, SamplingParams
+    from batchgen.pipeline.model.load import load_model
 
     model, source = load_model(None, "cpu", args.dtype, own_decoder=True)
     tok = AutoTokenizer.from_pretrained(source)

@@ -25,10 +25,10 @@ def engine_turns(dtype: str, turns: int, jobs: int, workload: str) -> None:
     from transformers import AutoTokenizer
 
     from bench import corpus
-    from pipeline.engine.engine import Engine
-    from pipeline.engine.types import Request, SamplingParams
-    from pipeline.model.decoder import Decoder
-    from pipeline.model.load import load_model
+    from batchgen.pipeline.engine.engine import Engine
+    from batchgen.pipeline.engine.types import Request, SamplingParams
+    from batchgen.pipeline.model.decoder import Decoder
+    from batchgen.pipeline.model.load import load_model
 
     model, source = load_model(None, "cpu", dtype)
     if not isinstance(model, Decoder) or model.ops is None:
@@ -78,8 +78,8 @@ def _median_ms(fn, reps: int = 10, rounds: int = 7) -> float:
 
 
 def kernels_alone(rows: int) -> None:
-    from pipeline.model import native
-    from pipeline.model.decoder import Decoder
+    from batchgen.pipeline.model import native
+    from batchgen.pipeline.model.decoder import Decoder
 
     ops = native.layer_ops(torch.float32, 9, 3, 64, 576, 1536)
     if ops is None:

@@ -90,7 +90,7 @@ def main() -> int:
     p.add_argument("--hf-batch-sizes", default="16,32")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     args = p.parse_args()
-    from pipeline.model.load import default_model_path
+    from batchgen.pipeline.model.load import default_model_path
 
     model_dir = default_model_path()
     bindir = Path(sys.executable).parent
@@ -141,10 +141,10 @@ def prefill_work(task_dir: Path, tasks: str) -> dict[str, int]:
     """The engine's prefill on exactly the requests lm-eval builds, and the radix-tree bound."""
     from lm_eval.tasks import TaskManager, get_task_dict
 
-    import pipeline.evalharness  # noqa: F401
-    from pipeline.engine.engine import Engine
-    from pipeline.engine.prefix_tree import PrefixTree
-    from pipeline.engine.types import Request, SamplingParams
+    import batchgen.pipeline.evalharness  # noqa: F401
+    from batchgen.pipeline.engine.engine import Engine
+    from batchgen.pipeline.engine.prefix_tree import PrefixTree
+    from batchgen.pipeline.engine.types import Request, SamplingParams
 
     lm = __import__("lm_eval.api.registry", fromlist=["get_model"]).get_model("batchgen").create_from_arg_string(
         "dtype=float32", {})

@@ -29,7 +29,7 @@ def write_adapter(directory: Path, config, rank: int, seed: int) -> Path:
     """A random LoRA adapter of `rank` on every projection, as peft's `save_pretrained` lays it out."""
     from safetensors.torch import save_file
 
-    from pipeline.model.adapter_files import base_shape
+    from batchgen.pipeline.model.adapter_files import base_shape
 
     shape, g = base_shape(config), torch.Generator().manual_seed(seed)
     tensors = {}
@@ -50,8 +50,8 @@ def write_adapter(directory: Path, config, rank: int, seed: int) -> Path:
 def decode_step(forward, rows: int, context: int, adapters: int):
     """A decode step of `rows` rows over `context` own tokens each, rows round-robin over adapters 0..n
     (0 alone when n is 0; 1..n otherwise: every row on an adapter)."""
-    from pipeline.model.kv import RowKV
-    from pipeline.model.step import Decode, build
+    from batchgen.pipeline.model.kv import RowKV
+    from batchgen.pipeline.model.step import Decode, build
 
     kv = RowKV(forward.layer_shapes(), rows, context + 8, forward.dtype, forward.device)
     for s in kv.take(rows):
@@ -71,10 +71,10 @@ def main() -> None:
     p.add_argument("--hf", action="store_true", help="also transformers' model code")
     args = p.parse_args()
 
-    from pipeline.model import kernels
-    from pipeline.model.adapter_files import inspect_adapter
-    from pipeline.model.hf import HFModel
-    from pipeline.model.load import load_model
+    from batchgen.pipeline.model import kernels
+    from batchgen.pipeline.model.adapter_files import inspect_adapter
+    from batchgen.pipeline.model.hf import HFModel
+    from batchgen.pipeline.model.load import load_model
 
     threads = kernels.set_threads()
     counts = [int(x) for x in args.adapters.split(",")]

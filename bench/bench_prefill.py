@@ -1,4 +1,4 @@
-"""Prefill attention's tile (`pipeline.model.native.prefill_attention`), one layer, by dtype and path:
+"""Prefill attention's tile (`batchgen.pipeline.model.native.prefill_attention`), one layer, by dtype and path:
   float32       the float32 tile
   bf16-widened  bfloat16 widened to float32 on the float32 tile (what CPUs without AVX-512 BF16 run)
   bf16-dots     bfloat16 on AVX-512 BF16 dot products (`cpu_bf16.c`; where `native.bf16_dots` says)
@@ -24,7 +24,7 @@ import torch
 
 from bench.bench_attention import cpu_model
 from bench.bench_kernel_turns import old_library
-from pipeline.model import native
+from batchgen.pipeline.model import native
 
 def case(dtype: torch.dtype, hq: int, hkv: int, d: int, suffixes: int, anchor: int, seed: int = 0):
     """The call's arguments and its FLOPs: `suffixes` rows of 30-400 tokens in row slots, each over

@@ -52,9 +52,9 @@ VIEWS = {"aten::view", "aten::reshape", "aten::transpose", "aten::slice", "aten:
 
 def model_linears(model) -> list[tuple[str, object, str, int, int]]:
     """(name, holder, attribute, in, out) of every weight matmul the model's forwards run, each
-    called as `getattr(holder, attribute)`: the decoder's fused layers (`pipeline.model.decoder`) or a
+    called as `getattr(holder, attribute)`: the decoder's fused layers (`batchgen.pipeline.model.decoder`) or a
     transformers model's `nn.Linear` modules."""
-    from pipeline.model.decoder import Decoder
+    from batchgen.pipeline.model.decoder import Decoder
 
     if isinstance(model, Decoder):
         c = model.config
@@ -71,8 +71,8 @@ def model_linears(model) -> list[tuple[str, object, str, int, int]]:
 
 def linear_rate(dtype: torch.dtype, m: int, model, clock=time.perf_counter) -> float:
     """GFLOP/s of the model's own linear layers (one layer's) at M rows, run as the engine runs them."""
-    from pipeline.model import kernels
-    from pipeline.model.decoder import Decoder
+    from batchgen.pipeline.model import kernels
+    from batchgen.pipeline.model.decoder import Decoder
 
     if isinstance(model, Decoder):
         calls = [(getattr(holder, attr), i, o) for name, holder, attr, i, o in model_linears(model)
@@ -119,7 +119,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--max-new-tokens", type=int, default=None, help="the workload's own if not given")
     p.add_argument("--anchors", default="matmul", choices=["matmul", "matmul-avx512", "tiles"],
-                   help="the compiled decode kernel's anchors (pipeline.model.native.ANCHORS): tiles is the kernel "
+                   help="the compiled decode kernel's anchors (batchgen.pipeline.model.native.ANCHORS): tiles is the kernel "
                         "the matrix products replaced")
     p.add_argument("--json", default=None)
     p.add_argument("--model-code", default="batchgen", choices=["batchgen", "transformers"],
@@ -128,12 +128,12 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
-    from pipeline.model import attention
-    from pipeline.engine.engine import Engine
-    from pipeline.model.load import load_model
-    from pipeline.engine.types import Request, SamplingParams
+    from batchgen.pipeline.model import attention
+    from batchgen.pipeline.engine.engine import Engine
+    from batchgen.pipeline.model.load import load_model
+    from batchgen.pipeline.engine.types import Request, SamplingParams
 
-    from pipeline.model.decoder import Decoder
+    from batchgen.pipeline.model.decoder import Decoder
 
     model, source = load_model(None, "cpu", args.dtype, own_decoder=args.model_code == "batchgen")
     tok = AutoTokenizer.from_pretrained(source)
@@ -208,7 +208,7 @@ def main() -> int:
         timer["prefill_kernel"] += time.perf_counter() - t
         return result
 
-    from pipeline.model.step import Step
+    from batchgen.pipeline.model.step import Step
 
     real_store = Step.store
     Step.store = timing(real_store, "store")
@@ -316,7 +316,7 @@ def main() -> int:
 
 def kernels_per_decode_step(model, reqs, static: bool) -> int:
     """ATen ops that compute (no views) in one decode step of 32 rows."""
-    from pipeline.engine.engine import Engine
+    from batchgen.pipeline.engine.engine import Engine
 
     engine = Engine(model, eos_token_ids=[], static_decode=static)
     counts = []

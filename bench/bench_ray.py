@@ -12,8 +12,8 @@ import random
 import tempfile
 import time
 
-from jobs import GenerationDefaults
-from pipeline.run.runner import RunOptions, process
+from batchgen.jobs import GenerationDefaults
+from batchgen.pipeline.run.runner import RunOptions, process
 
 
 def job_file(path: str, groups: int, per_group: int, seed: int = 0) -> None:
@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     ap.add_argument("--workers", type=int, default=1)
     args = ap.parse_args()
-    from pipeline.run.ray_runner import process_ray
+    from batchgen.pipeline.run.ray_runner import process_ray
 
     d = tempfile.mkdtemp(prefix="bgbench-")
     src = os.path.join(d, "jobs.jsonl")

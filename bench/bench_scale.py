@@ -10,7 +10,7 @@ temporary directory. With `--tokenizer default`, `validate` and `plan` run on th
 model instead (SmolLM2's byte-level BPE, about 4 characters a token), the prompts sized in its tokens:
 what a user's file meets.
 
-Every command runs as its own process (`python -m pipeline ...`); its peak RSS is the kernel's
+Every command runs as its own process (`python -m batchgen ...`); its peak RSS is the kernel's
 (`os.wait4`), file-backed pages included; the worker processes `validate` and `plan` start on a
 big input (pipeline/run/workers.py) are reported apart, their peaks summed. "model" is the peak RSS of a process that only imports
 batchgen's engine and loads the model: `process` is reported above it too. After each `process`
@@ -131,7 +131,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     if args.tokenizer == "default":
         sys.path.insert(0, str(ROOT))
-        from pipeline.model.default_model import default_model_path
+        from batchgen.pipeline.model.default_model import default_model_path
 
         model, per_char, tag = default_model_path(), 0.25, "bpe-"
     else:
@@ -139,8 +139,8 @@ def main() -> None:
         if not (model / "config.json").exists():
             make_model(model)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.threads)}
-    py = [sys.executable, "-m", "pipeline"]
-    probe = [sys.executable, "-c", "import pipeline.engine.engine; from pipeline.model.load import load_model; "
+    py = [sys.executable, "-m", "batchgen"]
+    probe = [sys.executable, "-c", "import batchgen.pipeline.engine.engine; from batchgen.pipeline.model.load import load_model; "
              f"load_model({str(model)!r}, 'cpu', 'float32')"]
     _, model_rss, _, _, _ = measure(probe, env)
     print(f"model loaded: peak RSS {model_rss:.0f} MB", flush=True)

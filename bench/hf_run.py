@@ -23,7 +23,7 @@ def main() -> None:
     torch.set_num_threads(threads)
     from transformers import AutoTokenizer, GenerationConfig
 
-    from pipeline.model.load import load_model
+    from batchgen.pipeline.model.load import load_model
 
     model, source = load_model(None, "cpu", dtype, pack_weights=False, own_decoder=False)  # plain Hugging Face layers
     tok = AutoTokenizer.from_pretrained(source)

@@ -10,7 +10,7 @@ sees it. This process writes the two forward times (`time.monotonic()`, which on
 CLOCK_MONOTONIC, one clock for every process of the machine) to TIMES.json as it exits; the parent
 holds the other two.
 
-`Engine.forward` is wrapped when `pipeline.engine.engine` is first imported, by a one-shot import
+`Engine.forward` is wrapped when `batchgen.pipeline.engine.engine` is first imported, by a one-shot import
 hook, so this wrapper imports nothing (torch included) before batchgen itself would, and a start
 that overlaps its imports with reading the jobs is timed as it runs.
 """
@@ -24,7 +24,7 @@ import json
 import sys
 import time
 
-ENGINE_MODULE = "pipeline.engine.engine"
+ENGINE_MODULE = "batchgen.pipeline.engine.engine"
 
 
 class _Times:
@@ -80,7 +80,7 @@ def main() -> None:
     sys.meta_path.insert(0, _WrapOnImport(times))
     atexit.register(times.write)  # `batchgen`'s script runs the exit handlers before its os._exit
     sys.argv = ["batchgen"] + sys.argv[2:]
-    from pipeline.cli import script
+    from batchgen.pipeline.cli import script
 
     script()
 

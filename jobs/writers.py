@@ -1,5 +1,5 @@
 """Result writers: Parquet, JSON Lines, and OpenAI Batch API output, and the errors file and
-summary beside them; each one an :class:`~jobs.atomic.AtomicWriter` (atomic, symlink-safe).
+summary beside them; each one an :class:`~batchgen.jobs.atomic.AtomicWriter` (atomic, symlink-safe).
 """
 
 from __future__ import annotations

@@ -1,3 +1,3 @@
-from pipeline.cli import script
+from batchgen.pipeline.cli import script
 
 script()

@@ -8,8 +8,8 @@ import sys
 
 import click
 
-from pipeline import __version__
-from pipeline.engine.schedule import MAX_BATCH_TOKENS, MIN_SHARED_TOKENS
+from batchgen.pipeline import __version__
+from batchgen.pipeline.engine.schedule import MAX_BATCH_TOKENS, MIN_SHARED_TOKENS
 
 EXAMPLES = """
 \b
@@ -112,7 +112,7 @@ def _generation_options(f):
 def _defaults(kw):
     """The generation flags as the jobs' defaults, checked as a job's fields are: a bad value is a
     usage error of its flag (exit code 2), like the values click checks itself."""
-    from jobs import GenerationDefaults, JobValidationError
+    from batchgen.jobs import GenerationDefaults, JobValidationError
 
     schema = kw["json_schema"]
     if schema is not None and not schema.lstrip().startswith("{"):
@@ -198,10 +198,10 @@ def process(inputs, output, model, trust_remote_code, adapters, device, dtype, m
     Finished jobs are committed in OUTPUT.parts/ as they complete: after a crash, rerun the same
     command to resume. On SIGTERM/SIGINT the run commits what is finished and exits with code 75.
     """
-    from pipeline.run.progress import ProgressReport
-    from pipeline.run.options import RunOptions
-    from pipeline.run.runner import process as run_process
-    from pipeline.run.signals import PREEMPTED_EXIT_CODE, Preempted
+    from batchgen.pipeline.run.progress import ProgressReport
+    from batchgen.pipeline.run.options import RunOptions
+    from batchgen.pipeline.run.runner import process as run_process
+    from batchgen.pipeline.run.signals import PREEMPTED_EXIT_CODE, Preempted
 
     _quiet_hub_progress()
 
@@ -213,7 +213,7 @@ def process(inputs, output, model, trust_remote_code, adapters, device, dtype, m
                          window_jobs=window_jobs, window_tokens=window_tokens, engine=engine,
                          adapters=tuple(adapters))
     if engine == "ray":
-        from pipeline.run.ray_runner import process_ray
+        from batchgen.pipeline.run.ray_runner import process_ray
 
         summary = _guard(process_ray, list(inputs), output, options, address=address, workers=workers,
                          gpus_per_worker=gpus_per_worker)
@@ -257,8 +257,8 @@ def process(inputs, output, model, trust_remote_code, adapters, device, dtype, m
 def plan(inputs, model, trust_remote_code, adapters, dataset, split, prompt_template, system, min_shared_tokens,
          max_batch_tokens, top, as_json, window_jobs, window_tokens, **gen):
     """Show how INPUTS share prefixes and the predicted prefill saving (tokenizer only, no model)."""
-    from pipeline.run.planning import describe
-    from pipeline.run.workers import worker_count
+    from batchgen.pipeline.run.planning import describe
+    from batchgen.pipeline.run.workers import worker_count
 
     report = _guard(describe, list(inputs), _guard(_defaults, gen), model=model, dataset=dataset, split=split,
                     prompt_template=prompt_template, system=system, min_shared_tokens=min_shared_tokens,
@@ -298,9 +298,9 @@ def validate(inputs, model, trust_remote_code, adapters, dataset, split, prompt_
     columns, tokenization and the model's context window, LoRA adapters; the tokenizer, the
     config and the adapters' headers only, no weights) and report every problem with its file:line. Pass the --output-format and --engine
     that `process` will run with: they refuse jobs of their own (a scoring job under openai or ray)."""
-    from pipeline.run.preflight import check_inputs
-    from pipeline.run.options import RunOptions
-    from pipeline.run.workers import worker_count
+    from batchgen.pipeline.run.preflight import check_inputs
+    from batchgen.pipeline.run.options import RunOptions
+    from batchgen.pipeline.run.workers import worker_count
 
     options = RunOptions(model=model, defaults=_guard(_defaults, gen), prompt_template=prompt_template, system=system,
                          dataset=dataset, split=split, trust_remote_code=trust_remote_code,
@@ -321,7 +321,7 @@ def validate(inputs, model, trust_remote_code, adapters, dataset, split, prompt_
 def merge(shards, output, overwrite):
     """Join the outputs of `process --shard I/N` runs in input order, checking that every job of
     the input is present exactly once (in an output or an errors file)."""
-    from pipeline.run.sharding import merge as run_merge
+    from batchgen.pipeline.run.sharding import merge as run_merge
 
     summary = _guard(run_merge, list(shards), output, overwrite)
     click.echo(f"merged {summary['shards']} shards: {summary['completed']} jobs done, {summary['failed']} failed "
@@ -413,7 +413,7 @@ def _guard(fn, *args, **kwargs):
     """Call library code; its own errors (BatchgenError, one base class) become a clean CLI error:
     a bad option value a usage error (exit code 2), any other one line (exit code 1). Anything
     else is a bug and shows its traceback."""
-    from pipeline.errors import BatchgenError, OptionError
+    from batchgen.pipeline.errors import BatchgenError, OptionError
 
     try:
         return fn(*args, **kwargs)
@@ -429,7 +429,7 @@ def _guard(fn, *args, **kwargs):
 
 def _usage_error(name: str, message: str) -> click.BadParameter:
     """A bad value of option `name` (its keyword spelling) as click words its own: exit code 2."""
-    from jobs.errors import cli_flag
+    from batchgen.jobs.errors import cli_flag
 
     hint = "'-o' / '--output'" if name == "output" else f"'{cli_flag(name)}'"
     return click.BadParameter(message, ctx=click.get_current_context(silent=True), param_hint=hint)

@@ -27,12 +27,12 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import _add_special_kwargs, has_bos_prefix, normalize_gen_kwargs
 
-from jobs.checks import Checker
-from jobs.errors import JobValidationError, Location
-from jobs.params import PARAMS, normalize, split_fields
-from jobs.schema import GenerationDefaults
-from pipeline.engine.schedule import MAX_BATCH_TOKENS, MIN_SHARED_TOKENS
-from pipeline.engine.types import Request, SamplingParams
+from batchgen.jobs.checks import Checker
+from batchgen.jobs.errors import JobValidationError, Location
+from batchgen.jobs.params import PARAMS, normalize, split_fields
+from batchgen.jobs.schema import GenerationDefaults
+from batchgen.pipeline.engine.schedule import MAX_BATCH_TOKENS, MIN_SHARED_TOKENS
+from batchgen.pipeline.engine.types import Request, SamplingParams
 
 # generate_until's kwargs beside until, max_gen_toks, do_sample and temperature, as batchgen's job
 # fields: those of transformers' generate that the hf backend passes on and batchgen has
@@ -53,11 +53,11 @@ class BatchgenLM(TemplateLM):
                  trust_remote_code: bool = False, add_bos_token: bool | None = None, batch_size: Any = None,
                  threads: int | None = None, peft: str | None = None, **unused: Any) -> None:
         super().__init__()
-        from pipeline.engine.engine import Engine
-        from pipeline.model.kernels import set_threads
-        from pipeline.model.load import load_model
-        from pipeline.run.preflight import context_window
-        from pipeline.text.tokenize import Tokenizer
+        from batchgen.pipeline.engine.engine import Engine
+        from batchgen.pipeline.model.kernels import set_threads
+        from batchgen.pipeline.model.load import load_model
+        from batchgen.pipeline.run.preflight import context_window
+        from batchgen.pipeline.text.tokenize import Tokenizer
 
         if unused:
             raise ValueError(f"batchgen model_args: unknown {sorted(unused)}")
@@ -72,7 +72,7 @@ class BatchgenLM(TemplateLM):
                                        max_batch_tokens=int(max_batch_tokens))
         self.adapter = 0  # every request's adapter index: 1 with `peft`, else the base model
         if peft:
-            from pipeline.model.adapter_files import inspect_adapter
+            from batchgen.pipeline.model.adapter_files import inspect_adapter
 
             self.engine.model.set_adapters([inspect_adapter(peft, self.engine.model.config)])
             self.adapter = 1

@@ -3,7 +3,7 @@
 lm-eval 0.4.13 looks `--model` up in its own table of models only: it loads no entry points and
 has no plugin hook, and its command line resolves the name before any code of the user's runs.
 Its registry does take a lazy target ("module:Class") for a name, so batchgen puts one there: the
-`.pth` file this writes into site-packages (`python -m pipeline.lm_eval_plugin`; `make setup` runs
+`.pth` file this writes into site-packages (`python -m batchgen.pipeline.lm_eval_plugin`; `make setup` runs
 it) makes Python's `site` run `batchgen_lm_eval_hook.install()` at start-up, which adds an import
 hook that registers `batchgen` when lm-eval reads its table. `batchgen-lm-eval` runs lm-eval's
 command line without the `.pth` file.
@@ -33,7 +33,7 @@ def write_pth(site_dir: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m pipeline.lm_eval_plugin [--remove]`: write (or remove) the .pth file in this
+    """`python -m batchgen.pipeline.lm_eval_plugin [--remove]`: write (or remove) the .pth file in this
     Python's site-packages."""
     args = sys.argv[1:] if argv is None else argv
     site_dir = Path(sysconfig.get_path("purelib"))
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"wrote {write_pth(site_dir)}{' (replacing the old hook)' if old else ''}: "
               f"`lm_eval --model {NAME}` runs batchgen")
     else:
-        sys.exit("usage: python -m pipeline.lm_eval_plugin [--remove]")
+        sys.exit("usage: python -m batchgen.pipeline.lm_eval_plugin [--remove]")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ def pytest_sessionstart(session):
     """The references (transformers' forward and `generate` in this process) compute their rotary
     tables with ATen's cos: warm MKL's vector math first, as the engine does
     (`kernels.warm_vector_math`), so that no test compares against an inaccurate first call."""
-    from pipeline.model.kernels import warm_vector_math
+    from batchgen.pipeline.model.kernels import warm_vector_math
 
     warm_vector_math()
 

@@ -9,19 +9,19 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from pipeline.engine.loop import Pass
-from pipeline.model.forward import EngineError, Forward  # noqa: F401  (EngineError: part of the engine's API)
-from pipeline.model.hf import as_forward
-from pipeline.model.kernels import warm_vector_math
-from pipeline.engine.schedule import MAX_BATCH_TOKENS, MIN_SHARED_TOKENS, Plan, plan, tree_of
-from pipeline.model.step import Step
-from pipeline.engine.types import Completion, Request, RunStats
+from batchgen.pipeline.engine.loop import Pass
+from batchgen.pipeline.model.forward import EngineError, Forward  # noqa: F401  (EngineError: part of the engine's API)
+from batchgen.pipeline.model.hf import as_forward
+from batchgen.pipeline.model.kernels import warm_vector_math
+from batchgen.pipeline.engine.schedule import MAX_BATCH_TOKENS, MIN_SHARED_TOKENS, Plan, plan, tree_of
+from batchgen.pipeline.model.step import Step
+from batchgen.pipeline.engine.types import Completion, Request, RunStats
 
 
 class Engine:
     def __init__(
         self,
-        model: Forward | torch.nn.Module,  # a transformers model runs behind `pipeline.model.hf.HFModel`
+        model: Forward | torch.nn.Module,  # a transformers model runs behind `batchgen.pipeline.model.hf.HFModel`
         *,
         eos_token_ids: Iterable[int] = (),
         min_shared_tokens: int = MIN_SHARED_TOKENS,

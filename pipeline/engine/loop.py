@@ -29,15 +29,15 @@ from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 
-from pipeline.model import native
-from pipeline.model.kv import LayerShape, PrefixKV, RowKV
-from pipeline.engine.prefix_cache import PrefixCache
-from pipeline.engine.prefix_scores import Kept, PrefixScores
-from pipeline.engine.rows import Fill, Live, Wanted, record_logprobs, token_scores
-from pipeline.engine.sampling import row_state, sample
-from pipeline.engine.schedule import Plan, Prefix, Row
-from pipeline.model.step import Decode, Segment, StaticDecode, Step, build
-from pipeline.engine.types import Completion, Request, RunStats
+from batchgen.pipeline.model import native
+from batchgen.pipeline.model.kv import LayerShape, PrefixKV, RowKV
+from batchgen.pipeline.engine.prefix_cache import PrefixCache
+from batchgen.pipeline.engine.prefix_scores import Kept, PrefixScores
+from batchgen.pipeline.engine.rows import Fill, Live, Wanted, record_logprobs, token_scores
+from batchgen.pipeline.engine.sampling import row_state, sample
+from batchgen.pipeline.engine.schedule import Plan, Prefix, Row
+from batchgen.pipeline.model.step import Decode, Segment, StaticDecode, Step, build
+from batchgen.pipeline.engine.types import Completion, Request, RunStats
 
 SCORED_ROWS = 512  # scored prompt positions per forward: their logits (rows x vocabulary) are held together
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Generic, Iterable, Mapping, TypeVar
 
-from pipeline.engine.schedule import Prefix
+from batchgen.pipeline.engine.schedule import Prefix
 
 Held = TypeVar("Held")
 

@@ -15,10 +15,10 @@ from typing import Hashable, Mapping
 
 import torch
 
-from pipeline.engine.prefix_cache import PrefixCache
-from pipeline.engine.rows import token_scores
-from pipeline.engine.schedule import Plan, Prefix, Row
-from pipeline.engine.types import Request
+from batchgen.pipeline.engine.prefix_cache import PrefixCache
+from batchgen.pipeline.engine.rows import token_scores
+from batchgen.pipeline.engine.schedule import Plan, Prefix, Row
+from batchgen.pipeline.engine.types import Request
 
 
 @dataclass

@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipeline.engine.sampling import RowState
-from pipeline.engine.schedule import Row
-from pipeline.engine.types import Request, TokenLogprob
+from batchgen.pipeline.engine.sampling import RowState
+from batchgen.pipeline.engine.schedule import Row
+from batchgen.pipeline.engine.types import Request, TokenLogprob
 
 
 @dataclass

@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 
-from pipeline.engine.constrain import allowed_tokens
-from pipeline.engine.types import Request, SamplingParams
+from batchgen.pipeline.engine.constrain import allowed_tokens
+from batchgen.pipeline.engine.types import Request, SamplingParams
 
 if TYPE_CHECKING:
-    from pipeline.engine.constrain import Matcher
+    from batchgen.pipeline.engine.constrain import Matcher
 
 _GOLDEN = 0x9E3779B97F4A7C15  # spreads (seed, sample) pairs over the 64-bit seed space
 _MASK = (1 << 63) - 1

@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Hashable, Iterable, Mapping, Sequence
 
-from pipeline.engine.prefix_tree import Node, PrefixTree
+from batchgen.pipeline.engine.prefix_tree import Node, PrefixTree
 
 COPY_LIMIT = 16  # nested prefixes up to this many tokens below the anchor are copied into rows
 SLOT_ROUND = 16  # slot capacities are rounded up to this, so rows of similar length share a batch

@@ -21,8 +21,8 @@ from typing import Sequence
 
 import numpy as np
 
-from pipeline.engine.schedule import COPY_LIMIT, MAX_BATCH_TOKENS, MIN_SHARED_TOKENS, SLOT_ROUND, BatchShape
-from pipeline.engine.types import RequestShape
+from batchgen.pipeline.engine.schedule import COPY_LIMIT, MAX_BATCH_TOKENS, MIN_SHARED_TOKENS, SLOT_ROUND, BatchShape
+from batchgen.pipeline.engine.types import RequestShape
 
 
 @dataclass

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Hashable, NamedTuple
 
 if TYPE_CHECKING:
-    from pipeline.engine.constrain import Matcher
+    from batchgen.pipeline.engine.constrain import Matcher
 
 # Called with a row's generated ids; returns True when a stop string has appeared.
 StopCheck = Callable[[list[int]], bool]

@@ -7,7 +7,7 @@ classes, which import torch: `adapter_config.json` is parsed here with peft's fi
 `inspect_adapter(path, base)` returns an `AdapterInfo` or raises `AdapterError`, whose one-line
 message names the adapter's path and what is refused. `base` is the base model's config as the
 model layer has it without torch: the parsed `config.json` dict, a `DecoderConfig`, or a
-transformers config (what `pipeline.model.load.load_config` returns, or a `Forward`'s `config`);
+transformers config (what `batchgen.pipeline.model.load.load_config` returns, or a `Forward`'s `config`);
 its `hidden_size`, `num_attention_heads`, `num_key_value_heads`, `head_dim`, `intermediate_size`
 and `num_hidden_layers` give each projection's shape (missing key/value heads and head size
 default as transformers' Llama-family configs default them).
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import BatchgenError
-from pipeline.model.decoder_config import FLOAT_DTYPES
+from batchgen.pipeline.errors import BatchgenError
+from batchgen.pipeline.model.decoder_config import FLOAT_DTYPES
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"

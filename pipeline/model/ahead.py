@@ -18,12 +18,12 @@ import sys
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
-from pipeline.errors import BatchgenError
-from pipeline.model import load
-from pipeline.model.load import _own_decoder_config, model_source, resolve_device
+from batchgen.pipeline.errors import BatchgenError
+from batchgen.pipeline.model import load
+from batchgen.pipeline.model.load import _own_decoder_config, model_source, resolve_device
 
 if TYPE_CHECKING:
-    from pipeline.model.prepack import Prepack
+    from batchgen.pipeline.model.prepack import Prepack
 
 # While the model loads, a thread holding the GIL hands it on this often (Python's default is
 # 5 ms): each of the loader's torch ops needs the GIL back to return, and waiting the default at
@@ -38,7 +38,7 @@ class ModelAhead:
 
     def __init__(self, name_or_path: str | None, device: str = "auto", dtype: str = "auto",
                  trust_remote_code: bool = False, prepack: Prepack | None = None) -> None:
-        """`prepack`: layers packed while torch was imported, for `load_model` (`pipeline.model.prepack`)."""
+        """`prepack`: layers packed while torch was imported, for `load_model` (`batchgen.pipeline.model.prepack`)."""
         self._args = (name_or_path, device, dtype, trust_remote_code)
         self._prepack = prepack
         self._future: Future | None = None
@@ -79,7 +79,7 @@ class ModelAhead:
 def _own_decoder_on_cpu(name_or_path: str | None, device: str) -> bool:
     """Whether `load_model` would load batchgen's own decoder on a CPU (its decision, taken from
     the files alone); False where the decision fails here, so that `load_model` reports why."""
-    from pipeline.model.decoder import enabled
+    from batchgen.pipeline.model.decoder import enabled
 
     try:
         if resolve_device(device).type != "cpu" or not enabled():

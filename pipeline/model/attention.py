@@ -1,7 +1,7 @@
 """batchgen's attention: packed tokens, shared prefixes read once, merged exactly.
 
-Both model codes call `attend` per layer: batchgen's own decoder (`pipeline.model.decoder`) directly,
-transformers' model code through the attention function `pipeline.model.hf` registers.
+Both model codes call `attend` per layer: batchgen's own decoder (`batchgen.pipeline.model.decoder`) directly,
+transformers' model code through the attention function `batchgen.pipeline.model.hf` registers.
 
 Per layer, for the forward's flat list of tokens:
 1. the new keys/values are written into their buffers (row slots or a prefix being prefilled);
@@ -12,7 +12,7 @@ Per layer, for the forward's flat list of tokens:
    continue it (queries folded per key head), the prefix's keys read once;
 4. the two partial softmaxes merged exactly by their log-sum-exps, as in vLLM's cascade
    attention, FlashInfer and Hydragen.
-On a CPU, where batchgen's compiled kernels serve the layout (`pipeline.model.native`), 2-4 are two
+On a CPU, where batchgen's compiled kernels serve the layout (`batchgen.pipeline.model.native`), 2-4 are two
 calls instead: one for the decode tokens and one for every run of prefill tokens, each token
 reading its anchor and its own keys in one pass, final. The PyTorch path stays the reference for
 every other device and layout (the tests run both).
@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.model import native
-from pipeline.model.step import Step
+from batchgen.pipeline.model import native
+from batchgen.pipeline.model.step import Step
 
 
 def attend(step: Step, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -209,7 +209,7 @@ _NATIVE_OK: dict[tuple, bool] = {}
 
 
 def native_ok(dtype: torch.dtype, hq: int, hkv: int, d: int, dv: int) -> bool:
-    """Whether the compiled kernels (`pipeline.model.native`) serve this dtype and head layout: built, and
+    """Whether the compiled kernels (`batchgen.pipeline.model.native`) serve this dtype and head layout: built, and
     agreeing once with the reference, token by token, on decode rows and on fresh and continuing
     runs, with and without an anchor."""
     if not native.supports(dtype, hq, hkv, d, dv):

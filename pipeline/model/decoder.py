@@ -16,7 +16,7 @@ Why it exists (the measurements are in BENCHMARKS.md):
   logits is wanted: its output projection and MLP run on the kept tokens' rows alone (none while
   a shared prefix is prefilled).
 
-Which models it takes is `pipeline.model.decoder_config`'s decision (everything the forward depends on
+Which models it takes is `batchgen.pipeline.model.decoder_config`'s decision (everything the forward depends on
 stated in the model's files); every other model, every other device, and `BATCHGEN_DECODER=0`
 run transformers' model code, which stays the reference: the tests compare the two.
 The arithmetic follows transformers' modules operation by operation (RMSNorm in float32 then
@@ -33,16 +33,16 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from pipeline.model import attention
+from batchgen.pipeline.model import attention
 
-from pipeline.model import kernels, native
+from batchgen.pipeline.model import kernels, native
 
-from pipeline.model import lora, rope
-from pipeline.model.adapter_files import AdapterInfo
-from pipeline.model.decoder_config import FLOAT_DTYPES, DecoderConfig, header
-from pipeline.model.forward import eos_list
-from pipeline.model.kv import LayerShape
-from pipeline.model.step import Step
+from batchgen.pipeline.model import lora, rope
+from batchgen.pipeline.model.adapter_files import AdapterInfo
+from batchgen.pipeline.model.decoder_config import FLOAT_DTYPES, DecoderConfig, header
+from batchgen.pipeline.model.forward import eos_list
+from batchgen.pipeline.model.kv import LayerShape
+from batchgen.pipeline.model.step import Step
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
@@ -69,7 +69,7 @@ class Layer:
 
 
 class Decoder:
-    """A loaded model, as a `pipeline.model.forward.Forward`: `forward(step, keep)` gives the
+    """A loaded model, as a `batchgen.pipeline.model.forward.Forward`: `forward(step, keep)` gives the
     logits of the step's tokens at `keep`. Its `config` reads as a transformers model's does."""
 
     model_code = "batchgen"
@@ -78,7 +78,7 @@ class Decoder:
     def __init__(self, config: DecoderConfig, device: torch.device, dtype: torch.dtype,
                  packed: dict[str, torch.Tensor] | None = None) -> None:
         """`packed`: linear layers' weights packed for batchgen's GEMM already, by key of
-        `config.linears()` (`pipeline.model.prepack`); used where that GEMM runs them."""
+        `config.linears()` (`batchgen.pipeline.model.prepack`); used where that GEMM runs them."""
         self.config = config
         self.device, self.dtype = device, dtype
         self.eos_token_ids = eos_list(config.eos_token_id)

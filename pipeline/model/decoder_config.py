@@ -1,4 +1,4 @@
-"""Which models batchgen's own decoder (`pipeline.model.decoder`) runs, read straight from the files of
+"""Which models batchgen's own decoder (`batchgen.pipeline.model.decoder`) runs, read straight from the files of
 a model directory: `config.json`, `generation_config.json` and the safetensors headers.
 
 Torch-free, and free of transformers' config classes: importing a Llama config class pulls in
@@ -23,8 +23,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.model import rope
-from pipeline.errors import BatchgenError
+from batchgen.pipeline.model import rope
+from batchgen.pipeline.errors import BatchgenError
 
 # model_type -> the one architecture class its checkpoints name
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -118,7 +118,7 @@ class DecoderConfig:
     def linears(self) -> list[tuple[str, tuple[str, ...], bool]]:
         """The decoder's linear layers: (key, the checkpoint's weights it stacks by output, whether
         they have biases), in the order the decoder builds them (`decoder.Layer` says why queries,
-        keys and values are one layer and gate and up two). `pipeline.model.prepack` packs the same."""
+        keys and values are one layer and gate and up two). `batchgen.pipeline.model.prepack` packs the same."""
         out = []
         for n in range(self.num_hidden_layers):
             p = f"model.layers.{n}."

@@ -4,8 +4,8 @@ assumed), converted once into a plain float32 safetensors directory in batchgen'
 Loading a GGUF de-quantizes every tensor, which is slow, so the conversion runs on first use and
 every later run loads the converted directory. This module touches tokenizer classes only during
 that one-time conversion, so that the converted directory is self-contained and
-``pipeline.model.load.load_model`` can hand its path to the tokenizer (run-time tokenizer
-loading belongs to ``pipeline.text.tokenize``). Finding the converted directory costs no torch
+``batchgen.pipeline.model.load.load_model`` can hand its path to the tokenizer (run-time tokenizer
+loading belongs to ``batchgen.pipeline.text.tokenize``). Finding the converted directory costs no torch
 import: torch and transformers are imported by the conversion only.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from pipeline.model.files import ModelLoadError, cache_dir
+from batchgen.pipeline.model.files import ModelLoadError, cache_dir
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 

@@ -5,8 +5,8 @@ conversion) and `native` (its compiled kernels live in the same cache) all impor
 """
 from __future__ import annotations
 
-from pipeline.paths import cache_dir  # noqa: F401  (the model layer's files live under it)
-from pipeline.errors import BatchgenError
+from batchgen.pipeline.paths import cache_dir  # noqa: F401  (the model layer's files live under it)
+from batchgen.pipeline.errors import BatchgenError
 
 
 class ModelLoadError(BatchgenError):

@@ -1,8 +1,8 @@
 """What the engine needs of a loaded model: one packed forward over a step's flat tokens.
 
-Two model codes implement it: batchgen's own decoder (`pipeline.model.decoder.Decoder`) and
-transformers' model code behind `pipeline.model.hf.HFModel`. The engine sees only this protocol,
-so it never asks which model code it has; `pipeline.model.hf.as_forward` is where a transformers
+Two model codes implement it: batchgen's own decoder (`batchgen.pipeline.model.decoder.Decoder`) and
+transformers' model code behind `batchgen.pipeline.model.hf.HFModel`. The engine sees only this protocol,
+so it never asks which model code it has; `batchgen.pipeline.model.hf.as_forward` is where a transformers
 model a caller passes in (the tests, the Python API's `batchgen.Engine(model, tokenizer)`) becomes one.
 """
 from __future__ import annotations
@@ -11,10 +11,10 @@ from typing import Any, Protocol
 
 import torch
 
-from pipeline.errors import BatchgenError
-from pipeline.model.adapter_files import AdapterInfo
-from pipeline.model.kv import LayerShape
-from pipeline.model.step import Step
+from batchgen.pipeline.errors import BatchgenError
+from batchgen.pipeline.model.adapter_files import AdapterInfo
+from batchgen.pipeline.model.kv import LayerShape
+from batchgen.pipeline.model.step import Step
 
 
 class EngineError(BatchgenError):
@@ -30,7 +30,7 @@ class Forward(Protocol):
     # tokenizer's then apply)
     eos_token_ids: list[int] | None
     decoder_declined: str | None  # why batchgen's own decoder does not run it (the summary's `decoder_declined`)
-    # where batchgen's GEMM got its packed float32 layers: "cache" (`pipeline.model.prepack`'s file),
+    # where batchgen's GEMM got its packed float32 layers: "cache" (`batchgen.pipeline.model.prepack`'s file),
     # "ahead" (packed under torch's import), "load" (packed loading the model); None: not that GEMM
     # (the summary's `packed_weights`)
     packed_weights: str | None
@@ -44,7 +44,7 @@ class Forward(Protocol):
         ...
 
     def set_adapters(self, infos: list[AdapterInfo]) -> None:
-        """Load these LoRA adapters (`pipeline.model.adapter_files.inspect_adapter`) as indices
+        """Load these LoRA adapters (`batchgen.pipeline.model.adapter_files.inspect_adapter`) as indices
         1..len(infos), which a step's `Decode.adapter` / `Segment.adapter` name; 0 is the base
         model. Raises `AdapterError` for an adapter this model cannot apply."""
         ...

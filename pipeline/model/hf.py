@@ -1,12 +1,12 @@
-"""transformers' model code behind the engine's forward (`pipeline.model.forward.Forward`).
+"""transformers' model code behind the engine's forward (`batchgen.pipeline.model.forward.Forward`).
 
 The one module that touches transformers' model and attention APIs, which churn between releases.
-batchgen registers its attention (`interface`, which calls `pipeline.model.attention.attend`) in transformers'
+batchgen registers its attention (`interface`, which calls `batchgen.pipeline.model.attention.attend`) in transformers'
 attention registry (imported only then: a process that runs batchgen's own decoder never imports
 transformers' model code) and, for its own forwards only, selects it and passes the forward's
-layout (`pipeline.model.step.Step`) as a keyword argument, which transformers forwards to every
+layout (`batchgen.pipeline.model.step.Step`) as a keyword argument, which transformers forwards to every
 attention call. The model runs with `use_cache=False`: the keys and values live in batchgen's
-buffers (`pipeline.model.kv`), written by that attention function.
+buffers (`batchgen.pipeline.model.kv`), written by that attention function.
 """
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from pipeline.model import attention, kernels, lora
-from pipeline.model.adapter_files import AdapterError, AdapterInfo
-from pipeline.model.forward import EngineError, Forward, eos_list
-from pipeline.model.kv import LayerShape
-from pipeline.model.step import Step
+from batchgen.pipeline.model import attention, kernels, lora
+from batchgen.pipeline.model.adapter_files import AdapterError, AdapterInfo
+from batchgen.pipeline.model.forward import EngineError, Forward, eos_list
+from batchgen.pipeline.model.kv import LayerShape
+from batchgen.pipeline.model.step import Step
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

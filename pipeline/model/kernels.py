@@ -26,7 +26,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from pipeline.model.cpus import available_cpus
+from batchgen.pipeline.model.cpus import available_cpus
 
 
 def set_threads(threads: int | None = None) -> int:
@@ -183,7 +183,7 @@ def _linears(model: torch.nn.Module, dtype: torch.dtype) -> list[torch.nn.Linear
 
 
 def pack_in_place(model: torch.nn.Module) -> int:
-    """For a model batchgen loaded and owns (`pipeline.model.load.load_model`): each linear layer's weight
+    """For a model batchgen loaded and owns (`batchgen.pipeline.model.load.load_model`): each linear layer's weight
     is replaced by its packed oneDNN copy, the plain one freed, and the layer's forward calls
     oneDNN for good, as IPEX's `optimize` does: the speed of packing at no extra memory once loaded
     (while it packs, the checkpoint's pages and the packed copies are both held, so it packs only
@@ -242,7 +242,7 @@ def packs(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """A linear layer's forward for batchgen's own decoder (`pipeline.model.decoder`), which owns its
+    """A linear layer's forward for batchgen's own decoder (`batchgen.pipeline.model.decoder`), which owns its
     weights, where batchgen's own GEMM does not serve it (`native.gemm`: float32 on AVX-512): on a
     CPU in float32 or bfloat16, oneDNN on the weight packed once (where the probe passes);
     elsewhere `F.linear`."""

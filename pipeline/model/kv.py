@@ -1,7 +1,7 @@
 """Key/value storage the engine owns: cached prefixes, and the row slots of a batch.
 
 There is no transformers Cache here: the model runs with use_cache=False and batchgen's attention
-function (pipeline.model.attention) writes each layer's new keys and values into these buffers itself,
+function (batchgen.pipeline.model.attention) writes each layer's new keys and values into these buffers itself,
 as vLLM's attention layers write into their KV cache. Buffers are preallocated: a write lands in
 place and a read is a view, so nothing is re-copied per step, and rows that finish free a slot
 without moving anyone's cache.
@@ -43,7 +43,7 @@ def zeroed(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.devi
 
 
 def pointers(buffers: list[torch.Tensor]) -> torch.Tensor | None:
-    """Per layer, a buffer's data pointer (int64, for the compiled kernels, `pipeline.model.native`), or
+    """Per layer, a buffer's data pointer (int64, for the compiled kernels, `batchgen.pipeline.model.native`), or
     None if a buffer is not a contiguous CPU tensor (the kernels read [rows, H, tokens, D] as such)."""
     if not all(t.is_contiguous() and t.device.type == "cpu" for t in buffers):
         return None

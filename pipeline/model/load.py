@@ -1,7 +1,7 @@
 """Model resolution and loading: a name or path to its files, device and dtype, and the loaded
 model (batchgen's own decoder, or transformers' model code).
 
-The default model's one-time conversion lives in ``pipeline.model.default_model``.
+The default model's one-time conversion lives in ``batchgen.pipeline.model.default_model``.
 torch and transformers' model classes are imported inside the functions that use them:
 finding the default model's directory, or a model's config, must not cost a torch import
 (`validate` and `plan` need the tokenizer and config only).
@@ -14,17 +14,17 @@ import pickle
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.errors import OptionError, option
-from pipeline.model.default_model import DEFAULT_MODEL, default_model_path
-from pipeline.model.files import ModelLoadError
-from pipeline.model.precision import resolve_dtype, stored_dtype
+from batchgen.pipeline.errors import OptionError, option
+from batchgen.pipeline.model.default_model import DEFAULT_MODEL, default_model_path
+from batchgen.pipeline.model.files import ModelLoadError
+from batchgen.pipeline.model.precision import resolve_dtype, stored_dtype
 
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel
 
-    from pipeline.model.decoder import Decoder
-    from pipeline.model.prepack import Prepack
+    from batchgen.pipeline.model.decoder import Decoder
+    from batchgen.pipeline.model.prepack import Prepack
 
 _DAMAGED = "its weights cannot be read: a safetensors file is damaged or truncated; copy or download it again"
 
@@ -101,7 +101,7 @@ def model_source(name_or_path: str | None) -> tuple[str, str]:
 
 def load_config(name_or_path: str | None, trust_remote_code: bool = False):
     """The model's config alone (no weights): what the checks before a run need of the model. A
-    process that never loads a model calls it inside `pipeline.text.tokenize.torch_hidden`."""
+    process that never loads a model calls it inside `batchgen.pipeline.text.tokenize.torch_hidden`."""
     label, source = model_source(name_or_path)
     own, _ = _own_decoder_config(source, label)
     if own is not None:  # what batchgen's decoder runs: read from the files, no config class imported
@@ -122,9 +122,9 @@ def load_config(name_or_path: str | None, trust_remote_code: bool = False):
 def _own_decoder_config(source: str, label: str):
     """`(config, None)`: the model's `DecoderConfig`, where batchgen's own decoder runs it (a local
     directory, or a hub id's snapshot in the local Hugging Face cache, whose files state all it
-    needs: `pipeline.model.decoder_config`); else `(None, why not)`. A model no model code runs as
+    needs: `batchgen.pipeline.model.decoder_config`); else `(None, why not)`. A model no model code runs as
     transformers does, or whose tensors disagree with its config, is a ModelLoadError."""
-    from pipeline.model.decoder_config import Refused, read
+    from batchgen.pipeline.model.decoder_config import Refused, read
 
     directory, why = _directory(source)
     if directory is None:
@@ -155,8 +155,8 @@ def _directory(source: str) -> tuple[Path | None, str | None]:
 
 def _check_runnable(config, label: str) -> None:
     """transformers' config of a model: refused where no model code of batchgen's runs it as
-    transformers' uncached `generate` would (`pipeline.model.runnable.problem`)."""
-    from pipeline.model.runnable import problem
+    transformers' uncached `generate` would (`batchgen.pipeline.model.runnable.problem`)."""
+    from batchgen.pipeline.model.runnable import problem
 
     why = problem(config)
     if why:
@@ -175,13 +175,13 @@ def load_model(
     """Load a causal LM for inference on ``device``.
 
     On a CPU, a Llama-family model whose files state everything its forward needs loads into
-    batchgen's own decoder (`pipeline.model.decoder`: no transformers model code imported, fused and
+    batchgen's own decoder (`batchgen.pipeline.model.decoder`: no transformers model code imported, fused and
     packed linear layers); `own_decoder=False`, or `BATCHGEN_DECODER=0`, loads transformers' model
     instead, as every other model and device does. A transformers model is in eval mode, and on a
     CPU its linear layers' weights are packed for oneDNN in place (`kernels.pack_in_place`):
     the model is batchgen's, for inference; `pack_weights=False` keeps plain Hugging Face layers.
-    A model neither model code runs as transformers' uncached `generate` would (`pipeline.model.runnable`), or whose tensors disagree with its config, is a one-line ModelLoadError.
-    `prepack`: the layers packed while torch was imported (`pipeline.model.prepack`), taken where
+    A model neither model code runs as transformers' uncached `generate` would (`batchgen.pipeline.model.runnable`), or whose tensors disagree with its config, is a one-line ModelLoadError.
+    `prepack`: the layers packed while torch was imported (`batchgen.pipeline.model.prepack`), taken where
     they are this model's as the decoder runs it.
     Returns ``(model, tokenizer_source)``: the local directory or hub id the
     tokenizer should be loaded from (for the default model, the converted dir).
@@ -190,7 +190,7 @@ def load_model(
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device, _stored(source, dtype))
     if own_decoder is None:
-        from pipeline.model.decoder import enabled
+        from batchgen.pipeline.model.decoder import enabled
 
         own_decoder = torch_device.type == "cpu" and enabled()
         declined = "BATCHGEN_DECODER=0" if torch_device.type == "cpu" else f"a {torch_device.type} device"
@@ -198,7 +198,7 @@ def load_model(
         declined = "own_decoder=False"
     config, why = _own_decoder_config(source, label) if own_decoder else (None, declined)
     if config is not None:
-        from pipeline.model.decoder import Decoder
+        from batchgen.pipeline.model.decoder import Decoder
 
         import torch
 
@@ -216,7 +216,7 @@ def load_model(
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
-    from pipeline.model.runnable import held_load_report, mismatch
+    from batchgen.pipeline.model.runnable import held_load_report, mismatch
 
     def _load(attn: str) -> PreTrainedModel:
         return AutoModelForCausalLM.from_pretrained(
@@ -273,7 +273,7 @@ def load_model(
     model.to(torch_device)
     model.eval()
     if pack_weights:
-        from pipeline.model.kernels import pack_in_place
+        from batchgen.pipeline.model.kernels import pack_in_place
 
         pack_in_place(model)
     return model, source

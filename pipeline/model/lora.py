@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from pipeline.model.adapter_files import TARGETS, AdapterError, AdapterInfo, base_shape, inspect_adapter
+from batchgen.pipeline.model.adapter_files import TARGETS, AdapterError, AdapterInfo, base_shape, inspect_adapter
 
 DECODER_GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate": ("gate_proj",),
                   "up": ("up_proj",), "down": ("down_proj",)}

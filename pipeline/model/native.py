@@ -3,7 +3,7 @@ decode tokens and runs of prefill tokens, each against its anchor and its own ke
 the decoder's norms and MLP gate in one pass each (`LayerOps`, `cpu_layer_ops.c`); and its float32
 linear layers (`Gemm`, `cpu_gemm.c`).
 
-Built on first use with the machine's C compiler and loaded with ctypes (`pipeline.model.native_build`,
+Built on first use with the machine's C compiler and loaded with ctypes (`batchgen.pipeline.model.native_build`,
 which needs no torch).
 
 The attention kernels and the GEMM need AVX-512, or AVX2 with FMA (there with vectors of 8 floats:
@@ -15,8 +15,8 @@ runs on AMX tiles there too (`cpu_amx_prefill.c`), else on AVX-512 BF16 dot prod
 runs them fast (`bf16_dots`, `cpu_bf16.c`), else widened to float32 (`prefill_kernel`). Without AVX-512
 or AVX2, without a compiler, for another layout or dtype, or with
 ``BATCHGEN_NATIVE=0``, `supports` is False and the engine reads decode attention through PyTorch's
-kernels (`pipeline.model.attention`): the same results, more slowly. `why_not` says which.
-`pipeline.model.attention.native_ok` checks both kernels against the reference once per layout.
+kernels (`batchgen.pipeline.model.attention`): the same results, more slowly. `why_not` says which.
+`batchgen.pipeline.model.attention.native_ok` checks both kernels against the reference once per layout.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from pipeline.model.native_build import (FLAGS, INCLUDED, MAX_FOLD, MAX_HEAD, SOURCE, THREADING,  # noqa: F401
+from batchgen.pipeline.model.native_build import (FLAGS, INCLUDED, MAX_FOLD, MAX_HEAD, SOURCE, THREADING,  # noqa: F401
                                          _cpu_key, _errors, _lib, _libs, declare, enabled, gemm_enabled, layout_ok,
                                          pack_parts, packed_size)
 
@@ -268,7 +268,7 @@ def store_rows(k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: tor
 class Gemm:
     """The decoder's float32 linear layers on `cpu_gemm.c`: `linear(weight, bias)` packs the weight
     once (a copy: the checkpoint's memory is not kept) and returns the layer's forward; `packed`
-    takes a weight packed already (`pipeline.model.prepack`)."""
+    takes a weight packed already (`batchgen.pipeline.model.prepack`)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib

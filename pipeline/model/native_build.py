@@ -1,5 +1,5 @@
 """Building and loading batchgen's compiled kernels (`cpu_attention.c` and the files it includes),
-without torch: `pipeline.model.native` wraps them for torch tensors; `pipeline.model.prepack` packs
+without torch: `batchgen.pipeline.model.native` wraps them for torch tensors; `batchgen.pipeline.model.prepack` packs
 weights with them before torch is imported.
 
 Built on first use with the machine's C compiler (`$CC`, else `cc`), one small library per head
@@ -21,7 +21,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from pipeline.model.files import cache_dir
+from batchgen.pipeline.model.files import cache_dir
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 # #included by SOURCE: part of the cache key too

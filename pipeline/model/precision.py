@@ -1,6 +1,6 @@
 """The dtype a model computes in: `--dtype auto`'s one rule (`resolve_dtype`), the dtype a
 checkpoint is stored in (`stored_dtype`), and which dtypes a device computes natively and fast
-(`native_dtypes`). torch is imported inside the functions, as in `pipeline.model.load`."""
+(`native_dtypes`). torch is imported inside the functions, as in `batchgen.pipeline.model.load`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.errors import OptionError
+from batchgen.pipeline.errors import OptionError
 
 if TYPE_CHECKING:
     import torch
@@ -56,7 +56,7 @@ def stored_dtype(directory: str | Path | None) -> str | None:
     says (no directory, no files)."""
     if directory is None:
         return None
-    from pipeline.model.decoder_config import header
+    from batchgen.pipeline.model.decoder_config import header
 
     d = Path(directory)
     try:

@@ -36,9 +36,9 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.model import native_build
-from pipeline.model.decoder_config import DecoderConfig, header
-from pipeline.model.files import cache_dir
+from batchgen.pipeline.model import native_build
+from batchgen.pipeline.model.decoder_config import DecoderConfig, header
+from batchgen.pipeline.model.files import cache_dir
 
 FORMAT = 1  # the packed file's layout: `native_build.packed_size` floats a layer, each layer page-aligned
 MAGIC = b"BGPACK01"
@@ -106,9 +106,9 @@ def _layout(config: DecoderConfig) -> tuple[int, int]:
 
 def _planned(name_or_path: str | None, device: str, dtype: str) -> DecoderConfig | None:
     """The model's config where the run is sure to pack it as this module does, else None."""
-    from pipeline.model import default_model
-    from pipeline.model.decoder_config import Refused, read
-    from pipeline.model.precision import NAMES, stored_dtype
+    from batchgen.pipeline.model import default_model
+    from batchgen.pipeline.model.decoder_config import Refused, read
+    from batchgen.pipeline.model.precision import NAMES, stored_dtype
 
     if "torch" in sys.modules or not native_build.gemm_enabled() or os.environ.get("BATCHGEN_DECODER", "1") == "0":
         return None  # torch's import is done (nothing to overlap) or the decoder's GEMM is off

@@ -8,7 +8,7 @@ import re
 from contextlib import contextmanager
 from typing import Iterator
 
-from pipeline.model.rope import refusal
+from batchgen.pipeline.model.rope import refusal
 
 
 def problem(config) -> str | None:

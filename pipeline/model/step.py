@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipeline.model import native
-from pipeline.model.kv import PrefixKV, RowKV, pointers
-from pipeline.model.lora import Lora, token_groups
+from batchgen.pipeline.model import native
+from batchgen.pipeline.model.kv import PrefixKV, RowKV, pointers
+from batchgen.pipeline.model.lora import Lora, token_groups
 
 DECODE_RUN = 16  # decoding slots per own-part call: each call reads only as far as its longest row
 PAD_WASTE = 1.5  # a padded call of fresh suffixes may do this much more work than their own
@@ -87,7 +87,7 @@ class Batch:
 
 @dataclass
 class Native:
-    """The forward's layout for the compiled kernels (`pipeline.model.native`), int64 on the CPU; per layer
+    """The forward's layout for the compiled kernels (`batchgen.pipeline.model.native`), int64 on the CPU; per layer
     (first dim) the data pointers of the buffers each one reads; pointer 0: no anchor.
     Decode tokens: their slots, own keys after this step's write, and anchors. Segments: their
     tokens [t0, t1), own buffer (row `own_index` of capacity `own_cap`), own index of their first
@@ -161,7 +161,7 @@ class Step:
     batches: list[Batch]  # the fresh suffixes
     groups: list[Group]
     native: Native | None = None  # for the compiled kernels, on a CPU
-    # per LoRA adapter present (index > 0), its tokens' indices (`pipeline.model.lora`); empty when
+    # per LoRA adapter present (index > 0), its tokens' indices (`batchgen.pipeline.model.lora`); empty when
     # every token runs the base model, and then the forward does no adapter work at all
     lora: Lora = field(default_factory=list)
     kernel_layers: list[int] = field(default_factory=lambda: [0, 0])  # layers through the compiled kernels, PyTorch's

@@ -12,7 +12,7 @@
 
 A job's label (what the output's `adapter` column holds: the name or path it used, or the
 default's) is resolved once, as its row is checked (`label`), and the adapter behind it is
-inspected once per directory (`pipeline.model.adapter_files.inspect_adapter`: its config and
+inspected once per directory (`batchgen.pipeline.model.adapter_files.inspect_adapter`: its config and
 its safetensors header, never its weights). A job whose adapter cannot be used is a row error
 with its location; a bad default, or a bad `--adapter` option, is an option error before any row.
 Each directory has an index (1, 2, ... in first use; 0 is the base model): the engine's
@@ -24,8 +24,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from jobs import InvalidRow, Job
-from jobs.errors import OptionError, option
+from batchgen.jobs import InvalidRow, Job
+from batchgen.jobs.errors import OptionError, option
 
 
 def parse_specs(specs: Iterable[str]) -> tuple[dict[str, str], str | None]:
@@ -110,7 +110,7 @@ class Adapters:
         return InvalidRow(job.location, job.id, f"field 'adapter': {found}") if isinstance(found, str) else None
 
     def _resolve(self, label: str) -> int | str:
-        from pipeline.model.adapter_files import AdapterError, inspect_adapter
+        from batchgen.pipeline.model.adapter_files import AdapterError, inspect_adapter
 
         path = self.names.get(label)
         if path is None and not os.path.exists(label):

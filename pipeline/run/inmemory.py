@@ -11,17 +11,17 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import pyarrow as pa
 
-from jobs import InvalidRow, Job, id_type_for, infer_extra_schema, result_schema
-from jobs.writers import outputs_of
-from pipeline.text.expand import completions_expected, tokenize_jobs
-from pipeline.run.inputrows import check_extras, refusal, refused
-from pipeline.run.preflight import check_default_constraint, context_window, make_requests, vocab_size
-from pipeline.text.tokenize import Tokenizer, TokenizerError
-from pipeline.engine.types import Request
+from batchgen.jobs import InvalidRow, Job, id_type_for, infer_extra_schema, result_schema
+from batchgen.jobs.writers import outputs_of
+from batchgen.pipeline.text.expand import completions_expected, tokenize_jobs
+from batchgen.pipeline.run.inputrows import check_extras, refusal, refused
+from batchgen.pipeline.run.preflight import check_default_constraint, context_window, make_requests, vocab_size
+from batchgen.pipeline.text.tokenize import Tokenizer, TokenizerError
+from batchgen.pipeline.engine.types import Request
 
 if TYPE_CHECKING:
-    from pipeline.run.adapters import Adapters
-    from pipeline.run.options import RunOptions
+    from batchgen.pipeline.run.adapters import Adapters
+    from batchgen.pipeline.run.options import RunOptions
 
 
 @dataclass

@@ -22,18 +22,18 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 import numpy as np
 import pyarrow as pa
 
-from jobs import InvalidRow, Job, input_schema, result_schema
-from jobs.errors import option
-from jobs.chunks import PlainRows, plain_template, read_chunks
-from jobs.writers import ExtraSchema, conform_rows, outputs_of
-from pipeline.text.expand import length_problem, plain_entries, plain_shapes, whole_key
-from pipeline.run.prefix_index import Entries, pack_keys
-from pipeline.text.pieces import unpack_ids
-from pipeline.text.tokenize import Tokenizer, torch_hidden
+from batchgen.jobs import InvalidRow, Job, input_schema, result_schema
+from batchgen.jobs.errors import option
+from batchgen.jobs.chunks import PlainRows, plain_template, read_chunks
+from batchgen.jobs.writers import ExtraSchema, conform_rows, outputs_of
+from batchgen.pipeline.text.expand import length_problem, plain_entries, plain_shapes, whole_key
+from batchgen.pipeline.run.prefix_index import Entries, pack_keys
+from batchgen.pipeline.text.pieces import unpack_ids
+from batchgen.pipeline.text.tokenize import Tokenizer, torch_hidden
 
 if TYPE_CHECKING:
-    from pipeline.run.adapters import Adapters
-    from pipeline.run.options import RunOptions
+    from batchgen.pipeline.run.adapters import Adapters
+    from batchgen.pipeline.run.options import RunOptions
 
 CHUNK_ROWS = 8192  # rows read, checked and tokenized together
 _EXTRAS_CHUNK = 4096  # rows per Arrow conversion when checking carried columns

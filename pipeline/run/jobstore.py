@@ -17,7 +17,7 @@ from typing import Iterable, Iterator, Sequence
 
 import pyarrow as pa
 
-from jobs import InvalidRow, Job
+from batchgen.jobs import InvalidRow, Job
 
 PROBLEM_SCHEMA = pa.schema([pa.field("order", pa.int64()), pa.field("id", pa.string()),
                             pa.field("location", pa.string()), pa.field("reason", pa.string())])

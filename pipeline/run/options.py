@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from jobs import GenerationDefaults
-from pipeline.engine.schedule import MAX_BATCH_TOKENS, MIN_SHARED_TOKENS
-from pipeline.run.windows import WINDOW_JOBS, WINDOW_TOKENS
+from batchgen.jobs import GenerationDefaults
+from batchgen.pipeline.engine.schedule import MAX_BATCH_TOKENS, MIN_SHARED_TOKENS
+from batchgen.pipeline.run.windows import WINDOW_JOBS, WINDOW_TOKENS
 
 COMMIT_EVERY = 256  # jobs per committed part ...
 COMMIT_SECONDS = 60.0  # ... or this long since the last commit, whichever first

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from jobs.columns import ORDER
+from batchgen.jobs.columns import ORDER
 
 BUCKET_POSITIONS = 1 << 17  # input positions per bucket ...
 MAX_BUCKETS = 256  # ... unless that makes more buckets than this (files open at once)

@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-from jobs import errors_path, remote, summary_path
-from jobs.atomic import temp_prefix
-from jobs.errors import OptionError
+from batchgen.jobs import errors_path, remote, summary_path
+from batchgen.jobs.atomic import temp_prefix
+from batchgen.jobs.errors import OptionError
 
 _KINDS = ("output", "errors file", "summary")
 

@@ -18,9 +18,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobs import JobError, write_summary
-from jobs.columns import ERROR_SCHEMA, ORDER  # ORDER: a row's position in the input, so the output keeps input order
-from jobs.writers import write_table
+from batchgen.jobs import JobError, write_summary
+from batchgen.jobs.columns import ERROR_SCHEMA, ORDER  # ORDER: a row's position in the input, so the output keeps input order
+from batchgen.jobs.writers import write_table
 
 MANIFEST = "manifest.json"
 ERROR_PART_SCHEMA = ERROR_SCHEMA.append(pa.field(ORDER, pa.int64()))

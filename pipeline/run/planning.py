@@ -22,13 +22,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jobs import GenerationDefaults
-from pipeline.run.prefix_index import PrefixIndex
-from pipeline.engine.schedule import MAX_BATCH_TOKENS, MIN_SHARED_TOKENS, plan, tree_of
-from pipeline.engine.sortedplan import WindowPlan, plan_sorted
-from pipeline.engine.types import RequestShape
-from pipeline.run.windows import WINDOW_JOBS, WINDOW_TOKENS, reused, units, windows
-from pipeline.run.workers import Workers
+from batchgen.jobs import GenerationDefaults
+from batchgen.pipeline.run.prefix_index import PrefixIndex
+from batchgen.pipeline.engine.schedule import MAX_BATCH_TOKENS, MIN_SHARED_TOKENS, plan, tree_of
+from batchgen.pipeline.engine.sortedplan import WindowPlan, plan_sorted
+from batchgen.pipeline.engine.types import RequestShape
+from batchgen.pipeline.run.windows import WINDOW_JOBS, WINDOW_TOKENS, reused, units, windows
+from batchgen.pipeline.run.workers import Workers
 
 
 def describe(inputs: Sequence[str], defaults: GenerationDefaults, *, model: str | None = None,
@@ -38,8 +38,8 @@ def describe(inputs: Sequence[str], defaults: GenerationDefaults, *, model: str 
              top: int = 10, trust_remote_code: bool = False, window_jobs: int = WINDOW_JOBS,
              window_tokens: int = WINDOW_TOKENS, adapters: tuple[str, ...] = (),
              workers: int = 0) -> dict[str, Any]:
-    from pipeline.run.preflight import check_inputs
-    from pipeline.run.options import RunOptions
+    from batchgen.pipeline.run.preflight import check_inputs
+    from batchgen.pipeline.run.options import RunOptions
 
     options = RunOptions(model=model, defaults=defaults, dataset=dataset, split=split, prompt_template=prompt_template,
                          system=system, trust_remote_code=trust_remote_code, adapters=adapters)

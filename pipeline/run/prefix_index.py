@@ -31,9 +31,9 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from pipeline.engine.types import RequestShape, fed_length
-from pipeline.run.front_coding import front_code, merged
-from pipeline.text.pieces import key_width, pack_ids
+from batchgen.pipeline.engine.types import RequestShape, fed_length
+from batchgen.pipeline.run.front_coding import front_code, merged
+from batchgen.pipeline.text.pieces import key_width, pack_ids
 
 RUN_JOBS = 1 << 16  # jobs per sorted run: their whole keys exist only while their run is sorted
 

@@ -28,21 +28,21 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 
-from jobs import InvalidRow, Job, JobError
-from jobs.errors import OptionError, option
-from jobs.chunks import PlainRows
-from pipeline.run.adapters import Adapters
-from pipeline.run.inputrows import CHUNK_ROWS, PlainCheck, Rows, tokenize_in_worker, tokenize_plain
-from pipeline.run.jobstore import JobSpool, Problems
-from pipeline.run.overlap import check_apart
-from pipeline.run.prefix_index import Entries, IndexBuilder, PrefixIndex, pack_keys
-from pipeline.run.workers import Workers
-from pipeline.text.tokenize import Tokenizer, TokenizerError, torch_hidden
-from pipeline.text.expand import JobTokens, index_entry, job_requests, token_problem, tokenize_jobs
-from pipeline.engine.types import Request
+from batchgen.jobs import InvalidRow, Job, JobError
+from batchgen.jobs.errors import OptionError, option
+from batchgen.jobs.chunks import PlainRows
+from batchgen.pipeline.run.adapters import Adapters
+from batchgen.pipeline.run.inputrows import CHUNK_ROWS, PlainCheck, Rows, tokenize_in_worker, tokenize_plain
+from batchgen.pipeline.run.jobstore import JobSpool, Problems
+from batchgen.pipeline.run.overlap import check_apart
+from batchgen.pipeline.run.prefix_index import Entries, IndexBuilder, PrefixIndex, pack_keys
+from batchgen.pipeline.run.workers import Workers
+from batchgen.pipeline.text.tokenize import Tokenizer, TokenizerError, torch_hidden
+from batchgen.pipeline.text.expand import JobTokens, index_entry, job_requests, token_problem, tokenize_jobs
+from batchgen.pipeline.engine.types import Request
 
 if TYPE_CHECKING:
-    from pipeline.run.options import RunOptions
+    from batchgen.pipeline.run.options import RunOptions
 
 _PARQUET_NAMES = (".parquet", ".pq")
 _LINE_NAMES = (".jsonl", ".json", ".ndjson", ".jsonl.gz", ".json.gz", ".ndjson.gz")
@@ -147,7 +147,7 @@ def check_inputs(inputs: list[str], options: RunOptions, purpose: str = "process
     `purpose`: "validate" keeps only the problems, "plan" also the prompt index, "process" also the
     jobs and the job set's digest. The first two never import torch (`tokenize.torch_hidden`), and
     tokenize a big input's plain rows in `workers` (else in `options.workers` of their own, if any)."""
-    from pipeline.model.load import load_config, model_source
+    from batchgen.pipeline.model.load import load_config, model_source
 
     check_options(options)
     light = purpose != "process"
@@ -347,7 +347,7 @@ def check_default_constraint(tokenizer: Tokenizer, options: RunOptions) -> None:
     """A bad default constraint (--json-schema and the like) fails once, before any row."""
     default = options.defaults.constraint
     if default is not None:
-        from pipeline.text.grammar import GrammarError
+        from batchgen.pipeline.text.grammar import GrammarError
 
         try:
             tokenizer.grammars.check(default)
@@ -365,7 +365,7 @@ def generation_error(job: Job, tokenizer: Tokenizer, vocab: int | None = None) -
             return InvalidRow(job.location, job.id, f"field '{name}' names token id {outside[0]}, outside the "
                                                     f"model's vocabulary of {vocab} tokens")
     if job.constraint is not None:
-        from pipeline.text.grammar import GrammarError
+        from batchgen.pipeline.text.grammar import GrammarError
 
         try:
             tokenizer.grammars.check(job.constraint)

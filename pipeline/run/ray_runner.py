@@ -22,15 +22,15 @@ from typing import Any, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobs import ErrorWriter, InvalidRow, JobError, write_summary
-from pipeline.run.parts import ERROR_PART_SCHEMA, ORDER, job_set_key, may_resume, write_part
-from pipeline.text.expand import JobTokens, completions_expected, finished_jobs, token_problem
-from pipeline.run.inputrows import read_checked
-from pipeline.run.overlap import check_directory_apart
-from pipeline.run.preflight import check_options, context_window, job_digest
-from pipeline.text.results import job_rows
-from pipeline.run.options import RunOptions, run_settings
-from pipeline.run.summary import JobCounts, add_work, run_summary, work_of
+from batchgen.jobs import ErrorWriter, InvalidRow, JobError, write_summary
+from batchgen.pipeline.run.parts import ERROR_PART_SCHEMA, ORDER, job_set_key, may_resume, write_part
+from batchgen.pipeline.text.expand import JobTokens, completions_expected, finished_jobs, token_problem
+from batchgen.pipeline.run.inputrows import read_checked
+from batchgen.pipeline.run.overlap import check_directory_apart
+from batchgen.pipeline.run.preflight import check_options, context_window, job_digest
+from batchgen.pipeline.text.results import job_rows
+from batchgen.pipeline.run.options import RunOptions, run_settings
+from batchgen.pipeline.run.summary import JobCounts, add_work, run_summary, work_of
 
 RUN_FILE = "run.json"  # the job set's key and the settings the parts beside it were made with
 _WORK_KEY = b"batchgen_work"  # a part's engine work, in its Parquet metadata
@@ -43,8 +43,8 @@ def group_keys(prompts: dict[int, list[int]], min_shared_tokens: int, workers: i
     adapter index in `adapters`), or a bucket of unshared jobs."""
     import numpy as np
 
-    from pipeline.run.prefix_index import PrefixIndex
-    from pipeline.run.windows import units
+    from batchgen.pipeline.run.prefix_index import PrefixIndex
+    from batchgen.pipeline.run.windows import units
 
     orders = list(prompts)
     index = PrefixIndex.of([prompts[o] for o in orders],
@@ -62,14 +62,14 @@ class _Tokenize:
     """A Ray task body: job rows -> token ids (the tokenizer loaded once per worker process)."""
 
     def __init__(self, source: str, trust_remote_code: bool) -> None:
-        from pipeline.text.tokenize import Tokenizer
+        from batchgen.pipeline.text.tokenize import Tokenizer
 
         self.tok = Tokenizer.load(source, trust_remote_code=trust_remote_code)
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         import json
 
-        from pipeline.text.tokenize import TokenizerError
+        from batchgen.pipeline.text.tokenize import TokenizerError
 
         ids = []
         for prompt, messages in zip(batch["prompt"], batch["messages"]):
@@ -88,9 +88,9 @@ class _Generate:
                  out_dir: str, schema_blob: bytes, trust_remote_code: bool, adapters: Any = None) -> None:
         import pickle
 
-        from pipeline.model.hf import as_forward
-        from pipeline.model.load import load_model
-        from pipeline.text.tokenize import Tokenizer
+        from batchgen.pipeline.model.hf import as_forward
+        from batchgen.pipeline.model.load import load_model
+        from batchgen.pipeline.text.tokenize import Tokenizer
 
         loaded, source = load_model(model, device, dtype, trust_remote_code)
         self.model = as_forward(loaded)
@@ -105,8 +105,8 @@ class _Generate:
     def __call__(self, group: pa.Table) -> pa.Table:
         import json
 
-        from pipeline.engine.engine import Engine
-        from pipeline.run.preflight import make_requests
+        from batchgen.pipeline.engine.engine import Engine
+        from batchgen.pipeline.run.preflight import make_requests
 
         ids = dict(zip(group.column("order").to_pylist(), (json.loads(x) for x in group.column("ids").to_pylist())))
         orders = sorted(ids)
@@ -151,13 +151,13 @@ def process_ray(inputs: Sequence[str], out_dir: str, options: RunOptions, *, add
     check_directory_apart(out_dir, inputs)
     import ray
 
-    from pipeline.model.load import DEFAULT_MODEL, default_model_path, resolve_precision
+    from batchgen.pipeline.model.load import DEFAULT_MODEL, default_model_path, resolve_precision
 
     if os.path.isfile(out_dir):
         raise JobError(f"{out_dir}: --engine ray writes a directory of parts; give a directory path")
     os.makedirs(out_dir, exist_ok=True)
-    from pipeline.model.load import load_config
-    from pipeline.run.adapters import Adapters
+    from batchgen.pipeline.model.load import load_config
+    from batchgen.pipeline.run.adapters import Adapters
 
     source = options.model if options.model is not None else str(default_model_path())
     adapters = Adapters.of(options.adapters, load_config(options.model, options.trust_remote_code))
@@ -259,9 +259,9 @@ def _generation_check(source: str, trust_remote_code: bool, jobs: dict[int, Any]
     driver, with a tokenizer loaded only if some job needs it."""
     if not any(j.constraint is not None or j.logit_bias or j.stop_token_ids for j in jobs.values()):
         return lambda job: None
-    from pipeline.model.load import load_config
-    from pipeline.run.preflight import generation_error, vocab_size
-    from pipeline.text.tokenize import Tokenizer
+    from batchgen.pipeline.model.load import load_config
+    from batchgen.pipeline.run.preflight import generation_error, vocab_size
+    from batchgen.pipeline.text.tokenize import Tokenizer
 
     tok = Tokenizer.load(source, trust_remote_code=trust_remote_code)
     vocab = vocab_size(load_config(source, trust_remote_code))
@@ -269,7 +269,7 @@ def _generation_check(source: str, trust_remote_code: bool, jobs: dict[int, Any]
 
 
 def _context_window(source: str, trust_remote_code: bool) -> int | None:
-    from pipeline.model.load import load_config
+    from batchgen.pipeline.model.load import load_config
 
     return context_window(load_config(source, trust_remote_code))
 

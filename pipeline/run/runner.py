@@ -22,43 +22,43 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 import pyarrow as pa
 
-from jobs import (Job, JobError, errors_path, open_result_writer, summary_path,
+from batchgen.jobs import (Job, JobError, errors_path, open_result_writer, summary_path,
                   write_summary)
-from jobs.columns import ORDER
-from jobs.openai_batch import request_key, whole_requests
-from jobs.writers import open_error_writer
-from jobs.atomic import remove_stale_temps
-from pipeline.run.preflight import Checked, check_inputs, check_options, check_output, job_seed
-from pipeline.run.progress import Progress
-from pipeline.text.results import add_openai_fields, job_rows
-from pipeline.run.signals import Preempted, StopOnSignal
-from pipeline.run.summary import JobCounts, add_work, run_summary, used, work_of
-from pipeline.text.tokenize import Tokenizer
-from pipeline.text.expand import (JobCompletions, JobTokens, completions_expected, job_requests, tokenize_jobs,
+from batchgen.jobs.columns import ORDER
+from batchgen.jobs.openai_batch import request_key, whole_requests
+from batchgen.jobs.writers import open_error_writer
+from batchgen.jobs.atomic import remove_stale_temps
+from batchgen.pipeline.run.preflight import Checked, check_inputs, check_options, check_output, job_seed
+from batchgen.pipeline.run.progress import Progress
+from batchgen.pipeline.text.results import add_openai_fields, job_rows
+from batchgen.pipeline.run.signals import Preempted, StopOnSignal
+from batchgen.pipeline.run.summary import JobCounts, add_work, run_summary, used, work_of
+from batchgen.pipeline.text.tokenize import Tokenizer
+from batchgen.pipeline.text.expand import (JobCompletions, JobTokens, completions_expected, job_requests, tokenize_jobs,
                                   whole_key)
-from pipeline.engine.types import Completion, Request, RunStats
-from pipeline.run.options import RunOptions, run_settings
-from pipeline.run.windows import COLLECT_JOBS
+from batchgen.pipeline.engine.types import Completion, Request, RunStats
+from batchgen.pipeline.run.options import RunOptions, run_settings
+from batchgen.pipeline.run.windows import COLLECT_JOBS
 
 if TYPE_CHECKING:
-    from pipeline.model.forward import Forward
+    from batchgen.pipeline.model.forward import Forward
 
 
 def process(inputs: Sequence[str], output: str, options: RunOptions,
             progress: Callable[[Progress], None] | None = None) -> dict[str, Any]:
     """Run every valid job of `inputs`; write `output`, its errors file and its summary."""
-    from pipeline.model.prepack import Prepack
+    from batchgen.pipeline.model.prepack import Prepack
 
     started = time.monotonic()
     # first, before torch's import: the float32 layers pack on a thread under it (prepack.py)
     prepack = Prepack(options.model, options.device, options.dtype)
     try:
-        from pipeline.model.ahead import ModelAhead
-        from pipeline.model.hf import as_forward
-        from pipeline.model.kernels import set_threads
-        from pipeline.model.load import DEFAULT_MODEL, resolve_precision
-        from pipeline.run.parts import PartStore, job_set_key, may_resume, read_manifest
-        from pipeline.run.sharding import parse_shard
+        from batchgen.pipeline.model.ahead import ModelAhead
+        from batchgen.pipeline.model.hf import as_forward
+        from batchgen.pipeline.model.kernels import set_threads
+        from batchgen.pipeline.model.load import DEFAULT_MODEL, resolve_precision
+        from batchgen.pipeline.run.parts import PartStore, job_set_key, may_resume, read_manifest
+        from batchgen.pipeline.run.sharding import parse_shard
     except BaseException:
         prepack.discard()
         raise
@@ -120,7 +120,7 @@ def process(inputs: Sequence[str], output: str, options: RunOptions,
 def _mine(checked: Checked, options: RunOptions, shard: tuple[int, int] | None) -> np.ndarray:
     """Which jobs this run generates (by job number): all, or its shard's whole prefix groups.
     With --on-error fail, any row that cannot run stops the run here, before the model loads."""
-    from pipeline.run.windows import assign_shards
+    from batchgen.pipeline.run.windows import assign_shards
 
     if options.on_error == "fail" and len(checked.invalid):
         listing = "\n".join(checked.invalid.lines(limit=50))
@@ -144,7 +144,7 @@ class _Run:
     def generate(self, mine: np.ndarray, report_invalid: bool,
                  progress: Callable[[Progress], None] | None) -> tuple[JobCounts, dict[str, int], dict[str, Any]]:
         """The output's job counts, the work of all runs, and what else the summary reports."""
-        from pipeline.engine.engine import Engine
+        from batchgen.pipeline.engine.engine import Engine
 
         checked, store, options = self.checked, self.store, self.options
         done = store.done(checked.total)
@@ -198,7 +198,7 @@ class _Run:
                             "rerun the same command to resume")
         counts = self._write_output()
         stats = committer.finished
-        from pipeline.model.native_build import build_error  # torch-free; loaded already by the prepack
+        from batchgen.pipeline.model.native_build import build_error  # torch-free; loaded already by the prepack
         about = {"attention_path": (engine or new_engine()).attention_path,
                  "attention_kernels": used(compiled=stats.compiled_attention_layers,
                                            pytorch=stats.pytorch_attention_layers),
@@ -214,7 +214,7 @@ class _Run:
     def _windows(self, todo: np.ndarray):
         """(jobs by input position, requests in sorted order, completions that finish each job, and
         the prompt tokens each job's requests reuse) per window of whole prefix groups."""
-        from pipeline.run.windows import reused, windows
+        from batchgen.pipeline.run.windows import reused, windows
 
         checked, options = self.checked, self.options
         index = checked.index
@@ -251,8 +251,8 @@ class _Run:
 
     def _write_output(self) -> JobCounts:
         """The committed parts in input order, streamed into the output and the errors file."""
-        from pipeline.run.ordered import in_order
-        from pipeline.run.parts import ERROR_PART_SCHEMA
+        from batchgen.pipeline.run.ordered import in_order
+        from batchgen.pipeline.run.parts import ERROR_PART_SCHEMA
 
         checked, store, fmt = self.checked, self.store, self.options.output_format
         sharded = self.options.shard is not None
@@ -369,7 +369,7 @@ def write_results(output: str, fmt: str, schema, rows: list[dict[str, Any]], err
 
 def fingerprint(model: Forward, model_name: str) -> str:
     """OpenAI's system_fingerprint: what produced the output (engine version, model, precision)."""
-    from pipeline import __version__
+    from batchgen.pipeline import __version__
 
     dtype = str(model.dtype).replace("torch.", "")
     return f"batchgen-{__version__}:{model_name}:{dtype}"

@@ -15,10 +15,10 @@ from typing import Any, Sequence
 import numpy as np
 import pyarrow.parquet as pq
 
-from jobs import ErrorWriter, JobError, ParquetWriter, errors_path, summary_path, write_summary
-from jobs.columns import ORDER
-from jobs.errors import OptionError
-from pipeline.run.summary import merged
+from batchgen.jobs import ErrorWriter, JobError, ParquetWriter, errors_path, summary_path, write_summary
+from batchgen.jobs.columns import ORDER
+from batchgen.jobs.errors import OptionError
+from batchgen.pipeline.run.summary import merged
 
 
 def parse_shard(spec: str | None) -> tuple[int, int] | None:
@@ -36,8 +36,8 @@ def parse_shard(spec: str | None) -> tuple[int, int] | None:
 def merge(shard_outputs: Sequence[str], output: str, overwrite: bool = False) -> dict[str, Any]:
     """Join shard outputs into one file in input order; every job exactly once, or an error.
     Streamed: the shards' rows go through Arrow a bucket of input positions at a time."""
-    from pipeline.run.ordered import in_order
-    from pipeline.run.overlap import check_apart
+    from batchgen.pipeline.run.ordered import in_order
+    from batchgen.pipeline.run.overlap import check_apart
 
     # what merge reads of each shard: the output and the errors file and summary beside it
     check_apart(output, "parquet", [p for s in shard_outputs for p in (s, errors_path(s), summary_path(s))],

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.engine.types import RunStats
+from batchgen.pipeline.engine.types import RunStats
 
 # summary name -> RunStats field
 WORK_COUNTERS = {"prefill_tokens": "prefill_tokens", "decode_steps": "decode_steps", "batches": "batches",
@@ -114,7 +114,7 @@ def run_summary(counts: JobCounts, work: Mapping[str, int], *, started: float, m
                 options: Any) -> dict[str, Any]:
     import torch
 
-    from pipeline import __version__
+    from batchgen.pipeline import __version__
 
     opts = asdict(options)
     opts["defaults"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in opts["defaults"].items()}

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.run.prefix_index import PrefixIndex
+from batchgen.pipeline.run.prefix_index import PrefixIndex
 
 WINDOW_JOBS = 65536  # requests the engine holds at once, at most ...
 WINDOW_TOKENS = 16_000_000  # ... and prompt tokens (8 bytes a token in Python lists)

@@ -26,8 +26,8 @@ import sys
 import threading
 from typing import IO, Any, Callable, Iterable
 
-from pipeline.errors import BatchgenError
-from pipeline.model.cpus import available_cpus
+from batchgen.pipeline.errors import BatchgenError
+from batchgen.pipeline.model.cpus import available_cpus
 
 
 class WorkerError(BatchgenError, RuntimeError):

@@ -25,10 +25,10 @@ from typing import Hashable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from jobs import InvalidRow, Job
-from pipeline.text.scoring import continuation_requests, prompt_requests
-from pipeline.text.tokenize import Tokenizer, TokenizerError
-from pipeline.engine.types import Completion, Request, RequestShape, SamplingParams, fed_length
+from batchgen.jobs import InvalidRow, Job
+from batchgen.pipeline.text.scoring import continuation_requests, prompt_requests
+from batchgen.pipeline.text.tokenize import Tokenizer, TokenizerError
+from batchgen.pipeline.engine.types import Completion, Request, RequestShape, SamplingParams, fed_length
 
 
 @dataclass

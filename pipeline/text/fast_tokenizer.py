@@ -136,7 +136,7 @@ class StandIn:
     def apply_chat_template(self, conversation: Sequence[dict[str, str]], add_generation_prompt: bool = False,
                             tokenize: bool = True, return_dict: bool = True) -> Any:
         """transformers' `apply_chat_template` for one conversation of messages with string values
-        (what a job's messages are: `jobs.checks`), no tools or documents."""
+        (what a job's messages are: `batchgen.jobs.checks`), no tools or documents."""
         if self.chat_template is None:
             raise ValueError("Cannot use chat template functions because tokenizer.chat_template is not set and no "
                              "template argument was passed! For information about writing templates and setting the "
@@ -266,7 +266,7 @@ def _digest(files: dict[str, bytes], trust_remote_code: bool) -> str:
 
 
 def _record_path(digest: str) -> Path:
-    from pipeline.paths import cache_dir
+    from batchgen.pipeline.paths import cache_dir
 
     return cache_dir() / "tokenizers" / f"{digest[:32]}.json"
 

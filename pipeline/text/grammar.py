@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from jobs.params import Constraint
-from pipeline.errors import BatchgenError
-from pipeline.engine.types import MatcherFactory
+from batchgen.jobs.params import Constraint
+from batchgen.pipeline.errors import BatchgenError
+from batchgen.pipeline.engine.types import MatcherFactory
 
 # Compact JSON: no whitespace between tokens unless a schema asks for it ("x-guidance"). Free
 # whitespace lets a model pad forever; compact output is what json.dumps(separators=...) gives.

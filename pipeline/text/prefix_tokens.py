@@ -51,7 +51,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from pipeline.text.pieces import Pieces, pack_ids, unpack_ids
+from batchgen.pipeline.text.pieces import Pieces, pack_ids, unpack_ids
 
 STEP = 128  # candidate cuts: the first stable cut at or after every STEP characters...
 _TARGETS_UP_TO = 1 << 24

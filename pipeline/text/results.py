@@ -9,13 +9,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from jobs import InvalidRow, Job
-from jobs.openai_batch import GENERATION_FAILED, openai_fields, request_key
-from jobs.schema import CHAT_ENDPOINT
-from jobs.columns import CREATED, ORDER
-from pipeline.text.scoring import continuation_scores, prompt_scores
-from pipeline.text.tokenize import Tokenizer
-from pipeline.engine.types import Completion, TokenLogprob
+from batchgen.jobs import InvalidRow, Job
+from batchgen.jobs.openai_batch import GENERATION_FAILED, openai_fields, request_key
+from batchgen.jobs.schema import CHAT_ENDPOINT
+from batchgen.jobs.columns import CREATED, ORDER
+from batchgen.pipeline.text.scoring import continuation_scores, prompt_scores
+from batchgen.pipeline.text.tokenize import Tokenizer
+from batchgen.pipeline.engine.types import Completion, TokenLogprob
 
 
 def result_rows(job: Job, completions: list[Completion], tokenizer: Tokenizer) -> list[dict[str, Any]]:

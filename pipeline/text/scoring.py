@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Hashable, Iterator, Sequence
 
-from pipeline.engine.types import Completion, Request, SamplingParams
+from batchgen.pipeline.engine.types import Completion, Request, SamplingParams
 
 
 @dataclass(frozen=True)

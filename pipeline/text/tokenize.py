@@ -1,12 +1,12 @@
-"""Text <-> token ids, in the only modules that load a tokenizer (this one and `pipeline.text.fast_tokenizer`):
+"""Text <-> token ids, in the only modules that load a tokenizer (this one and `batchgen.pipeline.text.fast_tokenizer`):
 the engine sees ids only.
 
 Prompts get the ids of tokenizing them whole, exactly as plain generation would (default special
 tokens for text, the chat template with a generation prompt for messages); grouping happens later
 on these ids, never on strings, since a prefix tokenized alone can end in different tokens. Only
-where a cut is proven not to change them (`pipeline.text.prefix_tokens`) is a shared text prefix
+where a cut is proven not to change them (`batchgen.pipeline.text.prefix_tokens`) is a shared text prefix
 tokenized once for the texts that start with it, and the rest of a text through the ids of its
-pieces between such cuts (`pipeline.text.pieces`).
+pieces between such cuts (`batchgen.pipeline.text.pieces`).
 """
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable, Iterator, Sequence
 
-from pipeline.errors import BatchgenError
-from pipeline.engine.types import StopCheck
-from pipeline.text.fast_tokenizer import StandIn, load as load_known, remember
-from pipeline.text.pieces import key_width, pack_ids, unpack_ids
-from pipeline.text.prefix_tokens import PrefixTokens, cut_rule
+from batchgen.pipeline.errors import BatchgenError
+from batchgen.pipeline.engine.types import StopCheck
+from batchgen.pipeline.text.fast_tokenizer import StandIn, load as load_known, remember
+from batchgen.pipeline.text.pieces import key_width, pack_ids, unpack_ids
+from batchgen.pipeline.text.prefix_tokens import PrefixTokens, cut_rule
 
 
 _ENCODE_BATCH = 1024  # texts per call of the Rust batch encoder
@@ -91,7 +91,7 @@ def _from_transformers(name_or_path: str, trust_remote_code: bool, without_torch
 
 class Tokenizer:
     def __init__(self, hf_tokenizer: Any) -> None:
-        """`hf_tokenizer`: transformers' tokenizer, or its stand-in (`pipeline.text.fast_tokenizer`),
+        """`hf_tokenizer`: transformers' tokenizer, or its stand-in (`batchgen.pipeline.text.fast_tokenizer`),
         which encodes, renders and decodes as it does."""
         self._tok = hf_tokenizer  # what every method here calls
         self._hf = None if isinstance(hf_tokenizer, StandIn) else hf_tokenizer
@@ -112,7 +112,7 @@ class Tokenizer:
     def grammars(self) -> Any:
         """Constraints compiled for this tokenizer (pipeline/text/grammar.py), built on first use."""
         if self._grammars is None:
-            from pipeline.text.grammar import Grammars
+            from batchgen.pipeline.text.grammar import Grammars
 
             self._grammars = Grammars(self.hf)
         return self._grammars
@@ -121,7 +121,7 @@ class Tokenizer:
     def load(cls, name_or_path: str, *, trust_remote_code: bool = False, without_torch: bool = False) -> "Tokenizer":
         """`without_torch`: for a process that will never load a model (see `torch_hidden`). A
         directory whose tokenizer transformers was seen to load as exactly the stand-in gets the
-        stand-in, and never imports transformers for it (`pipeline.text.fast_tokenizer`)."""
+        stand-in, and never imports transformers for it (`batchgen.pipeline.text.fast_tokenizer`)."""
         stand_in = load_known(name_or_path, trust_remote_code)
         if stand_in is None:
             hf = _from_transformers(name_or_path, trust_remote_code, without_torch)
@@ -270,7 +270,7 @@ class Tokenizer:
         return lengths
 
     def _shared_prefixes(self, backend: Any) -> PrefixTokens | None:
-        """Where this tokenizer has proven stable cuts (`pipeline.text.prefix_tokens`), what tokenizes
+        """Where this tokenizer has proven stable cuts (`batchgen.pipeline.text.prefix_tokens`), what tokenizes
         shared text prefixes once; None where it has none, or with BATCHGEN_PREFIX_TOKENS=0."""
         if backend is None or os.environ.get("BATCHGEN_PREFIX_TOKENS", "1") == "0" or backend.encode_special_tokens:
             return None

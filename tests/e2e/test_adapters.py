@@ -10,8 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pipeline.engine.types import Request, SamplingParams
-from pipeline.text.tokenize import Tokenizer
+from batchgen.pipeline.engine.types import Request, SamplingParams
+from batchgen.pipeline.text.tokenize import Tokenizer
 from tests.helpers.cli_helpers import run, write_jsonl
 from tests.helpers.reference import reference_generate
 from tests.helpers.tiny_adapters import make_adapter, merged
@@ -189,7 +189,7 @@ def test_resume_with_adapters_and_a_changed_adapter_refuses_it(tmp_path, model_d
     out = tmp_path / "out.parquet"
     env = {**os.environ, "BATCHGEN_MODEL": str(model_dir), "BATCHGEN_FAULT": "after-commit",
            "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
-    killed = subprocess.run([sys.executable, "-m", "pipeline", "process", str(src), "-o", str(out), *args], env=env,
+    killed = subprocess.run([sys.executable, "-m", "batchgen", "process", str(src), "-o", str(out), *args], env=env,
                             capture_output=True, text=True)
     assert killed.returncode != 0 and os.path.exists(str(out) + ".parts")
     run(["process", str(src), "-o", str(out), *args], model_dir)
@@ -197,7 +197,7 @@ def test_resume_with_adapters_and_a_changed_adapter_refuses_it(tmp_path, model_d
     summary = json.loads((tmp_path / "out.parquet.summary.json").read_text())
     assert summary["resumed_jobs"] > 0 and summary["adapter_jobs"] == {"": 4, "a": 4}
     # the adapter retrained in place: the killed run's work is not this run's
-    subprocess.run([sys.executable, "-m", "pipeline", "process", str(src), "-o", str(tmp_path / "k.parquet"), *args],
+    subprocess.run([sys.executable, "-m", "batchgen", "process", str(src), "-o", str(tmp_path / "k.parquet"), *args],
                    env=env, capture_output=True, text=True)
     make_adapter(make_model("llama"), mine, rank=8, targets=KINDS[1][2], seed=99)
     refused = run(["process", str(src), "-o", str(tmp_path / "k.parquet"), *args], model_dir, ok=False)
@@ -225,7 +225,7 @@ def test_shards_keep_adapter_groups_whole_and_merge_to_the_unsharded_output(tmp_
     merged_out = tmp_path / "merged.parquet"
     from click.testing import CliRunner
 
-    from pipeline.cli import main
+    from batchgen.pipeline.cli import main
 
     result = CliRunner().invoke(main, ["merge", *map(str, shards), "-o", str(merged_out)])
     assert result.exit_code == 0, result.output

@@ -13,8 +13,8 @@ import pytest
 from click.testing import CliRunner
 
 import batchgen
-from jobs import JobError, JobValidationError
-from pipeline.cli import main
+from batchgen.jobs import JobError, JobValidationError
+from batchgen.pipeline.cli import main
 from tests.helpers.tiny_models import make_model
 from tests.helpers.tiny_tokenizer import make_tokenizer
 

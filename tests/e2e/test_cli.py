@@ -9,10 +9,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.helpers.cli_helpers import run, write_jsonl
-from pipeline.cli import main
+from batchgen.pipeline.cli import main
 from tests.helpers.reference import reference_generate
-from pipeline.text.tokenize import Tokenizer
-from pipeline.engine.types import Request, SamplingParams
+from batchgen.pipeline.text.tokenize import Tokenizer
+from batchgen.pipeline.engine.types import Request, SamplingParams
 from tests.helpers.tiny_models import make_model
 from tests.helpers.tiny_tokenizer import make_tokenizer
 
@@ -113,18 +113,18 @@ def test_subprocess_run_with_env_vars(tmp_path, model_dir):
     src = write_jsonl(tmp_path / "jobs.jsonl", [{"prompt": SYSTEM + f"Q{i}"} for i in range(3)])
     out = tmp_path / "o.parquet"
     env = {"BATCHGEN_MODEL": str(model_dir), "BATCHGEN_MAX_NEW_TOKENS": "3", "PATH": "/usr/bin:/bin"}
-    proc = subprocess.run([sys.executable, "-m", "pipeline", "process", str(src), "-o", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "batchgen", "process", str(src), "-o", str(out)],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert pq.read_table(out).num_rows == 3
     assert "3/3 jobs done" in proc.stderr
-    version = subprocess.run([sys.executable, "-m", "pipeline", "--version"], capture_output=True, text=True)
+    version = subprocess.run([sys.executable, "-m", "batchgen", "--version"], capture_output=True, text=True)
     assert "batchgen, version" in version.stdout
-    # the script skips the interpreter's teardown (pipeline.cli.script): exit codes and messages stay
-    missing = subprocess.run([sys.executable, "-m", "pipeline", "process", str(tmp_path / "nope.jsonl"), "-o",
+    # the script skips the interpreter's teardown (batchgen.pipeline.cli.script): exit codes and messages stay
+    missing = subprocess.run([sys.executable, "-m", "batchgen", "process", str(tmp_path / "nope.jsonl"), "-o",
                               str(tmp_path / "o2.parquet")], capture_output=True, text=True, env=env, timeout=300)
     assert missing.returncode == 1 and "nope.jsonl" in missing.stderr and "Traceback" not in missing.stderr
-    usage = subprocess.run([sys.executable, "-m", "pipeline", "process", "--no-such-flag"], capture_output=True,
+    usage = subprocess.run([sys.executable, "-m", "batchgen", "process", "--no-such-flag"], capture_output=True,
                            text=True, env=env, timeout=300)
     assert usage.returncode == 2 and "no-such-flag" in usage.stderr
 

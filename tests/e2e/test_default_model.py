@@ -5,11 +5,11 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from pipeline.cli import main
-from pipeline.model.load import load_model
+from batchgen.pipeline.cli import main
+from batchgen.pipeline.model.load import load_model
 from tests.helpers.reference import reference_generate
-from pipeline.text.tokenize import Tokenizer
-from pipeline.engine.types import Request, SamplingParams
+from batchgen.pipeline.text.tokenize import Tokenizer
+from batchgen.pipeline.engine.types import Request, SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -26,7 +26,7 @@ def evaluate(model: str, model_args: str, tasks_dir: Path, **kw):
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    import pipeline.evalharness  # noqa: F401  registers "batchgen"
+    import batchgen.pipeline.evalharness  # noqa: F401  registers "batchgen"
 
     return simple_evaluate(model=model, model_args=model_args, tasks=["batchgen_mc"],
                            task_manager=TaskManager(include_path=str(tasks_dir)), log_samples=True, **kw)
@@ -51,7 +51,7 @@ def test_rolling_loglikelihood_and_generation_match_the_hf_backend(model_dir):
     from lm_eval.api.instance import Instance
     from lm_eval.api.registry import get_model
 
-    import pipeline.evalharness  # noqa: F401
+    import batchgen.pipeline.evalharness  # noqa: F401
 
     hf = get_model("hf").create_from_arg_string(f"pretrained={model_dir},dtype=float32,max_length=48,device=cpu",
                                                 {"batch_size": 4})
@@ -70,7 +70,7 @@ def test_generation_kwargs_are_honoured_as_the_hf_backend_does_or_refused_by_nam
     from lm_eval.api.instance import Instance
     from lm_eval.api.registry import get_model
 
-    import pipeline.evalharness  # noqa: F401
+    import batchgen.pipeline.evalharness  # noqa: F401
 
     hf = get_model("hf").create_from_arg_string(f"pretrained={model_dir},dtype=float32,device=cpu",
                                                 {"batch_size": 4})
@@ -102,7 +102,7 @@ def test_generation_kwargs_are_honoured_as_the_hf_backend_does_or_refused_by_nam
             bg.generate_until(gen(**kwargs))
     # what a request leaves out comes from the model's generation_config, else transformers' own
     # defaults, as generate takes them: top_k 50 for a sampled request
-    _, sampled = pipeline.evalharness.generation({"do_sample": True, "temperature": 1.0}, "x", bg.gen_defaults)
+    _, sampled = batchgen.pipeline.evalharness.generation({"do_sample": True, "temperature": 1.0}, "x", bg.gen_defaults)
     assert sampled.top_k == 50
     shutil.copytree(model_dir, tmp_path / "m")
     config = json.loads((tmp_path / "m" / "generation_config.json").read_text())
@@ -117,23 +117,23 @@ def test_generation_kwargs_are_honoured_as_the_hf_backend_does_or_refused_by_nam
 def test_the_start_up_hook_registers_batchgen_lazily_beside_lm_evals_own_models(tmp_path):
     """The .pth line, run by `site`: `batchgen` is in lm-eval's table once lm-eval reads it, and
     nothing of lm-eval or of the backend is imported before."""
-    from pipeline.lm_eval_plugin import write_pth
+    from batchgen.pipeline.lm_eval_plugin import write_pth
 
     write_pth(tmp_path)
     code = ("import site, sys; site.addsitedir(sys.argv[1]); "
-            "print(any(m.startswith(('lm_eval', 'pipeline.evalharness')) for m in sys.modules)); "
+            "print(any(m.startswith(('lm_eval', 'batchgen.pipeline.evalharness')) for m in sys.modules)); "
             "from lm_eval.api.registry import get_model; "
             "print(get_model('batchgen').__module__, get_model('hf').__name__)")
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == ["False", "pipeline.evalharness", "HFLM"]
+    assert proc.stdout.split() == ["False", "batchgen.pipeline.evalharness", "HFLM"]
 
 
 
 def test_the_start_up_hook_imports_nothing_of_pipeline(tmp_path):
     """The .pth line runs at every start of Python, before a program sets its sys.path: it must
     not import the `pipeline` package (which would then be found wherever sys.path pointed first)."""
-    from pipeline.lm_eval_plugin import write_pth
+    from batchgen.pipeline.lm_eval_plugin import write_pth
 
     write_pth(tmp_path)
     code = ("import site, sys; site.addsitedir(sys.argv[1]); "
@@ -150,10 +150,10 @@ def test_lm_evals_own_command_runs_the_batchgen_model(model_dir, tasks, tmp_path
     the backend in-process. Needs the .pth file `make setup` writes."""
     import sysconfig
 
-    from pipeline.lm_eval_plugin import PTH
+    from batchgen.pipeline.lm_eval_plugin import PTH
 
     assert (Path(sysconfig.get_path("purelib")) / PTH).exists(), \
-        f"no {PTH} in site-packages: run `make setup` (or `python -m pipeline.lm_eval_plugin`)"
+        f"no {PTH} in site-packages: run `make setup` (or `python -m batchgen.pipeline.lm_eval_plugin`)"
     out = tmp_path / "results"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     proc = subprocess.run([str(Path(sys.executable).parent / "lm_eval"), "--model", "batchgen", "--model_args",
@@ -182,7 +182,7 @@ def test_the_command_line_runs_offline_with_the_default_model(tmp_path, tasks):
     result = json.loads(next(out.rglob("results_*.json")).read_text())
     samples = [json.loads(line) for line in next(out.rglob("samples_batchgen_mc_*.jsonl")).read_text().splitlines()]
     # the real model through lm-eval's own hf backend: the same accuracy, the same loglikelihoods
-    from pipeline.model.load import default_model_path
+    from batchgen.pipeline.model.load import default_model_path
 
     hf = evaluate("hf", f"pretrained={default_model_path()},dtype=float32", tasks, batch_size=8, device="cpu",
                   limit=8)
@@ -200,7 +200,7 @@ def test_a_peft_adapter_scores_and_generates_as_the_hf_backend_on_its_merged_mod
     from lm_eval.api.instance import Instance
     from lm_eval.api.registry import get_model
 
-    import pipeline.evalharness  # noqa: F401
+    import batchgen.pipeline.evalharness  # noqa: F401
     from tests.helpers.tiny_adapters import make_adapter, merged
     from tests.helpers.tiny_models import make_model
     from tests.helpers.tiny_tokenizer import make_tokenizer

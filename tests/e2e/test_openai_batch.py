@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 import batchgen
-from pipeline.cli import main
+from batchgen.pipeline.cli import main
 
 SYSTEM = "You answer briefly and kindly, in plain words, and you never make things up. "
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["answer", "sure"],
@@ -259,7 +259,7 @@ def smol_dir(tmp_path_factory):
     """A tiny random Llama with the default model's tokenizer (byte-level BPE, SmolLM2's)."""
     import transformers as T
 
-    from pipeline.model.load import default_model_path
+    from batchgen.pipeline.model.load import default_model_path
 
     tok = T.AutoTokenizer.from_pretrained(default_model_path())
     config = T.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -328,8 +328,8 @@ def test_token_bytes_join_to_the_decoded_text(kind):
     """What each token adds to the decoded text, as bytes, for the three kinds of decoder: the
     default model's byte-level BPE, SentencePiece byte fallback, and the tests' tiny tokenizer
     (whose word-start marker a token decoded alone loses)."""
-    from pipeline.model.load import default_model_path
-    from pipeline.text.tokenize import Tokenizer
+    from batchgen.pipeline.model.load import default_model_path
+    from batchgen.pipeline.text.tokenize import Tokenizer
     from tests.helpers.tiny_tokenizer import make_tokenizer
 
     tok = Tokenizer({"byte-level": lambda: Tokenizer.load(str(default_model_path())).hf,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from pipeline.engine.sampling import warp
+from batchgen.pipeline.engine.sampling import warp
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +51,7 @@ def test_a_cli_run_imports_neither_transformers_nor_pandas(tmp_path, model_dir):
     outputs = []
     for run in range(2):
         out = tmp_path / f"out{run}.parquet"
-        proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "pipeline", "process", str(src), "-o", str(out),
+        proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "batchgen", "process", str(src), "-o", str(out),
                                "--model", str(model_dir), "--max-new-tokens", "5", "--device", "cpu"],
                               capture_output=True, text=True, env=env, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -73,7 +73,7 @@ def test_pyarrow_looks_for_pandas_again_once_it_is_imported():
     anything imports pandas, pyarrow treats pandas objects as pandas objects again."""
     code = """if True:
         import sys
-        from pipeline.cli import _arrow_without_pandas
+        from batchgen.pipeline.cli import _arrow_without_pandas
         _arrow_without_pandas(["process", "jobs.jsonl"])
         import pyarrow as pa
         table = pa.Table.from_pylist([{"a": 1, "b": "x"}])

@@ -30,11 +30,11 @@ from pathlib import Path
 import torch
 import transformers as T
 
-from pipeline.engine.engine import Engine
-from pipeline.engine.types import Request, SamplingParams
-from pipeline.model.decoder import Decoder
-from pipeline.model.kernels import warm_vector_math
-from pipeline.model.load import ModelLoadError, load_model
+from batchgen.pipeline.engine.engine import Engine
+from batchgen.pipeline.engine.types import Request, SamplingParams
+from batchgen.pipeline.model.decoder import Decoder
+from batchgen.pipeline.model.kernels import warm_vector_math
+from batchgen.pipeline.model.load import ModelLoadError, load_model
 from tests.engine.fuzz_cases import DTYPES, EOS, Case, Job, Knobs, case_of_seed
 from tests.helpers.reference import bf16_tie, reference_generate
 

@@ -4,10 +4,10 @@ with its own adapter), and every request's greedy tokens are its merged model's 
 `generate`. (The output through the CLI: tests/e2e/test_adapters.py.)"""
 import pytest
 
-from pipeline.engine.engine import Engine
-from pipeline.engine.types import Request, SamplingParams
-from pipeline.model.adapter_files import inspect_adapter
-from pipeline.model.hf import as_forward
+from batchgen.pipeline.engine.engine import Engine
+from batchgen.pipeline.engine.types import Request, SamplingParams
+from batchgen.pipeline.model.adapter_files import inspect_adapter
+from batchgen.pipeline.model.hf import as_forward
 from tests.helpers.reference import reference_generate
 from tests.helpers.tiny_adapters import make_adapter, merged
 from tests.helpers.tiny_models import make_model
@@ -67,7 +67,7 @@ def test_without_adapters_the_same_requests_share_one_head(setup):
 
 def test_a_prefix_is_prefilled_with_its_adapter(setup, monkeypatch):
     """A cached prefix's segment carries its rows' adapter (its keys and values are that adapter's)."""
-    from pipeline.engine import loop
+    from batchgen.pipeline.engine import loop
 
     base, dirs = setup
     forward = as_forward(make_model("llama"))

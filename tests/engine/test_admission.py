@@ -2,9 +2,9 @@
 import pytest
 
 from tests.helpers.jobsets import DOCS, SHOTS, SYSTEM, edge_case_requests, tokenizer
-from pipeline.model import kv
-from pipeline.engine.engine import Engine
-from pipeline.engine.types import Request, SamplingParams
+from batchgen.pipeline.model import kv
+from batchgen.pipeline.engine.engine import Engine
+from batchgen.pipeline.engine.types import Request, SamplingParams
 from tests.helpers.reference import reference_generate
 from tests.helpers.tiny_models import make_model
 
@@ -82,7 +82,7 @@ def test_seeded_samples_do_not_depend_on_joining():
 def test_out_of_memory_while_rows_join_reruns_them(monkeypatch):
     import torch
 
-    from pipeline.model import attention
+    from batchgen.pipeline.model import attention
 
     tok = tokenizer()
     model = make_model("llama", seed=5)
@@ -177,7 +177,7 @@ def test_prefixes_are_freed_while_one_batch_runs_on_through_many_groups(monkeypa
     reqs = [Request(f"g{g}-q{i}", tok.encode_prompt(f"Group {g} header: " + "context words here " * 3 + f"Q{i}?"),
                     SamplingParams(max_new_tokens=1 + (7 * i + g) % 9)) for g in range(24) for i in range(4)]
     engine = Engine(model, eos_token_ids=[], min_shared_tokens=4, max_batch_tokens=100)
-    from pipeline.engine import loop
+    from batchgen.pipeline.engine import loop
 
     alive, runs = [], []
     real = loop.Pass._prefill_prefixes

@@ -9,11 +9,11 @@ import pytest
 from tokenizers import Tokenizer as RustTokenizer
 from transformers import PreTrainedTokenizerFast
 
-from jobs.params import Constraint
+from batchgen.jobs.params import Constraint
 from tests.helpers.jobsets import SYSTEM, tokenizer
-from pipeline.engine.engine import Engine
-from pipeline.text.grammar import GrammarError, Grammars
-from pipeline.engine.types import Request, SamplingParams
+from batchgen.pipeline.engine.engine import Engine
+from batchgen.pipeline.text.grammar import GrammarError, Grammars
+from batchgen.pipeline.engine.types import Request, SamplingParams
 from tests.helpers.tiny_models import make_model
 from tests.helpers.tiny_tokenizer import make_tokenizer
 
@@ -198,7 +198,7 @@ def test_a_constraint_holding_a_special_tokens_text_writes_that_text(kind, spec,
 
 def forced_text(grammars: Grammars, constraint: Constraint, hf, limit: int = 64) -> str:
     """Walk a grammar that allows one text, taking the lowest allowed token at each step."""
-    from pipeline.engine.constrain import allowed_tokens
+    from batchgen.pipeline.engine.constrain import allowed_tokens
 
     m = grammars.factory(constraint)()
     ids = []
@@ -215,8 +215,8 @@ def forced_text(grammars: Grammars, constraint: Constraint, hf, limit: int = 64)
 @pytest.mark.slow
 def test_the_default_models_eos_text_in_a_constraint_is_written_as_text():
     """SmolLM2's EOS is <|im_end|>: a schema or regex holding that text is written out."""
-    from pipeline.model.load import default_model_path
-    from pipeline.text.tokenize import Tokenizer
+    from batchgen.pipeline.model.load import default_model_path
+    from batchgen.pipeline.text.tokenize import Tokenizer
 
     hf = Tokenizer.load(str(default_model_path())).hf
     assert hf.eos_token == "<|im_end|>"

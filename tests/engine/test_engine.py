@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from tests.helpers.jobsets import SYSTEM, edge_case_requests, tokenizer
-from pipeline.engine.engine import Engine
-from pipeline.engine.prefix_tree import PrefixTree
+from batchgen.pipeline.engine.engine import Engine
+from batchgen.pipeline.engine.prefix_tree import PrefixTree
 from tests.helpers.reference import bf16_tie, reference_generate
-from pipeline.engine.types import Request, SamplingParams
+from batchgen.pipeline.engine.types import Request, SamplingParams
 from tests.helpers.tiny_models import ARCHS, make_model
 
 EOS = [2]
@@ -261,7 +261,7 @@ def test_static_decode_steps_equal_uncached_generate(arch, tok):
 def test_a_model_packed_in_place_equals_the_plain_model_s_uncached_generate(arch, tok):
     """A model batchgen loads has its linear weights packed in place (`kernels.pack_in_place`):
     the engine on it still equals plain Hugging Face generate on the same weights, unpacked."""
-    from pipeline.model import kernels
+    from batchgen.pipeline.model import kernels
 
     if not kernels.onednn_ok(torch.float32, packed=True):
         pytest.skip("oneDNN's linear is not available in this torch build")

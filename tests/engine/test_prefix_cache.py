@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from pipeline.engine.prefix_cache import PrefixCache
-from pipeline.engine.schedule import Prefix, plan, tree_of
+from batchgen.pipeline.engine.prefix_cache import PrefixCache
+from batchgen.pipeline.engine.schedule import Prefix, plan, tree_of
 
 # 0 (tokens 0-20) <- 1 (20-30) <- 2 (30-34); 3 (0-12) is a second root
 PREFIXES = {0: Prefix(0, None, "a", 0, 20), 1: Prefix(1, 0, "a", 20, 30), 2: Prefix(2, 1, "a", 30, 34),

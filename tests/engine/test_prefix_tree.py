@@ -1,6 +1,6 @@
 from hypothesis import given, settings, strategies as st
 
-from pipeline.engine.prefix_tree import PrefixTree
+from batchgen.pipeline.engine.prefix_tree import PrefixTree
 
 
 def distinct_prefixes(seqs):

@@ -6,10 +6,10 @@ from transformers import (LogitsProcessorList, MinNewTokensLengthLogitsProcessor
                           SequenceBiasLogitsProcessor)
 
 from tests.helpers.jobsets import SYSTEM, tokenizer
-from pipeline.engine.engine import Engine
-from pipeline.engine.sampling import process
-from pipeline.engine.sampling import RowState, sample
-from pipeline.engine.types import Request, SamplingParams
+from batchgen.pipeline.engine.engine import Engine
+from batchgen.pipeline.engine.sampling import process
+from batchgen.pipeline.engine.sampling import RowState, sample
+from batchgen.pipeline.engine.types import Request, SamplingParams
 from tests.helpers.tiny_models import make_model
 
 EOS = [2]

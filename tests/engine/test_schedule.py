@@ -2,9 +2,9 @@ import random
 
 from hypothesis import given, settings, strategies as st
 
-from pipeline.engine.prefix_cache import PrefixCache
-from pipeline.engine.prefix_tree import PrefixTree
-from pipeline.engine.schedule import COPY_LIMIT, plan, tree_of
+from batchgen.pipeline.engine.prefix_cache import PrefixCache
+from batchgen.pipeline.engine.prefix_tree import PrefixTree
+from batchgen.pipeline.engine.schedule import COPY_LIMIT, plan, tree_of
 
 
 def build(prompts, new=4, n=None, **kw):

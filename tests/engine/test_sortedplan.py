@@ -5,12 +5,12 @@ prefixes in the same order, the same rows, batches and prefill, on random job se
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from pipeline.run.planning import summarize
-from pipeline.run.prefix_index import PrefixIndex
-from pipeline.engine.schedule import plan, tree_of, tree_of_sorted
-from pipeline.engine.sortedplan import plan_sorted
-from pipeline.engine.types import RequestShape
-from pipeline.run.windows import reused
+from batchgen.pipeline.run.planning import summarize
+from batchgen.pipeline.run.prefix_index import PrefixIndex
+from batchgen.pipeline.engine.schedule import plan, tree_of, tree_of_sorted
+from batchgen.pipeline.engine.sortedplan import plan_sorted
+from batchgen.pipeline.engine.types import RequestShape
+from batchgen.pipeline.run.windows import reused
 
 PROMPTS = st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=14), min_size=1, max_size=40)
 SETTINGS = settings(max_examples=300, deadline=None)

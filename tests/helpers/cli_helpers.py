@@ -4,7 +4,7 @@ import os
 
 from click.testing import CliRunner
 
-from pipeline.cli import main
+from batchgen.pipeline.cli import main
 
 
 def write_jsonl(path, rows):

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import random
 
-from pipeline.text.tokenize import Tokenizer
-from pipeline.engine.types import Request, SamplingParams
+from batchgen.pipeline.text.tokenize import Tokenizer
+from batchgen.pipeline.engine.types import Request, SamplingParams
 from tests.helpers.tiny_tokenizer import make_tokenizer
 
 SYSTEM = "You are a careful assistant. Answer in one short sentence and never invent facts. "

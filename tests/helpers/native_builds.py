@@ -2,7 +2,7 @@
 what the tests compile to check that a build compiles, or load to run an AVX2 build on an AVX-512 CPU."""
 from __future__ import annotations
 
-from pipeline.model import native_build
+from batchgen.pipeline.model import native_build
 
 
 def flags_for(march: str) -> list[str]:

@@ -10,7 +10,7 @@ from typing import Iterable
 import torch
 from transformers import GenerationConfig
 
-from pipeline.engine.types import Request
+from batchgen.pipeline.engine.types import Request
 
 
 @torch.inference_mode()

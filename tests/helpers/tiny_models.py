@@ -55,8 +55,8 @@ def model_from_config(config: T.PretrainedConfig, seed: int = 0, dtype: torch.dt
 def make_decoder(arch: str, directory, seed: int = 0, dtype: torch.dtype = torch.float32):
     """The tiny model saved to `directory` and loaded into batchgen's own decoder: (transformers'
     model, the decoder), the same weights."""
-    from pipeline.model.decoder import Decoder
-    from pipeline.model.decoder_config import read
+    from batchgen.pipeline.model.decoder import Decoder
+    from batchgen.pipeline.model.decoder_config import read
 
     model = make_model(arch, seed=seed, dtype=dtype)
     model.save_pretrained(directory)

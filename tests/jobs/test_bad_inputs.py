@@ -16,9 +16,9 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from jobs.readers import jobs_of_records, read_jobs
-from jobs.params import RESERVED
-from jobs.schema import JOB_KEYS, GenerationDefaults, InvalidRow, Job, JobError, Location
+from batchgen.jobs.readers import jobs_of_records, read_jobs
+from batchgen.jobs.params import RESERVED
+from batchgen.jobs.schema import JOB_KEYS, GenerationDefaults, InvalidRow, Job, JobError, Location
 
 DEFAULTS = GenerationDefaults(max_new_tokens=16)
 CHAT = [{"role": "user", "content": "hi"}]
@@ -409,7 +409,7 @@ def test_deep_json_text_in_a_parquet_column_is_a_located_row(column: str, tmp_pa
 
 
 def test_deep_values_of_every_source_are_located_rows(tmp_path: Path) -> None:
-    from jobs.chunks import read_chunks
+    from batchgen.jobs.chunks import read_chunks
 
     rows = [{"prompt": "a"}, {"prompt": "b", "meta": nested(5000, "list")},
             {"prompt": "c", "meta": nested(49, "list")}, {"prompt": "d", "meta": nested(98, "object")}]

@@ -12,8 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.readers import input_schema, read_jobs
-from jobs.schema import GenerationDefaults, InvalidRow, Job, JobError, Location
+from batchgen.jobs.readers import input_schema, read_jobs
+from batchgen.jobs.schema import GenerationDefaults, InvalidRow, Job, JobError, Location
 
 DEFAULTS = GenerationDefaults(max_new_tokens=16)
 DATA = Path(__file__).resolve().parents[2] / "data"
@@ -298,7 +298,7 @@ def test_uri_inputs_through_pyarrow_filesystems(tmp_path):
     import pyarrow as _pa
     import pyarrow.parquet as _pq
 
-    from jobs import GenerationDefaults, Job, read_jobs
+    from batchgen.jobs import GenerationDefaults, Job, read_jobs
 
     parts = tmp_path / "parts"
     parts.mkdir()
@@ -312,6 +312,6 @@ def test_uri_inputs_through_pyarrow_filesystems(tmp_path):
     assert len(bad) == 1 and str(bad[0].location) == f"file://{parts}/p1.jsonl.gz:2"
     import pytest as _pytest
 
-    from jobs import JobError
+    from batchgen.jobs import JobError
     with _pytest.raises(JobError, match="no such file"):
         list(read_jobs([f"file://{tmp_path}/missing.jsonl"], GenerationDefaults()))

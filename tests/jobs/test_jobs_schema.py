@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jobs.schema import (GenerationDefaults, InvalidRow, Job, JobError, JobValidationError,
+from batchgen.jobs.schema import (GenerationDefaults, InvalidRow, Job, JobError, JobValidationError,
                          Location, template_fields)
 
 LOC = Location("jobs.jsonl", line=17)

@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from jobs.schema import InvalidRow, JobError, Location
-from jobs.writers import (ERROR_SCHEMA, ErrorWriter, ExtraSchema, JsonlWriter, OpenAIBatchWriter,
+from batchgen.jobs.schema import InvalidRow, JobError, Location
+from batchgen.jobs.writers import (ERROR_SCHEMA, ErrorWriter, ExtraSchema, JsonlWriter, OpenAIBatchWriter,
                           ParquetWriter, errors_path, id_type_for, infer_extra_schema,
                           open_result_writer, result_schema, value_kind, write_summary)
 
@@ -268,7 +268,7 @@ def test_write_summary_atomic(tmp_path: Path) -> None:
 
 
 def test_openai_error_lines_and_whole_requests(tmp_path: Path) -> None:
-    from jobs.openai_batch import GENERATION_FAILED, OpenAIErrorWriter, whole_requests
+    from batchgen.jobs.openai_batch import GENERATION_FAILED, OpenAIErrorWriter, whole_requests
 
     # request c (elements at input positions 0-2), d (3), a malformed line (4), and a repeat of d (5)
     rows = [{**result("c", 0), "custom_id": "c", "prompt_index": 0, "request": 0},

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from jobs.params import ALIASES, CONSTRAINTS, PARAMS, RESERVED, UNSUPPORTED, Constraint
-from jobs.schema import GenerationDefaults, Job, JobValidationError, Location
+from batchgen.jobs.params import ALIASES, CONSTRAINTS, PARAMS, RESERVED, UNSUPPORTED, Constraint
+from batchgen.jobs.schema import GenerationDefaults, Job, JobValidationError, Location
 
 LOC = Location("jobs.jsonl", line=3)
 DEFAULTS = GenerationDefaults()

@@ -8,8 +8,8 @@ import sys
 import pytest
 from safetensors.torch import load_file, save_file
 
-from pipeline.model.adapter_files import AdapterError, base_shape, inspect_adapter
-from pipeline.model.decoder_config import read
+from batchgen.pipeline.model.adapter_files import AdapterError, base_shape, inspect_adapter
+from batchgen.pipeline.model.decoder_config import read
 from tests.helpers.tiny_adapters import make_adapter
 from tests.helpers.tiny_models import make_model
 
@@ -55,7 +55,7 @@ def test_every_base_config_form_gives_the_same_shapes(llama, base, tmp_path):
 
 
 def test_importing_it_imports_no_torch():
-    code = "import sys, pipeline.model.adapter_files; sys.exit('torch' in sys.modules)"
+    code = "import sys, batchgen.pipeline.model.adapter_files; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 

@@ -8,15 +8,15 @@ import threading
 import pytest
 import torch
 
-from pipeline.errors import BatchgenError
-from pipeline.model.ahead import ModelAhead
-from pipeline.model.decoder import Decoder
-from pipeline.model.files import ModelLoadError
-from pipeline.model.kv import PrefixKV
-from pipeline.model.load import load_model
-from pipeline.model.step import Segment, build
-from pipeline.run.options import RunOptions
-from pipeline.run.runner import process
+from batchgen.pipeline.errors import BatchgenError
+from batchgen.pipeline.model.ahead import ModelAhead
+from batchgen.pipeline.model.decoder import Decoder
+from batchgen.pipeline.model.files import ModelLoadError
+from batchgen.pipeline.model.kv import PrefixKV
+from batchgen.pipeline.model.load import load_model
+from batchgen.pipeline.model.step import Segment, build
+from batchgen.pipeline.run.options import RunOptions
+from batchgen.pipeline.run.runner import process
 from tests.helpers.tiny_models import make_model
 
 

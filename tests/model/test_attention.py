@@ -3,10 +3,10 @@ import pytest
 import torch
 
 from tests.helpers.jobsets import SYSTEM, tokenizer
-from pipeline.model import attention
-from pipeline.model import kv
-from pipeline.engine.engine import Engine, EngineError
-from pipeline.engine.types import Request, SamplingParams
+from batchgen.pipeline.model import attention
+from batchgen.pipeline.model import kv
+from batchgen.pipeline.engine.engine import Engine, EngineError
+from batchgen.pipeline.engine.types import Request, SamplingParams
 from tests.helpers.tiny_models import ARCHS, make_model
 
 
@@ -130,7 +130,7 @@ def test_a_model_whose_attention_bypasses_the_registry_is_refused_clearly():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_kv_buffers_start_as_zeros_in_separate_views(dtype):
-    from pipeline.model.kv import zeroed
+    from batchgen.pipeline.model.kv import zeroed
 
     shapes = [(2, 3, 5, 7), (1, 2, 3, 4), (0, 3, 4, 4), (4, 1, 1000, 64)]
     bufs = zeroed(shapes, dtype, torch.device("cpu"))

@@ -9,14 +9,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.helpers.jobsets import edge_case_requests, tokenizer
-from pipeline.model import decoder_config
-from pipeline.model.decoder import Decoder
-from pipeline.model.hf import as_forward
-from pipeline.engine.engine import Engine
-from pipeline.model.kv import PrefixKV
-from pipeline.model.load import load_config, load_model
-from pipeline.run.preflight import context_window, vocab_size
-from pipeline.model.step import Segment, build
+from batchgen.pipeline.model import decoder_config
+from batchgen.pipeline.model.decoder import Decoder
+from batchgen.pipeline.model.hf import as_forward
+from batchgen.pipeline.engine.engine import Engine
+from batchgen.pipeline.model.kv import PrefixKV
+from batchgen.pipeline.model.load import load_config, load_model
+from batchgen.pipeline.run.preflight import context_window, vocab_size
+from batchgen.pipeline.model.step import Segment, build
 from tests.helpers.reference import reference_generate
 from tests.helpers.reference import bf16_tie
 from tests.helpers.tiny_models import ARCHS, EXTRA, make_decoder, make_model
@@ -179,7 +179,7 @@ def test_tokenizer_without_the_config_class_is_the_same(model_dir):
     class (whose import costs a second): the same tokenizer class, ids and chat text."""
     from transformers import AutoTokenizer
 
-    from pipeline.text.tokenize import Tokenizer, _config_for_tokenizer
+    from batchgen.pipeline.text.tokenize import Tokenizer, _config_for_tokenizer
 
     assert _config_for_tokenizer(str(model_dir))  # the fast path applies to this directory
     ours, theirs = Tokenizer.load(str(model_dir)).hf, AutoTokenizer.from_pretrained(model_dir)
@@ -202,7 +202,7 @@ def test_a_cli_run_on_the_decoder_imports_no_model_code(tmp_path, model_dir):
     for flag, code in (("1", "batchgen"), ("0", "transformers")):
         out = tmp_path / f"out{flag}.parquet"
         env = {**__import__("os").environ, "BATCHGEN_DECODER": flag}
-        run = subprocess.run([sys.executable, "-X", "importtime", "-m", "pipeline", "process", str(src), "-o",
+        run = subprocess.run([sys.executable, "-X", "importtime", "-m", "batchgen", "process", str(src), "-o",
                               str(out), "--model", str(model_dir), "--max-new-tokens", "5", "--device", "cpu"],
                              capture_output=True, text=True, env=env)
         assert run.returncode == 0, run.stderr[-2000:]
@@ -271,7 +271,7 @@ def test_a_truncated_checkpoint_is_a_clear_error(flag, tmp_path, model_dir):
     src = tmp_path / "jobs.jsonl"
     src.write_text(json.dumps({"prompt": "hello"}) + "\n")
     env = {**__import__("os").environ, "BATCHGEN_DECODER": flag}
-    run = subprocess.run([sys.executable, "-m", "pipeline", "process", str(src), "-o", str(tmp_path / "o.parquet"),
+    run = subprocess.run([sys.executable, "-m", "batchgen", "process", str(src), "-o", str(tmp_path / "o.parquet"),
                           "--model", str(broken), "--device", "cpu", "--max-new-tokens", "2"],
                          capture_output=True, text=True, env=env)
     assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-1500:]
@@ -316,7 +316,7 @@ def test_rope_tables_are_accurate_where_aten_would_split_them_across_threads(tmp
     every entry within float32 rounding of the float64 value of the same float32 angle. In the
     lm-eval backend a worker thread's first MKL cos in a process once came out 1.5e-4 off on half a
     table, and every score of a run with it (BENCHMARKS.md)."""
-    from pipeline.model import rope
+    from batchgen.pipeline.model import rope
 
     make_model("llama").save_pretrained(tmp_path)
     config, why = decoder_config.read(tmp_path)
@@ -338,7 +338,7 @@ def test_rope_tables_are_accurate_where_aten_would_split_them_across_threads(tmp
 def test_on_this_thread_computes_in_parts_aten_runs_on_the_calling_thread():
     """Each part at most ATen's grain for elementwise ops (so it is never split across threads), and
     the parts together are the op of the whole, in its shape."""
-    from pipeline.model import kernels
+    from batchgen.pipeline.model import kernels
 
     sizes = []
 
@@ -399,7 +399,7 @@ def test_a_config_no_model_code_runs_exactly_is_one_line(changes, says, flag, tm
     env = {**os.environ, "BATCHGEN_DECODER": flag}
     for command in (["process", str(src), "-o", str(tmp_path / "o.parquet"), "--max-new-tokens", "2", "--device", "cpu"],
                     ["validate", str(src)]):
-        run = subprocess.run([sys.executable, "-m", "pipeline", *command, "--model", str(broken)],
+        run = subprocess.run([sys.executable, "-m", "batchgen", *command, "--model", str(broken)],
                              capture_output=True, text=True, env=env)
         assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-1500:]
         lines = [line for line in run.stderr.splitlines() if line.strip()]
@@ -409,7 +409,7 @@ def test_a_config_no_model_code_runs_exactly_is_one_line(changes, says, flag, tm
 def test_longrope_is_refused_on_transformers_model_code(tmp_path):
     """A model the decoder does not take (Phi-3) with longrope: transformers' model code would pick
     the long factors for a short row packed beside a long one; refused, by load_config too."""
-    from pipeline.model.load import ModelLoadError
+    from batchgen.pipeline.model.load import ModelLoadError
 
     make_model("phi3").save_pretrained(tmp_path)
     _edit(tmp_path, rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.5,

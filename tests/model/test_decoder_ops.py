@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, rotate_half
 
-from pipeline.model.decoder import _rotate_
+from batchgen.pipeline.model.decoder import _rotate_
 from tests.helpers.tiny_models import make_decoder
 
 DTYPES = [torch.float32, torch.bfloat16]

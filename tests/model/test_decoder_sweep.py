@@ -20,10 +20,10 @@ import pytest
 import torch
 import transformers as T
 
-from pipeline.model.decoder import Decoder
-from pipeline.engine.engine import Engine
-from pipeline.model.load import ModelLoadError, load_model
-from pipeline.engine.types import Request, SamplingParams
+from batchgen.pipeline.model.decoder import Decoder
+from batchgen.pipeline.engine.engine import Engine
+from batchgen.pipeline.model.load import ModelLoadError, load_model
+from batchgen.pipeline.engine.types import Request, SamplingParams
 from tests.helpers.reference import reference_generate
 
 EOS = [2]

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.model import native
-from pipeline.model.kv import PrefixKV
-from pipeline.model.precision import cpu_flags
-from pipeline.model.step import Segment, build
+from batchgen.pipeline.model import native
+from batchgen.pipeline.model.kv import PrefixKV
+from batchgen.pipeline.model.precision import cpu_flags
+from batchgen.pipeline.model.step import Segment, build
 from tests.helpers.native_builds import build_for
 from tests.helpers.tiny_models import make_decoder
 
@@ -60,7 +60,7 @@ def test_a_rows_bits_do_not_depend_on_its_batch_or_threads(threads):
 def test_the_avx2_build_gives_the_avx512_builds_bits(monkeypatch):
     """The AVX2 tile (6 rows x a third of a panel) sums each output in the AVX-512 tile's order, from
     the same packed panels: the same bits, so a packed file and a row's outputs do not depend on the CPU."""
-    from pipeline.model import native_build
+    from batchgen.pipeline.model import native_build
 
     build_for(monkeypatch, "x86-64-v3")
     avx2 = native.Gemm(native_build._build(2, 16))

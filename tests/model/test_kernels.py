@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from pipeline.model import cpus, kernels
+from batchgen.pipeline.model import cpus, kernels
 from tests.helpers.tiny_models import make_model
 
 

@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from pipeline.model import native
-from pipeline.model.decoder import _rotate_
-from pipeline.model.kv import PrefixKV
-from pipeline.model.step import Segment, build
+from batchgen.pipeline.model import native
+from batchgen.pipeline.model.decoder import _rotate_
+from batchgen.pipeline.model.kv import PrefixKV
+from batchgen.pipeline.model.step import Segment, build
 from tests.helpers.tiny_models import make_decoder
 
 DTYPES = [torch.float32, torch.bfloat16]

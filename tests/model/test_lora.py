@@ -6,10 +6,10 @@ uncached, in float32."""
 import pytest
 import torch
 
-from pipeline.model.adapter_files import AdapterError, inspect_adapter
-from pipeline.model.hf import HFModel
-from pipeline.model.kv import PrefixKV, RowKV
-from pipeline.model.step import Decode, Segment, StaticDecode, build
+from batchgen.pipeline.model.adapter_files import AdapterError, inspect_adapter
+from batchgen.pipeline.model.hf import HFModel
+from batchgen.pipeline.model.kv import PrefixKV, RowKV
+from batchgen.pipeline.model.step import Decode, Segment, StaticDecode, build
 from tests.helpers.tiny_adapters import make_adapter, merged
 from tests.helpers.tiny_models import make_decoder
 
@@ -132,7 +132,7 @@ def test_every_adapter_changes_the_logits(setup):
 def test_a_wrong_scaling_breaks_the_comparison(setup, code, factor, monkeypatch):
     import dataclasses
 
-    from pipeline.model import lora
+    from batchgen.pipeline.model import lora
 
     real = lora.inspect_adapter
     monkeypatch.setattr(lora, "inspect_adapter", lambda path, base: dataclasses.replace(
@@ -160,7 +160,7 @@ def test_a_base_only_step_is_bit_identical_with_adapters_set(setup, code, tmp_pa
 
 def test_step_lora_groups_tokens_by_adapter():
     """Per adapter present, its token indices: a slice where they are consecutive, none for base tokens."""
-    from pipeline.model.kv import LayerShape
+    from batchgen.pipeline.model.kv import LayerShape
 
     kv = RowKV([LayerShape(1, 4, 4)], 4, 8, torch.float32, CPU)
     decode = [Decode(0, 0, adapter=2), Decode(1, 0), Decode(2, 0, adapter=2)]
@@ -217,7 +217,7 @@ def test_one_projection_computes_as_peft_does(setup, dtype, rows, adapter):
 
     from peft import PeftModel
 
-    from pipeline.model import lora
+    from batchgen.pipeline.model import lora
 
     base = copy.deepcopy(setup.model).to(dtype)
     info = setup.infos[adapter - 1]
@@ -246,7 +246,7 @@ def test_several_adapters_in_one_projection_compute_as_peft_does(setup, dtype):
 
     from peft import PeftModel
 
-    from pipeline.model import lora
+    from batchgen.pipeline.model import lora
 
     base = copy.deepcopy(setup.model).to(dtype)
     peft_models = {a: PeftModel.from_pretrained(copy.deepcopy(base), str(setup.paths[a - 1])).eval() for a in (2, 3, 4)}
@@ -278,8 +278,8 @@ def test_the_default_model_with_random_adapters(code, tmp_path):
 
     from transformers import AutoModelForCausalLM
 
-    from pipeline.model.default_model import default_model_path
-    from pipeline.model.load import load_model
+    from batchgen.pipeline.model.default_model import default_model_path
+    from batchgen.pipeline.model.load import load_model
 
     # transformers' own load (load_model packs the weights for oneDNN, which peft cannot copy)
     model = AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32).eval()

@@ -1,4 +1,4 @@
-"""Tests for pipeline.model.load: device/dtype resolution, loading, default-model conversion."""
+"""Tests for batchgen.pipeline.model.load: device/dtype resolution, loading, default-model conversion."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, ViTConfig, ViTModel
 
-from pipeline.model import default_model as pm
-from pipeline.model import precision
-from pipeline.model.load import ModelLoadError, load_model, resolve_device, resolve_dtype
-from pipeline.errors import OptionError
+from batchgen.pipeline.model import default_model as pm
+from batchgen.pipeline.model import precision
+from batchgen.pipeline.model.load import ModelLoadError, load_model, resolve_device, resolve_dtype
+from batchgen.pipeline.errors import OptionError
 
 
 # ---------------------------------------------------------------- resolve_device
@@ -198,7 +198,7 @@ def test_auto_loads_a_bfloat16_checkpoint_by_the_rule(tmp_path: Path, monkeypatc
                                                         flags, expected) -> None:
     """A checkpoint stored in bfloat16 loads in bfloat16 where the CPU computes it natively, else in
     float32, on either model code; the run's resolved precision (its resume fingerprint) says the same."""
-    from pipeline.model.load import resolve_precision
+    from batchgen.pipeline.model.load import resolve_precision
 
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -11,11 +11,11 @@ import torch
 
 from tests.helpers.jobsets import edge_case_requests, tokenizer
 from tests.helpers.native_builds import build_for, flags_for
-from pipeline.model import attention
-from pipeline.model import native
-from pipeline.model import native_build
-from pipeline.model.precision import cpu_flags
-from pipeline.engine.engine import Engine
+from batchgen.pipeline.model import attention
+from batchgen.pipeline.model import native
+from batchgen.pipeline.model import native_build
+from batchgen.pipeline.model.precision import cpu_flags
+from batchgen.pipeline.engine.engine import Engine
 from tests.helpers.reference import reference_generate
 from tests.helpers.tiny_models import make_model
 
@@ -505,6 +505,6 @@ def test_every_source_the_build_reads_is_in_the_package():
 
     assert sorted(includes(native_build.SOURCE)) == sorted(p.name for p in native_build.INCLUDED)
     root = native_build.SOURCE.parents[2]
-    data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["pipeline.model"]
+    data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["batchgen.pipeline.model"]
     for path in [native_build.SOURCE, *native_build.INCLUDED]:
         assert any(fnmatch.fnmatch(path.name, pattern) for pattern in data), path.name

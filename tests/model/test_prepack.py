@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.model import native, prepack
-from pipeline.model.decoder import Decoder
-from pipeline.model.decoder_config import read
-from pipeline.model.kv import PrefixKV
-from pipeline.model.step import Segment, build
+from batchgen.pipeline.model import native, prepack
+from batchgen.pipeline.model.decoder import Decoder
+from batchgen.pipeline.model.decoder_config import read
+from batchgen.pipeline.model.kv import PrefixKV
+from batchgen.pipeline.model.step import Segment, build
 from tests.helpers.tiny_models import make_model
 
 needs_gemm = pytest.mark.skipif(native.gemm(torch.float32, 4, 2, 16) is None,
@@ -158,7 +158,7 @@ def test_it_packs_without_importing_torch(tmp_path, model_dir):
 
     code = f"""if True:
         import sys
-        from pipeline.model.prepack import Prepack
+        from batchgen.pipeline.model.prepack import Prepack
         p = Prepack({str(model_dir)!r}, "auto", "auto")
         assert p.started
         packed = p._future.result()
@@ -173,7 +173,7 @@ def test_it_packs_without_importing_torch(tmp_path, model_dir):
     for run, (cache, want) in enumerate((("1", "ahead"), ("1", "cache"), ("0", "ahead"))):
         out = tmp_path / f"out{run}.parquet"
         env = {**os.environ, "BATCHGEN_CACHE_DIR": str(tmp_path / "cache"), "BATCHGEN_PACKED_CACHE": cache}
-        proc = subprocess.run([sys.executable, "-m", "pipeline", "process", str(src), "-o", str(out), "--model",
+        proc = subprocess.run([sys.executable, "-m", "batchgen", "process", str(src), "-o", str(out), "--model",
                                str(model_dir), "--max-new-tokens", "6", "--device", "cpu"],
                               capture_output=True, text=True, env=env, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -181,7 +181,7 @@ def test_it_packs_without_importing_torch(tmp_path, model_dir):
         outputs.append(pq.read_table(out).to_pylist())
     env = {**os.environ, "BATCHGEN_CACHE_DIR": str(tmp_path / "cache"), "BATCHGEN_GEMM": "0"}
     out = tmp_path / "oneDNN.parquet"
-    proc = subprocess.run([sys.executable, "-m", "pipeline", "process", str(src), "-o", str(out), "--model",
+    proc = subprocess.run([sys.executable, "-m", "batchgen", "process", str(src), "-o", str(out), "--model",
                            str(model_dir), "--max-new-tokens", "6", "--device", "cpu"],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0 and json.loads(out.with_name(out.name + ".summary.json").read_text())["packed_weights"] is None

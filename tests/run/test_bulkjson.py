@@ -13,9 +13,9 @@ import json
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from jobs import GenerationDefaults, JobError, bulkjson, chunks
-from jobs.chunks import plain_template, read_chunks
-from jobs.readers import read_jobs
+from batchgen.jobs import GenerationDefaults, JobError, bulkjson, chunks
+from batchgen.jobs.chunks import plain_template, read_chunks
+from batchgen.jobs.readers import read_jobs
 
 DEFAULTS = GenerationDefaults(max_new_tokens=3)
 ODD = [

@@ -15,9 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from jobs import GenerationDefaults, InvalidRow, Job
-from jobs.chunks import plain_template, read_chunks
-from jobs.readers import read_jobs
+from batchgen.jobs import GenerationDefaults, InvalidRow, Job
+from batchgen.jobs.chunks import plain_template, read_chunks
+from batchgen.jobs.readers import read_jobs
 
 DEFAULTS = GenerationDefaults(max_new_tokens=3)
 PROMPTS = st.one_of(st.sampled_from(["hello there", "", "   ", "\u3000", "x\x1c", "lone \ud800", "é ü", "\ud83d\ude00 ok"]),
@@ -119,7 +119,7 @@ def test_rows_carrying_columns_are_what_read_jobs_yields(tmp_path, lines):
 def test_a_nested_carried_value_is_parsed_by_the_reference_too(tmp_path, monkeypatch):
     """Where the reference parse refuses a line (a nesting limit, say), so does the fast path: rows
     with nested carried values are read by readers._parse_line as well, so its rules carry over."""
-    from jobs import chunks, readers
+    from batchgen.jobs import chunks, readers
 
     real = readers._parse_line
 
@@ -196,9 +196,9 @@ def test_a_plain_job_is_the_reference_job_under_any_defaults(tmp_path):
 # --- preflight: plain rows in columns (validate, plan) against the same rows as Jobs -----------
 
 def checked(paths, model_dir, purpose, fast, monkeypatch, **defaults):
-    from pipeline.run import inputrows
-    from pipeline.run import preflight
-    from pipeline.run.runner import RunOptions
+    from batchgen.pipeline.run import inputrows
+    from batchgen.pipeline.run import preflight
+    from batchgen.pipeline.run.runner import RunOptions
 
     real = inputrows.Rows.__init__
     with monkeypatch.context() as patch:  # columnar=False: every row a Job, as `process` has them
@@ -230,8 +230,8 @@ def test_plain_rows_in_columns_are_checked_and_indexed_as_jobs(tmp_path, model_d
         else:
             lines.append(json.dumps({"id": i % 30, "prompt": head + f"job {i}"}))  # some ids repeat
     paths = [write(tmp_path / "a.jsonl", lines), write(tmp_path / "b.jsonl", lines[:5])]
-    from pipeline.run import inputrows
-    from pipeline.run import preflight
+    from batchgen.pipeline.run import inputrows
+    from batchgen.pipeline.run import preflight
 
     counted = []
     monkeypatch.setattr(preflight, "tokenize_plain", lambda tok, rows, *args: counted.extend(map(len, rows))

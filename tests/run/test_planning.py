@@ -4,9 +4,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from tests.helpers.jobsets import edge_case_requests, tokenizer
-from pipeline.engine.engine import Engine
-from pipeline.run.planning import summarize
-from pipeline.run.prefix_index import PrefixIndex
+from batchgen.pipeline.engine.engine import Engine
+from batchgen.pipeline.run.planning import summarize
+from batchgen.pipeline.run.prefix_index import PrefixIndex
 from tests.helpers.tiny_models import make_model
 
 
@@ -73,8 +73,8 @@ def test_plan_predicts_process_to_the_token_for_generating_scoring_and_prompt_sc
 def test_a_jobs_index_entry_is_what_the_requests_process_runs_share_and_run(ids, max_new, n, echo, window, conts):
     """The prefix index's key and shapes of a job equal those of the requests the runner makes
     of it: every request shares the key but its last token, and has the shape plan counts."""
-    from jobs import GenerationDefaults, Job, Location
-    from pipeline.text.expand import JobTokens, index_entry, job_requests
+    from batchgen.jobs import GenerationDefaults, Job, Location
+    from batchgen.pipeline.text.expand import JobTokens, index_entry, job_requests
 
     record = {"prompt": "x", "max_new_tokens": max_new, "n": n if max_new else 1, "prompt_logprobs": echo or not max_new}
     if conts:

@@ -5,12 +5,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import pipeline.run.front_coding as front_coding
-from pipeline.run.prefix_index import IndexBuilder, PrefixIndex
-from pipeline.engine.prefix_tree import PrefixTree
-from pipeline.engine.schedule import plan, shared_nodes, tree_of, tree_of_sorted
-from pipeline.engine.types import RequestShape
-from pipeline.run.windows import assign_shards, units, windows
+import batchgen.pipeline.run.front_coding as front_coding
+from batchgen.pipeline.run.prefix_index import IndexBuilder, PrefixIndex
+from batchgen.pipeline.engine.prefix_tree import PrefixTree
+from batchgen.pipeline.engine.schedule import plan, shared_nodes, tree_of, tree_of_sorted
+from batchgen.pipeline.engine.types import RequestShape
+from batchgen.pipeline.run.windows import assign_shards, units, windows
 
 PROMPTS = st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1, max_size=30)
 SETTINGS = settings(max_examples=150, deadline=None)

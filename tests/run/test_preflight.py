@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from pipeline.cli import main
+from batchgen.pipeline.cli import main
 
 HEAD = "A shared header for every job in this file, long enough to share. "
 
@@ -152,12 +152,12 @@ def test_validate_reports_what_tokenizing_refuses(tmp_path, model_dir):
 
 @pytest.fixture
 def no_model(monkeypatch):
-    import pipeline.model.load
+    import batchgen.pipeline.model.load
 
     def refuse(*a, **k):
         raise AssertionError("the model was loaded before the output path was checked")
 
-    monkeypatch.setattr(pipeline.model.load, "load_model", refuse)
+    monkeypatch.setattr(batchgen.pipeline.model.load, "load_model", refuse)
 
 
 @pytest.mark.parametrize("output, extra, message", [

@@ -1,7 +1,7 @@
 """Progress in cluster logs: a steady line when stderr is not a terminal."""
 import io
 
-from pipeline.run.progress import Progress, ProgressReport
+from batchgen.pipeline.run.progress import Progress, ProgressReport
 
 
 class Clock:

@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from pipeline.cli import main
+from batchgen.pipeline.cli import main
 from tests.helpers.tiny_models import make_model
 from tests.helpers.tiny_tokenizer import make_tokenizer
 

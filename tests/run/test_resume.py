@@ -13,8 +13,8 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from tests.helpers.jobsets import edge_case_requests, tokenizer
-from pipeline.cli import main
-from pipeline.engine.engine import Engine
+from batchgen.pipeline.cli import main
+from batchgen.pipeline.engine.engine import Engine
 from tests.helpers.tiny_models import make_model
 
 HEAD = "Shared instructions for every job: reply with a short and friendly sentence. "
@@ -48,7 +48,7 @@ def uninterrupted(tmp_path_factory, model_dir, jobs_file):
 
 def spawn(model_dir, jobs_file, out, extra_env=None, args=ARGS):
     env = {**os.environ, "BATCHGEN_MODEL": str(model_dir), **(extra_env or {})}
-    return subprocess.Popen([sys.executable, "-m", "pipeline", "process", str(jobs_file), "-o", str(out), *args],
+    return subprocess.Popen([sys.executable, "-m", "batchgen", "process", str(jobs_file), "-o", str(out), *args],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -8,9 +8,9 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from jobs import JobError
-from pipeline.cli import main
-from pipeline.run.runner import Preempted, RunOptions, process
+from batchgen.jobs import JobError
+from batchgen.pipeline.cli import main
+from batchgen.pipeline.run.runner import Preempted, RunOptions, process
 
 HEAD = "Shared instructions for every job: reply with a short and friendly sentence. "
 JOB_COUNTS = ("jobs", "completed", "failed", "rows", "prompt_tokens", "cached_tokens", "completion_tokens")
@@ -25,7 +25,7 @@ def jobs_file(tmp_path):
 
 
 def options(model_dir, **kw):
-    from jobs import GenerationDefaults
+    from batchgen.jobs import GenerationDefaults
 
     base = dict(model=str(model_dir), defaults=GenerationDefaults(max_new_tokens=4), min_shared_tokens=4,
                 max_batch_tokens=200, commit_every=3)
@@ -46,12 +46,12 @@ def interrupt_after(jobs):
 # --- 10: a SIGTERM while reading or tokenizing exits 75 ---------------------------------------
 
 def test_sigterm_while_reading_exits_75_with_nothing_written(tmp_path, model_dir, jobs_file, monkeypatch):
-    import jobs.readers
+    import batchgen.jobs.readers
 
     seen = []
     # stands in for the scheduler's kill: without batchgen's handler the test process would die
     old = signal.signal(signal.SIGTERM, lambda *a: seen.append("ignored by batchgen"))
-    real = jobs.readers._open_binary
+    real = batchgen.jobs.readers._open_binary
 
     class Killed:  # the input file, whose sixth line comes with a SIGTERM
         def __init__(self, f):
@@ -72,7 +72,7 @@ def test_sigterm_while_reading_exits_75_with_nothing_written(tmp_path, model_dir
                     os.kill(os.getpid(), signal.SIGTERM)
                 yield line
 
-    monkeypatch.setattr(jobs.readers, "_open_binary", lambda path: Killed(real(path)))
+    monkeypatch.setattr(batchgen.jobs.readers, "_open_binary", lambda path: Killed(real(path)))
     try:
         out = tmp_path / "out" / "out.parquet"
         res = CliRunner().invoke(main, ["process", str(jobs_file), "-o", str(out), "--model", str(model_dir)])
@@ -84,15 +84,15 @@ def test_sigterm_while_reading_exits_75_with_nothing_written(tmp_path, model_dir
 
 
 def test_sigterm_while_loading_the_model_raises_preempted(tmp_path, model_dir, jobs_file, monkeypatch):
-    import pipeline.model.load
+    import batchgen.pipeline.model.load
 
-    real = pipeline.model.load.load_model
+    real = batchgen.pipeline.model.load.load_model
 
     def load_model(*a, **k):
         os.kill(os.getpid(), signal.SIGTERM)
         return real(*a, **k)
 
-    monkeypatch.setattr(pipeline.model.load, "load_model", load_model)
+    monkeypatch.setattr(batchgen.pipeline.model.load, "load_model", load_model)
     seen = []
 
     def ours(*a):
@@ -113,7 +113,7 @@ def test_sigterm_while_loading_the_model_raises_preempted(tmp_path, model_dir, j
 def test_resume_compares_the_resolved_dtype_not_the_option(tmp_path, model_dir, jobs_file, monkeypatch):
     import torch
 
-    import pipeline.model.load
+    import batchgen.pipeline.model.load
 
     out = str(tmp_path / "out.parquet")
 
@@ -129,12 +129,12 @@ def test_resume_compares_the_resolved_dtype_not_the_option(tmp_path, model_dir, 
     assert parts() > first
     # where `auto` resolves to bfloat16 (a bfloat16 checkpoint where it runs natively), finished
     # float32 work must not be mixed in
-    real = pipeline.model.load.resolve_dtype
-    monkeypatch.setattr(pipeline.model.load, "resolve_dtype",
+    real = batchgen.pipeline.model.load.resolve_dtype
+    monkeypatch.setattr(batchgen.pipeline.model.load, "resolve_dtype",
                         lambda d, dev, *a: torch.bfloat16 if d == "auto" else real(d, dev, *a))
     with pytest.raises(JobError, match="other jobs, options or model"):
         process([str(jobs_file)], out, options(model_dir, dtype="auto"))
-    monkeypatch.setattr(pipeline.model.load, "resolve_dtype", real)
+    monkeypatch.setattr(batchgen.pipeline.model.load, "resolve_dtype", real)
     summary = process([str(jobs_file)], out, options(model_dir, dtype="auto"))
     assert summary["resumed_jobs"] == 7 and summary["dtype"] == "float32" and summary["device_type"] == "cpu"
 
@@ -144,7 +144,7 @@ def test_resume_of_a_bfloat16_checkpoint_follows_the_machine(tmp_path, jobs_file
     without: work finished on the one is not mixed into a run on the other, and resumes on its own."""
     import torch
 
-    from pipeline.model import precision
+    from batchgen.pipeline.model import precision
     from tests.helpers.tiny_models import make_model
     from tests.helpers.tiny_tokenizer import make_tokenizer
 

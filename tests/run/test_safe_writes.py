@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from pipeline.cli import main
+from batchgen.pipeline.cli import main
 
 HEAD = "Shared instructions for every job: reply with a short and friendly sentence. "
 ARGS = ["--max-new-tokens", "3", "--min-shared-tokens", "4", "--commit-every", "2"]
@@ -40,7 +40,7 @@ def one_line_error(res, *words):
 # --- 4: temp files never follow a planted link ---------------------------------------------
 
 def test_links_planted_at_temp_names_are_never_written_through(tmp_path, model_dir, monkeypatch):
-    import pipeline.run.parts
+    import batchgen.pipeline.run.parts
 
     src = write_jobs(tmp_path / "jobs.jsonl")
     shared = tmp_path / "shared"
@@ -48,7 +48,7 @@ def test_links_planted_at_temp_names_are_never_written_through(tmp_path, model_d
     victim = tmp_path / "victim.txt"
     victim.write_text("precious")
     pid = os.getpid()  # the old writer's names (.NAME.tmp-<pid>, PART.tmp-<pid>) were predictable
-    real_commit = pipeline.run.parts.PartStore.commit
+    real_commit = batchgen.pipeline.run.parts.PartStore.commit
 
     def commit(store, *a, **k):
         # another user of the shared folder plants links while the run goes on (after its cleanup)
@@ -61,7 +61,7 @@ def test_links_planted_at_temp_names_are_never_written_through(tmp_path, model_d
                 link.symlink_to(victim)
         return real_commit(store, *a, **k)
 
-    monkeypatch.setattr(pipeline.run.parts.PartStore, "commit", commit)
+    monkeypatch.setattr(batchgen.pipeline.run.parts.PartStore, "commit", commit)
     res = run(src, out, model_dir)
     assert res.exit_code == 0, res.output + repr(res.exception)
     assert victim.read_text() == "precious"
@@ -147,11 +147,11 @@ def test_overwrite_without_errors_removes_the_old_errors_file(tmp_path, model_di
 # --- 8: full disk, read-only directory ------------------------------------------------------
 
 def test_a_full_disk_is_one_line_and_keeps_the_committed_parts(tmp_path, model_dir, monkeypatch):
-    import pipeline.run.parts
+    import batchgen.pipeline.run.parts
 
     src = write_jobs(tmp_path / "jobs.jsonl")
     out = tmp_path / "out.parquet"
-    real, calls = pipeline.run.parts.write_part, []
+    real, calls = batchgen.pipeline.run.parts.write_part, []
 
     def write_part(path, *a, **k):
         calls.append(path)
@@ -159,11 +159,11 @@ def test_a_full_disk_is_one_line_and_keeps_the_committed_parts(tmp_path, model_d
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
         return real(path, *a, **k)
 
-    monkeypatch.setattr(pipeline.run.parts, "write_part", write_part)
+    monkeypatch.setattr(batchgen.pipeline.run.parts, "write_part", write_part)
     one_line_error(run(src, out, model_dir), "No space left on device", "free some space", "to resume")
     manifest = json.loads(open(str(out) + ".parts/manifest.json").read())
     assert [p["files"] for p in manifest["parts"]] == [["part-000000.parquet"]]
-    monkeypatch.setattr(pipeline.run.parts, "write_part", real)
+    monkeypatch.setattr(batchgen.pipeline.run.parts, "write_part", real)
     res = run(src, out, model_dir)
     assert res.exit_code == 0, res.output
     summary = json.loads(open(str(out) + ".summary.json").read())
@@ -173,7 +173,7 @@ def test_a_full_disk_is_one_line_and_keeps_the_committed_parts(tmp_path, model_d
 def test_a_read_only_output_directory_fails_before_the_model_loads(tmp_path, model_dir, monkeypatch):
     import builtins
 
-    import pipeline.model.load
+    import batchgen.pipeline.model.load
 
     ro = tmp_path / "ro"
     ro.mkdir()
@@ -201,7 +201,7 @@ def test_a_read_only_output_directory_fails_before_the_model_loads(tmp_path, mod
         return real_mkdir(path, *a, **k)
 
     monkeypatch.setattr(os, "mkdir", fake_mkdir)
-    monkeypatch.setattr(pipeline.model.load, "load_model", lambda *a, **k: pytest.fail("the model loaded first"))
+    monkeypatch.setattr(batchgen.pipeline.model.load, "load_model", lambda *a, **k: pytest.fail("the model loaded first"))
     res = run(write_jobs(tmp_path / "jobs.jsonl"), ro / "out.parquet", model_dir)
     one_line_error(res, "Read-only file system", str(ro))
     assert os.listdir(ro) == []
@@ -294,12 +294,12 @@ def _named_as_a_temp_file(tmp_path, src, fmt):  # the cleanup after a crash remo
 @pytest.mark.parametrize("fmt", ["jsonl", "openai"])
 def test_an_output_that_would_replace_an_input_is_refused_before_any_work(tmp_path, model_dir, monkeypatch,
                                                                          layout, fmt):
-    import pipeline.model.load
+    import batchgen.pipeline.model.load
 
     src, out = layout(tmp_path, write_jobs(tmp_path / "jobs.jsonl"), fmt)
     files = sorted(p for p in tmp_path.rglob("*"))
     before = {p: p.read_bytes() for p in files if p.is_file()}
-    monkeypatch.setattr(pipeline.model.load, "load_model", lambda *a, **k: pytest.fail("the model loaded first"))
+    monkeypatch.setattr(batchgen.pipeline.model.load, "load_model", lambda *a, **k: pytest.fail("the model loaded first"))
     res = run(src, out, model_dir, "--output-format", fmt, "--overwrite")
     assert res.exit_code == 2 and "Error: Invalid value for '-o' / '--output'" in res.output, res.output
     assert "an input" in res.output or "input directory" in res.output or "unfinished work" in res.output \

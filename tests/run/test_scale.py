@@ -10,12 +10,12 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from jobs import GenerationDefaults
-from pipeline.cli import main
-from jobs.columns import ORDER
-from pipeline.run.ordered import in_order
-from pipeline.run.runner import RunOptions, process
-from pipeline.engine.types import Completion, RunStats
+from batchgen.jobs import GenerationDefaults
+from batchgen.pipeline.cli import main
+from batchgen.jobs.columns import ORDER
+from batchgen.pipeline.run.ordered import in_order
+from batchgen.pipeline.run.runner import RunOptions, process
+from batchgen.pipeline.engine.types import Completion, RunStats
 
 # heads that differ from their first letter: six top groups
 HEADS = [f"{w}: answer as a careful assistant on this topic and keep it short. "
@@ -72,9 +72,9 @@ def test_windows_change_only_how_much_is_held_at_once(tmp_path, model_dir, group
 
 
 def test_parts_come_back_in_input_order_through_buckets(tmp_path, monkeypatch):
-    import pipeline.run.ordered
+    import batchgen.pipeline.run.ordered
 
-    monkeypatch.setattr(pipeline.run.ordered, "BUCKET_POSITIONS", 7)
+    monkeypatch.setattr(batchgen.pipeline.run.ordered, "BUCKET_POSITIONS", 7)
     schema = pa.schema([("v", pa.string()), (ORDER, pa.int64()), ("sample_index", pa.int32())])
     rng = random.Random(0)
     rows = [{"v": f"{o}.{s}", ORDER: o, "sample_index": s} for o in range(100) for s in range(1 + o % 3)]
@@ -117,11 +117,11 @@ class Interrupted(BaseException):
 
 @pytest.mark.slow
 def test_exactly_once_at_100k_jobs_with_a_crash_and_resume(tmp_path, model_dir, monkeypatch):
-    import pipeline.engine.engine
-    import pipeline.run.ordered
+    import batchgen.pipeline.engine.engine
+    import batchgen.pipeline.run.ordered
 
-    monkeypatch.setattr(pipeline.engine.engine, "Engine", FakeEngine)
-    monkeypatch.setattr(pipeline.run.ordered, "BUCKET_POSITIONS", 8192)  # the bucketed path, 13 buckets
+    monkeypatch.setattr(batchgen.pipeline.engine.engine, "Engine", FakeEngine)
+    monkeypatch.setattr(batchgen.pipeline.run.ordered, "BUCKET_POSITIONS", 8192)  # the bucketed path, 13 buckets
     n, rng = 100_000, random.Random(2)
     src = tmp_path / "jobs.jsonl"
     with open(src, "w") as f:

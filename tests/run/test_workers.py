@@ -13,13 +13,13 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from jobs import GenerationDefaults
-from pipeline.cli import main
-from pipeline.run import inputrows, preflight
-from pipeline.run.options import RunOptions
-from pipeline.run.planning import describe
-from pipeline.run.preflight import check_inputs
-from pipeline.run.workers import Workers
+from batchgen.jobs import GenerationDefaults
+from batchgen.pipeline.cli import main
+from batchgen.pipeline.run import inputrows, preflight
+from batchgen.pipeline.run.options import RunOptions
+from batchgen.pipeline.run.planning import describe
+from batchgen.pipeline.run.preflight import check_inputs
+from batchgen.pipeline.run.workers import Workers
 from tests.helpers.cli_helpers import die
 
 
@@ -62,7 +62,7 @@ def test_a_failed_run_stops_its_workers_at_once():
 def test_a_script_without_a_main_guard_can_use_them(tmp_path):
     """Workers are their own programs: the caller's main module is not run again in them."""
     script = tmp_path / "unguarded.py"
-    script.write_text("import math\nfrom pipeline.run.workers import Workers\n"
+    script.write_text("import math\nfrom batchgen.pipeline.run.workers import Workers\n"
                       "pool = Workers(2)\nprint(pool.map(math.isqrt, [(16,), (81,), (4,)]))\npool.close()\n")
     import subprocess
 
@@ -116,7 +116,7 @@ def test_plan_and_validate_are_the_same_with_workers(many_chunks, model_dir, mon
 def test_a_worker_killed_mid_run_is_one_line_from_the_cli(many_chunks, model_dir, monkeypatch):
     """As the out-of-memory killer would: the command fails with one line, no traceback."""
     monkeypatch.setattr(preflight, "tokenize_in_worker", die)
-    monkeypatch.setattr("pipeline.run.workers.worker_count", lambda: 2)
+    monkeypatch.setattr("batchgen.pipeline.run.workers.worker_count", lambda: 2)
     for command in (["plan", "--json"], ["validate"]):
         res = CliRunner().invoke(main, [command[0], str(many_chunks), *command[1:], "--model", str(model_dir)])
         assert res.exit_code == 1 and isinstance(res.exception, SystemExit), res.output
@@ -127,7 +127,7 @@ def test_the_cli_uses_workers_and_says_the_same(many_chunks, model_dir, monkeypa
     args = ["--model", str(model_dir), "--max-new-tokens", "4"]
     out = {}
     for count in (1, 2):
-        monkeypatch.setattr("pipeline.run.workers.worker_count", lambda: count)
+        monkeypatch.setattr("batchgen.pipeline.run.workers.worker_count", lambda: count)
         res = CliRunner().invoke(main, ["plan", str(many_chunks), "--json", *args])
         assert res.exit_code == 0, res.output
         valid = CliRunner().invoke(main, ["validate", str(many_chunks), *args])

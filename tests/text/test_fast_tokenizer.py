@@ -1,4 +1,4 @@
-"""The tokenizer stand-in (`pipeline.text.fast_tokenizer`) is transformers' tokenizer, call for call:
+"""The tokenizer stand-in (`batchgen.pipeline.text.fast_tokenizer`) is transformers' tokenizer, call for call:
 ids, chat text and decoded text, on every tokenizer the tests build and on the default model's;
 and it is used only where transformers was seen to load exactly it."""
 import json
@@ -11,8 +11,8 @@ from hypothesis import given, settings, strategies as st
 from tokenizers import Tokenizer as RustTokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from pipeline.text.fast_tokenizer import StandIn
-from pipeline.text.tokenize import Tokenizer, TokenizerError
+from batchgen.pipeline.text.fast_tokenizer import StandIn
+from batchgen.pipeline.text.tokenize import Tokenizer, TokenizerError
 from tests.helpers.tiny_tokenizer import SPECIALS, make_tokenizer
 
 # a template using what transformers' chat environment gives templates: its globals, filters and tags
@@ -197,7 +197,7 @@ def test_transformers_tokenizer_is_still_there_for_what_needs_it(tmp_path):
 
 @pytest.mark.slow
 def test_the_default_models_tokenizer(tmp_path):
-    from pipeline.model.default_model import default_model_path
+    from batchgen.pipeline.model.default_model import default_model_path
 
     source = str(default_model_path())
     Tokenizer.load(source)

@@ -13,8 +13,8 @@ import torch
 
 from tests.helpers.jobsets import SHOTS, SYSTEM
 from tests.helpers.cli_helpers import run, write_jsonl
-from pipeline.text.scoring import rolling_windows
-from pipeline.text.tokenize import Tokenizer
+from batchgen.pipeline.text.scoring import rolling_windows
+from batchgen.pipeline.text.tokenize import Tokenizer
 from tests.helpers.tiny_models import make_model
 from tests.helpers.tiny_tokenizer import make_tokenizer
 
@@ -207,9 +207,9 @@ def test_a_chat_continuation_is_scored_as_the_assistants_reply(tmp_path, model_d
 
 
 def test_a_reply_that_merges_with_the_generation_prompt_is_refused_with_its_field():
-    from jobs import GenerationDefaults, Job, Location
-    from pipeline.text.expand import tokenize_jobs
-    from pipeline.text.tokenize import TokenizerError
+    from batchgen.jobs import GenerationDefaults, Job, Location
+    from batchgen.pipeline.text.expand import tokenize_jobs
+    from batchgen.pipeline.text.tokenize import TokenizerError
 
     merging = Tokenizer(make_tokenizer(extra_merges=[("\n", "\n")]))  # "\n\n" is one token
     [job] = Job.from_record({"messages": CHAT, "continuations": ["yes", "\nyes"]}, Location("x.jsonl", line=1),
@@ -259,7 +259,7 @@ def test_a_killed_scoring_run_resumes_to_every_job_once(tmp_path, model_dir):
     run(["process", str(src), "-o", str(ref), *args], model_dir)
     out = tmp_path / "out.parquet"
     env = {**os.environ, "BATCHGEN_MODEL": str(model_dir), "BATCHGEN_FAULT": "after-commit"}
-    proc = subprocess.run([sys.executable, "-m", "pipeline", "process", str(src), "-o", str(out), *args],
+    proc = subprocess.run([sys.executable, "-m", "batchgen", "process", str(src), "-o", str(out), *args],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL and os.path.exists(str(out) + ".parts/manifest.json")
     run(["process", str(src), "-o", str(out), *args], model_dir)

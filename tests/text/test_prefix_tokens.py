@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from tokenizers import AddedToken, Tokenizer as RustTokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-import pipeline.text.pieces as pieces_module
-from pipeline.text.pieces import _UNSAFE, Pieces, pack_ids
-from pipeline.text.prefix_tokens import PrefixTokens, cut_rule, refusal
-from pipeline.text.tokenize import Tokenizer
+import batchgen.pipeline.text.pieces as pieces_module
+from batchgen.pipeline.text.pieces import _UNSAFE, Pieces, pack_ids
+from batchgen.pipeline.text.prefix_tokens import PrefixTokens, cut_rule, refusal
+from batchgen.pipeline.text.tokenize import Tokenizer
 from tests.helpers.cli_helpers import run, write_jsonl
 from tests.helpers.tiny_tokenizer import make_tokenizer
 
@@ -69,7 +69,7 @@ BACKENDS = {name: make() for name, make in TOKENIZERS.items()}
 
 @functools.cache
 def _default_backend():
-    from pipeline.model.default_model import default_model_path
+    from batchgen.pipeline.model.default_model import default_model_path
 
     return Tokenizer.load(str(default_model_path()))._fast_backend()  # SmolLM2's byte-level BPE
 
@@ -237,7 +237,7 @@ def test_process_gives_the_same_results_with_and_without_shared_prefixes(tmp_pat
 
 
 def test_the_cache_stays_bounded_and_exact_as_prefixes_come_and_go(monkeypatch):
-    import pipeline.text.prefix_tokens as prefix_tokens
+    import batchgen.pipeline.text.prefix_tokens as prefix_tokens
 
     monkeypatch.setattr(prefix_tokens, "_MAX_PREFIXES", 8)
     monkeypatch.setattr(prefix_tokens, "_MAX_IDS", 400)

@@ -3,8 +3,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from pipeline.engine.engine import Engine
-from pipeline.text.scoring import (continuation_requests, continuation_scores, prompt_requests, prompt_scores,
+from batchgen.pipeline.engine.engine import Engine
+from batchgen.pipeline.text.scoring import (continuation_requests, continuation_scores, prompt_requests, prompt_scores,
                               rolling_windows)
 from tests.helpers.tiny_models import make_model
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from pipeline.text.tokenize import Tokenizer
+from batchgen.pipeline.text.tokenize import Tokenizer
 from tests.helpers.tiny_tokenizer import SPECIALS, make_tokenizer
 
 TEXT = st.lists(st.sampled_from(list("ab the\n\t  ÜQ?") + SPECIALS), max_size=30).map("".join)
@@ -59,7 +59,7 @@ def test_validate_and_plan_never_import_torch(tmp_path, model_dir, command, adap
         flags = ["--adapter", f"a={good}"]
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     code = ("import sys; sys.argv = ['batchgen', %r, %r, '--model', %r, *%r]\n"
-            "from pipeline.cli import main\n"  # the script's own exit (os._exit) would skip the check below
+            "from batchgen.pipeline.cli import main\n"  # the script's own exit (os._exit) would skip the check below
             "try:\n    main()\n"
             "except SystemExit as e:\n    assert not e.code or %r, e.code\n"  # validate: 1 for the bad one
             "assert 'torch' not in sys.modules, 'torch was imported'\nprint('ok')") % (

@@ -1,0 +1,3 @@
+from batchgen.pipeline.cli import script
+
+script()
