@@ -75,10 +75,16 @@ def test_every_readme_block_is_a_language_the_test_runs_and_every_exclusion_matc
         assert any(key in code for _, code in found), f"NOT_RUN entry {key!r} matches no README block"
 
 
-def test_every_readme_link_to_a_file_exists():
-    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README.read_text()):
-        if "://" not in target:
-            assert (ROOT / target).exists(), target
+def test_every_readme_link_to_a_file_exists_and_its_anchor_too():
+    from markdown.extensions.toc import slugify  # the slugs mkdocs gives headings
+
+    for target, anchor in re.findall(r"\]\(([^)#]+)(?:#([^)]*))?\)", README.read_text()):
+        if "://" in target:
+            continue
+        assert (ROOT / target).exists(), target
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", (ROOT / target).read_text(), flags=re.M)
+            assert anchor in {slugify(h, "-") for h in headings}, f"{target}#{anchor}"
 
 
 @pytest.fixture(scope="module")
