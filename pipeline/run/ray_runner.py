@@ -156,6 +156,7 @@ def process_ray(inputs: Sequence[str], out_dir: str, options: RunOptions, *, add
     if os.path.isfile(out_dir):
         raise JobError(f"{out_dir}: --engine ray writes a directory of parts; give a directory path")
     os.makedirs(out_dir, exist_ok=True)
+    from batchgen.pipeline.model.identity import model_identity
     from batchgen.pipeline.model.load import load_config
     from batchgen.pipeline.run.adapters import Adapters
 
@@ -177,7 +178,7 @@ def process_ray(inputs: Sequence[str], out_dir: str, options: RunOptions, *, add
         # where the actors run, `auto` resolves to their device: ask a task with their resources
         probe = ray.remote(num_cpus=0, num_gpus=gpus_per_worker or 0)(resolve_precision)
         settings = run_settings(options, model_name, ray.get(probe.remote(options.device, options.dtype, options.model)),
-                                adapters.digests())
+                                adapters.digests(), model_identity(options.model))
         claim(out_dir, job_set_key(job_digest(jobs), settings), settings, options.overwrite)
         done = done_orders(out_dir)
         todo = [{"order": o, "prompt": j.prompt or "", "messages": json.dumps(j.messages) if j.messages else ""}
@@ -247,7 +248,7 @@ def claim(out_dir: str, key: str, settings: dict[str, Any], overwrite: bool) -> 
         if not overwrite:
             raise JobError(f"{path} is unreadable ({e}); pass --overwrite to start over") from e
         recorded = {"key": None}
-    if not may_resume(out_dir, recorded, key, overwrite):
+    if not may_resume(out_dir, recorded, key, overwrite, settings):
         for name in os.listdir(out_dir):
             if name.endswith(".parquet") or name == "summary.json":
                 os.unlink(os.path.join(out_dir, name))

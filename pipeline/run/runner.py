@@ -55,6 +55,7 @@ def process(inputs: Sequence[str], output: str, options: RunOptions,
     try:
         from batchgen.pipeline.model.ahead import ModelAhead
         from batchgen.pipeline.model.hf import as_forward
+        from batchgen.pipeline.model.identity import model_identity
         from batchgen.pipeline.model.kernels import set_threads
         from batchgen.pipeline.model.load import DEFAULT_MODEL, resolve_precision
         from batchgen.pipeline.run.parts import PartStore, job_set_key, may_resume, read_manifest
@@ -85,13 +86,22 @@ def process(inputs: Sequence[str], output: str, options: RunOptions,
             mine = _mine(checked, options, shard)
             report_invalid = shard is None or shard[0] == 0  # rows that cannot run: shard 0 reports them
             model_name = options.model or DEFAULT_MODEL
-            settings = run_settings(options, model_name, resolve_precision(options.device, options.dtype, options.model),
-                                    checked.adapters.digests())
-            job_set = job_set_key(checked.digest, settings)
-            key = f"{job_set}:{options.shard}"
-            # refused before the run takes the model; checked again under the output's lock
-            may_resume(output + ".parts", read_manifest(output + ".parts"), key, options.overwrite)
+            precision = resolve_precision(options.device, options.dtype, options.model)
+
+            def keyed(files: str | None) -> tuple[dict[str, Any], str, str]:
+                settings = run_settings(options, model_name, precision, checked.adapters.digests(), files)
+                job_set = job_set_key(checked.digest, settings)
+                return settings, job_set, f"{job_set}:{options.shard}"
+
+            files = model_identity(options.model)
+            settings, job_set, key = keyed(files)
+            if files is not None:  # (a hub model not in the local cache yet is checked once loaded)
+                # refused before the run takes the model; checked again under the output's lock
+                may_resume(output + ".parts", read_manifest(output + ".parts"), key, options.overwrite, settings)
             model = as_forward(model_ahead.result()[0])
+            loaded = model_identity(options.model)
+            if loaded != files:  # a hub id's snapshot the load downloaded or moved on to: what ran
+                settings, job_set, key = keyed(loaded)
             if checked.adapters.infos:  # every adapter the jobs use, loaded once (index i + 1: infos[i])
                 model.set_adapters(checked.adapters.infos)
 
@@ -102,7 +112,8 @@ def process(inputs: Sequence[str], output: str, options: RunOptions,
                 run = _Run(output, options, checked, store, model, model_name, stop)
                 counts, work, about = run.generate(mine, report_invalid, progress)
                 summary = run_summary(counts, work, started=started, model=model_name, options=options)
-                summary.update(about, job_set=job_set, shard=list(shard) if shard else None, jobs_total=checked.total,
+                summary.update(about, job_set=job_set, model_files=settings["model_files"],
+                               shard=list(shard) if shard else None, jobs_total=checked.total,
                                device_type=settings["device_type"], dtype=settings["dtype"])
                 write_summary(summary_path(output), summary)
                 store.remove()

@@ -61,6 +61,11 @@ def test_ray_engine_equals_the_local_engine(tmp_path):
     res = CliRunner().invoke(main, ["process", str(other), "-o", str(out_dir), "--engine", "ray", *common])
     assert res.exit_code == 1 and "other jobs, options or model" in res.output, res.output
     assert sorted(out_dir.glob("part-*.parquet")) == before  # the first run's work is kept
+    # the model rewritten in place (new weights, the same path): its work is not mixed in either
+    make_model("qwen2", seed=1).save_pretrained(model_dir)
+    res = CliRunner().invoke(main, ["process", str(src), "-o", str(out_dir), "--engine", "ray", *common])
+    assert res.exit_code == 1 and f"model {model_dir} is not the one it ran" in res.output, res.output
+    assert sorted(out_dir.glob("part-*.parquet")) == before
 
 
 def test_ray_refuses_an_output_format_it_does_not_write(tmp_path, model_dir):
