@@ -29,7 +29,8 @@ def _model_options(f):
     f = click.option("--adapter", "adapters", multiple=True, envvar="BATCHGEN_ADAPTER", metavar="NAME=PATH|PATH",
                      help="A PEFT LoRA adapter directory: NAME=PATH registers a name that jobs select (their "
                           "adapter field, or an OpenAI body.model); PATH alone is the default of every job "
-                          "(repeatable; BATCHGEN_ADAPTER holds them space-separated).")(f)
+                          "(repeatable; BATCHGEN_ADAPTER holds them space-separated, each then without spaces). "
+                          "A NAME is any text without '=', '/' or '\\'.")(f)
     return f
 
 
