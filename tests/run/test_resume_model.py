@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pyarrow.parquet as pq
 import pytest
@@ -27,6 +28,13 @@ def save_model(directory, seed):
 
     make_model("llama", seed=seed).save_pretrained(directory)
     make_tokenizer().save_pretrained(directory)
+
+
+def a_tick_later():
+    """A file's modification time advances with the kernel's clock tick (up to 10 ms), not the
+    nanosecond: a rewrite within the same tick as the write before keeps its time (a run in
+    between, which must load the model and commit, takes far longer)."""
+    time.sleep(0.03)
 
 
 @pytest.fixture
@@ -95,6 +103,7 @@ def test_what_counts_as_the_same_model_directory(tmp_path):
     (model / ".lock").write_text("")
     assert model_identity(str(model)) == same
     config = model / "config.json"
+    a_tick_later()
     config.write_text(config.read_text())  # the same bytes, written again: its time changed
     assert model_identity(str(model)) != same
     changed = model_identity(str(model))
@@ -104,6 +113,22 @@ def test_what_counts_as_the_same_model_directory(tmp_path):
     copy = tmp_path / "copy"
     subprocess.run(["cp", "-rp", str(model), str(copy)], check=True)
     assert model_identity(str(copy)) == model_identity(str(model))
+
+
+def test_the_default_model_is_its_converted_directorys_files(tmp_path, monkeypatch):
+    """The embedded default model loads from its converted copy in batchgen's cache: its files
+    are what a resume checks (converted again, it is another model)."""
+    from batchgen.pipeline.model import default_model
+
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
+    converted = tmp_path / "models" / default_model._CONVERTED_NAME
+    save_model(converted, seed=0)
+    (converted / default_model._MARKER).write_text("{}")
+    assert model_identity(None) == model_identity(str(converted)) is not None
+    before = model_identity(None)
+    a_tick_later()
+    save_model(converted, seed=0)  # converted again: the same bytes, new files
+    assert model_identity(None) != before
 
 
 def test_a_hub_model_is_its_snapshot_revision(tmp_path, monkeypatch):
