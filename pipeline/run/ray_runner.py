@@ -245,7 +245,9 @@ def process_ray(inputs: Sequence[str], out_dir: str, options: RunOptions, *, add
 
 
 def _result_parts(out_dir: str) -> list[str]:
-    return sorted(os.path.join(out_dir, n) for n in os.listdir(out_dir) if n.startswith("part-") and n.endswith(".parquet"))
+    """The result parts in `out_dir`, by name."""
+    return sorted(os.path.join(out_dir, n) for n in os.listdir(out_dir)
+                  if n.startswith("part-") and n.endswith(".parquet"))
 
 
 def claim(out_dir: str, key: str, settings: dict[str, Any], overwrite: bool) -> None:
