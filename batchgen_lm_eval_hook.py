@@ -5,6 +5,12 @@ import (and fix the location of) the `pipeline` package. It adds an import hook 
 lm-eval imports its table of models (`lm_eval.models`), `batchgen` is added to it as the lazy
 target `batchgen.pipeline.evalharness:BatchgenLM`, so neither lm-eval nor batchgen's backend is imported by
 a program that does not use lm-eval.
+
+It registers with the registry lm-eval has: 0.4.13's `model_registry.register(name, target=...)`
+(a lazy target), or the older `MODEL_REGISTRY` table of classes (up to 0.4.9 at least: a stand-in
+class there, which becomes batchgen's class on first use), and does nothing with any other shape.
+Whatever goes wrong in it is swallowed: this hook runs inside lm-eval's own import of its models,
+in every program of the environment, and must never break it.
 """
 from __future__ import annotations
 
@@ -52,11 +58,61 @@ class _Registering:
         return self.inner.create_module(spec)
 
     def exec_module(self, module: object) -> None:
-        self.inner.exec_module(module)
-        from lm_eval.api.registry import model_registry
+        self.inner.exec_module(module)  # lm-eval's own errors are lm-eval's
+        try:
+            _register()
+        except Exception:  # noqa: BLE001  (an lm-eval of another shape: without batchgen, as if not installed)
+            pass
 
-        if NAME not in model_registry:  # importing batchgen.pipeline.evalharness later upgrades it to the class
-            model_registry.register(NAME, target=TARGET)
+
+def _register() -> None:
+    """batchgen into lm-eval's table of models, in the shape that table has (module docstring)."""
+    import lm_eval.api.registry as registry
+
+    table = getattr(registry, "model_registry", None)
+    if callable(getattr(table, "register", None)):  # 0.4.13: lazy targets
+        if NAME not in table:  # importing batchgen.pipeline.evalharness later upgrades it to the class
+            table.register(NAME, target=TARGET)
+        return
+    table = getattr(registry, "MODEL_REGISTRY", None)
+    if type(table) is dict and NAME not in table:  # older: name -> class
+        table[NAME] = _stand_in(table)
+
+
+def make_room() -> None:
+    """Called by batchgen's backend before it registers its class: an older table's stand-in
+    (`_stand_in`) leaves it, as that table's `register_model` refuses a name that is taken."""
+    table = getattr(sys.modules.get("lm_eval.api.registry"), "MODEL_REGISTRY", None)
+    entry = table.get(NAME) if type(table) is dict else None
+    if isinstance(entry, type) and vars(entry).get("batchgen_stand_in"):
+        del table[NAME]
+
+
+def _stand_in(table: dict) -> type:
+    """A class for the older table that stands for batchgen's: what lm-eval asks of it
+    (`create_from_arg_string`, a call) is asked of the real class, imported on that first use."""
+
+    class Lazy(type):
+        def real(cls) -> type:
+            make_room()
+            import importlib
+
+            module, _, name = TARGET.partition(":")
+            try:
+                return getattr(importlib.import_module(module), name)
+            except ImportError as e:
+                table.setdefault(NAME, cls)
+                raise ImportError(f"batchgen's lm-eval backend needs lm-eval 0.4.13 (pip install lm-eval==0.4.13); "
+                                  f"this lm-eval lacks what it uses ({e})") from None
+
+        def __getattr__(cls, name: str) -> object:
+            return getattr(cls.real(), name)
+
+        def __call__(cls, *args: object, **kwargs: object) -> object:
+            return cls.real()(*args, **kwargs)
+
+    return Lazy("BatchgenLM", (), {"__module__": __name__, "__doc__": f"stands for {TARGET}",
+                                   "batchgen_stand_in": True})
 
 
 def install() -> None:

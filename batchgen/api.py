@@ -176,13 +176,13 @@ def run_options(options: dict[str, Any]) -> Any:
 def _adapter_specs(adapters: Any) -> tuple[str, ...]:
     """`adapters={"name": path}` as the CLI's `--adapter NAME=PATH` values."""
     from batchgen.jobs.errors import OptionError
+    from batchgen.pipeline.run.adapters import NAME_RULE
 
     if not isinstance(adapters, dict):
         raise OptionError("adapters", f"must be a dict of name -> adapter directory, got {type(adapters).__name__}")
     for name, path in adapters.items():
-        if not isinstance(name, str) or not name or any(c in name for c in "=/\\ "):
-            raise OptionError("adapters", f"has the name {name!r}: a name is a non-empty string without "
-                                          "'=', '/' or spaces")
+        if not isinstance(name, str) or not name.strip() or any(c in name for c in "=/\\"):
+            raise OptionError("adapters", f"has the name {name!r}: {NAME_RULE}")
         if not isinstance(path, (str, os.PathLike)) or not str(path):
             raise OptionError("adapters", f"gives {name!r} no directory (got {path!r})")
     return tuple(f"{name}={os.fspath(path)}" for name, path in adapters.items())

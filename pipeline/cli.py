@@ -29,7 +29,8 @@ def _model_options(f):
     f = click.option("--adapter", "adapters", multiple=True, envvar="BATCHGEN_ADAPTER", metavar="NAME=PATH|PATH",
                      help="A PEFT LoRA adapter directory: NAME=PATH registers a name that jobs select (their "
                           "adapter field, or an OpenAI body.model); PATH alone is the default of every job "
-                          "(repeatable; BATCHGEN_ADAPTER holds them space-separated).")(f)
+                          "(repeatable; BATCHGEN_ADAPTER holds them space-separated, each then without spaces). "
+                          "A NAME is any text without '=', '/' or '\\'.")(f)
     return f
 
 
@@ -217,9 +218,9 @@ def process(inputs, output, model, trust_remote_code, adapters, device, dtype, m
 
         summary = _guard(process_ray, list(inputs), output, options, address=address, workers=workers,
                          gpus_per_worker=gpus_per_worker)
-        click.echo(f"{summary['completed']}/{summary['jobs']} jobs done on Ray ({workers} workers), "
-                   f"{summary['failed']} failed; prefill {summary['prefill_tokens']} of {summary['prompt_tokens']} "
-                   f"prompt tokens in {summary['wall_seconds']:.1f}s -> {output}/", err=True)
+        click.echo(f"{summary['completed']}/{summary['jobs']} jobs done on Ray ({workers} workers){_resumed(summary)}, "
+                   f"{summary['failed']} failed; {_prefill(summary)} in "
+                   f"{summary['wall_seconds']:.1f}s -> {output}/", err=True)
         return
     report = ProgressReport(every=progress_every, stream=click.get_text_stream("stderr"))
     try:
@@ -230,10 +231,9 @@ def process(inputs, output, model, trust_remote_code, adapters, device, dtype, m
         sys.exit(PREEMPTED_EXIT_CODE)
     report.close()
     click.echo(
-        f"{summary['completed']}/{summary['jobs']} jobs done, {summary['failed']} failed; "
-        f"prefill {summary['prefill_tokens']} of {summary['prompt_tokens']} prompt tokens "
-        f"({summary['prefill_saving']:.0%} saved); {summary['completion_tokens']} new tokens in "
-        f"{summary['wall_seconds']:.1f}s -> {output}", err=True)
+        f"{summary['completed']}/{summary['jobs']} jobs done{_resumed(summary)}, {summary['failed']} failed; "
+        f"{_prefill(summary)} ({summary['prefill_saving']:.0%} saved); {summary['run_completion_tokens']} new "
+        f"tokens in {summary['wall_seconds']:.1f}s -> {output}", err=True)
     if summary["failed"]:
         click.echo(f"errors: {summary['errors_file']}", err=True)
     if summary.get("kernels_build_error"):
@@ -241,6 +241,19 @@ def process(inputs, output, model, trust_remote_code, adapters, device, dtype, m
         click.echo(f"batchgen: note: the compiled CPU kernels could not be built ({why}); the work ran on "
                    "PyTorch's kernels instead, with the same results but slower. A C compiler (`cc`, or the one "
                    "$CC names) gives the fast path.", err=True)
+
+
+def _resumed(summary: dict) -> str:
+    """The rows earlier runs finished, where this run resumed some."""
+    return f" ({summary['resumed_jobs']} by earlier runs)" if summary.get("resumed_jobs") else ""
+
+
+def _prefill(summary: dict) -> str:
+    """This run's prefill over its own jobs' prompt tokens: after a resume, all runs' work (redone
+    work included) over all the output's prompts mixed two things and could read as a negative saving."""
+    prefilled = summary["prefill_tokens"] - summary["resumed_work"]["prefill_tokens"]
+    ran = f"{prefilled} of {summary['run_prompt_tokens']} prompt tokens"
+    return f"this run: prefill {ran}" if summary.get("resumed_jobs") else f"prefill {ran}"
 
 
 @main.command(epilog="\b\nExample:\n  batchgen plan data/fewshot.jsonl --min-shared-tokens 8")

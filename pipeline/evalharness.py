@@ -27,6 +27,8 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import _add_special_kwargs, has_bos_prefix, normalize_gen_kwargs
 
+from batchgen_lm_eval_hook import make_room
+
 from batchgen.jobs.checks import Checker
 from batchgen.jobs.errors import JobValidationError, Location
 from batchgen.jobs.params import PARAMS, normalize, split_fields
@@ -43,6 +45,9 @@ _DEFAULTS = GenerationDefaults()
 # where a request leaves them out, transformers' generate (so the hf backend) takes them from the
 # model's generation_config, and where that has none, from these defaults of its own
 HF_DEFAULTS = {"top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0}
+
+
+make_room()  # an older lm-eval's table may hold the start-up hook's stand-in under that name
 
 
 @register_model("batchgen")

@@ -153,6 +153,15 @@ def _directory(source: str) -> tuple[Path | None, str | None]:
     return Path(cached).parent, None
 
 
+def located(name_or_path: str | None) -> tuple[Path, bool] | None:
+    """`(directory, from the hub cache)`: where the model's files are on this machine (a local
+    directory, the default model's converted one, or a hub id's snapshot in the local Hugging Face
+    cache); None for a hub id not in that cache."""
+    source = model_source(name_or_path)[1]
+    directory, _ = _directory(source)
+    return None if directory is None else (directory, not Path(source).is_dir())
+
+
 def _check_runnable(config, label: str) -> None:
     """transformers' config of a model: refused where no model code of batchgen's runs it as
     transformers' uncached `generate` would (`batchgen.pipeline.model.runnable.problem`)."""

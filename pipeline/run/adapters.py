@@ -28,14 +28,21 @@ from batchgen.jobs import InvalidRow, Job
 from batchgen.jobs.errors import OptionError, option
 
 
+# what a registered name may not hold: a value whose part before its first '=' holds a path's
+# separator is a path (`./runs/lr=1e-4/adapter`); any other text is a name ("my adapter" too)
+NAME_RULE = "a name is any text but empty, without '=', '/' or '\\'"
+
+
 def parse_specs(specs: Iterable[str]) -> tuple[dict[str, str], str | None]:
     """`--adapter` values as (registered names -> paths, the default path or None). `NAME=PATH`
-    registers NAME (a name holds no `/`, `=` or space); any other value is the default's path."""
+    registers NAME (`NAME_RULE`); any other value, or one that is an existing path, is the default's path."""
     names: dict[str, str] = {}
     default = None
     for spec in specs:
         name, eq, path = spec.partition("=")
-        if eq and name and not any(c in name for c in "/\\ ") and not os.path.exists(spec):
+        if eq and not any(c in name for c in "/\\") and not os.path.exists(spec):
+            if not name.strip():
+                raise OptionError("adapter", f"names no adapter before '=' ({NAME_RULE}); give NAME=PATH", spec)
             if not path:
                 raise OptionError("adapter", "names no path; give NAME=PATH", spec)
             if name in names:
@@ -72,6 +79,8 @@ class Adapters:
         if default is not None:
             found = out.index(default)
             if isinstance(found, str):
+                if "=" in default:  # meant as NAME=PATH, maybe, with a path's separator in its NAME
+                    found += f"; in NAME=PATH {NAME_RULE}"
                 raise OptionError("adapter", found, default)
         return out
 

@@ -50,13 +50,15 @@ class RunOptions:
 
 
 def run_settings(options: RunOptions, model_name: str, precision: dict[str, str],
-                 adapters: dict[str, str] | None = None) -> dict[str, Any]:
+                 adapters: dict[str, str] | None = None, model_files: str | None = None) -> dict[str, Any]:
     """What decides the outputs' content: finished work is resumed only under the same settings.
     `precision` is the resolved device type and dtype (what `auto` means depends on the checkpoint
     and the machine, so resumed work must not be judged by the option). Batch sizes do not count.
     `adapters`: each adapter label the jobs use, with its adapter's content digest (a retrained
-    checkpoint in the same place is another adapter); the jobs' digest holds which job runs which."""
-    settings = {"model": model_name, **precision, "defaults": asdict(options.defaults),
+    checkpoint in the same place is another adapter); the jobs' digest holds which job runs which.
+    `model_files`: the model's identity (`batchgen.pipeline.model.identity`): a checkpoint rewritten
+    in place is another model."""
+    settings = {"model": model_name, "model_files": model_files, **precision, "defaults": asdict(options.defaults),
                 "prompt_template": options.prompt_template, "system": options.system, "shard": options.shard,
                 "output_format": options.output_format}
     if adapters:  # (the settings of runs without adapters stay what they were)

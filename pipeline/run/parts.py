@@ -43,17 +43,35 @@ def job_set_key(digest: str, settings: dict[str, Any]) -> str:
     return fingerprint([digest], {k: v for k, v in settings.items() if k != "shard"})
 
 
-def may_resume(where: str, recorded: Mapping[str, Any] | None, key: str, overwrite: bool) -> bool:
+def may_resume(where: str, recorded: Mapping[str, Any] | None, key: str, overwrite: bool,
+               settings: Mapping[str, Any] | None = None) -> bool:
     """Whether the finished work recorded at `where` (its key and settings, None if there is none)
-    belongs to this run. Work of other jobs, options or precision is never mixed in: it is refused,
-    or with `overwrite` the caller discards it (False)."""
+    belongs to this run (of `settings`). Work of other jobs, options, precision or model files is
+    never mixed in: it is refused, or with `overwrite` the caller discards it (False)."""
     if not recorded or recorded.get("key") == key:
         return True
     if overwrite:
         return False
     raise JobError(f"{where} holds work of a run with other jobs, options or model "
-                   f"(it ran {json.dumps(recorded.get('settings'), default=str)}); "
+                   f"({_what_differs(recorded.get('settings'), settings)}); "
                    "pass --overwrite to discard it and start over")
+
+
+def _what_differs(then: Any, now: Mapping[str, Any] | None) -> str:
+    """The refusal's reason: the model's files where only they changed, else the settings it ran."""
+    ran = f"it ran {json.dumps(then, default=str)}"
+    if not isinstance(then, dict) or now is None or "model_files" not in now:
+        return ran
+    if "model_files" not in then:  # written before batchgen recorded them: the model cannot be told apart
+        return f"{ran}, and did not record which files of the model it ran"
+    now = json.loads(json.dumps(now, default=str))  # as the manifest holds it (tuples as lists)
+    rest = {k for k in then.keys() | now.keys() if k != "model_files" and then.get(k) != now.get(k)}
+    if rest or then["model_files"] == now["model_files"]:
+        return ran
+    from batchgen.pipeline.model.identity import describe
+
+    return (f"model {now.get('model')} is not the one it ran: {describe(now['model_files'])} changed since, "
+            "so its completions would mix two models")
 
 
 def read_manifest(parts_dir: str) -> dict[str, Any]:
@@ -94,7 +112,7 @@ class PartStore:
         self.schema = result_schema.append(pa.field(ORDER, pa.int64()))
         try:
             self.manifest = read_manifest(self.dir)
-            keep = may_resume(self.dir, self.manifest, key, discard_mismatch)
+            keep = may_resume(self.dir, self.manifest, key, discard_mismatch, settings)
         except JobError:
             if not discard_mismatch:
                 raise

@@ -30,7 +30,7 @@ from batchgen.pipeline.run.overlap import check_directory_apart
 from batchgen.pipeline.run.preflight import check_options, context_window, job_digest
 from batchgen.pipeline.text.results import job_rows
 from batchgen.pipeline.run.options import RunOptions, run_settings
-from batchgen.pipeline.run.summary import JobCounts, add_work, run_summary, work_of
+from batchgen.pipeline.run.summary import JobCounts, ThisRun, add_work, run_summary, work_of
 
 RUN_FILE = "run.json"  # the job set's key and the settings the parts beside it were made with
 _WORK_KEY = b"batchgen_work"  # a part's engine work, in its Parquet metadata
@@ -156,6 +156,7 @@ def process_ray(inputs: Sequence[str], out_dir: str, options: RunOptions, *, add
     if os.path.isfile(out_dir):
         raise JobError(f"{out_dir}: --engine ray writes a directory of parts; give a directory path")
     os.makedirs(out_dir, exist_ok=True)
+    from batchgen.pipeline.model.identity import model_identity
     from batchgen.pipeline.model.load import load_config
     from batchgen.pipeline.run.adapters import Adapters
 
@@ -177,9 +178,10 @@ def process_ray(inputs: Sequence[str], out_dir: str, options: RunOptions, *, add
         # where the actors run, `auto` resolves to their device: ask a task with their resources
         probe = ray.remote(num_cpus=0, num_gpus=gpus_per_worker or 0)(resolve_precision)
         settings = run_settings(options, model_name, ray.get(probe.remote(options.device, options.dtype, options.model)),
-                                adapters.digests())
+                                adapters.digests(), model_identity(options.model))
         claim(out_dir, job_set_key(job_digest(jobs), settings), settings, options.overwrite)
         done = done_orders(out_dir)
+        earlier = set(_result_parts(out_dir))  # committed by earlier runs: this run's share is counted apart
         todo = [{"order": o, "prompt": j.prompt or "", "messages": json.dumps(j.messages) if j.messages else ""}
                 for o, j in jobs.items() if o not in done]
         if todo:
@@ -222,14 +224,30 @@ def process_ray(inputs: Sequence[str], out_dir: str, options: RunOptions, *, add
             errors += [{k: v for k, v in e.items() if k != ORDER} for e in pq.read_table(os.path.join(out_dir, name)).to_pylist()]
     with ErrorWriter(os.path.join(out_dir, "errors.parquet"), overwrite=True) as ew:
         ew.write(errors)
-    parts = sorted(os.path.join(out_dir, n) for n in os.listdir(out_dir) if n.startswith("part-") and n.endswith(".parquet"))
-    results = pa.concat_tables([pq.read_table(p) for p in parts]) if parts else schema.empty_table()
-    work = add_work(*(json.loads((pq.read_schema(p).metadata or {}).get(_WORK_KEY, b"{}")) for p in parts))
-    summary = run_summary(JobCounts.of(results, len(errors)), work, started=started, model=model_name, options=options)
+    parts = _result_parts(out_dir)
+    tables = {p: pq.read_table(p) for p in parts}
+    results = pa.concat_tables(list(tables.values())) if parts else schema.empty_table()
+
+    def work_in(paths: list[str]) -> dict[str, int]:
+        return add_work(*(json.loads((pq.read_schema(p).metadata or {}).get(_WORK_KEY, b"{}")) for p in paths))
+
+    mine = JobCounts()
+    for p in parts:
+        if p not in earlier:
+            mine.add(tables[p])
+    share = ThisRun(mine.completed, mine.prompt_tokens, mine.completion_tokens, work_in(sorted(earlier)))
+    summary = run_summary(JobCounts.of(results, len(errors)), work_in(parts), started=started, model=model_name,
+                          options=options, run=share)
     summary.update(engine="ray", output=out_dir, workers=workers, resumed_jobs=len(done), settings=settings,
                    jobs_total=len(jobs.keys() | invalid.keys()))
     write_summary(os.path.join(out_dir, "summary.json"), summary)
     return summary
+
+
+def _result_parts(out_dir: str) -> list[str]:
+    """The result parts in `out_dir`, by name."""
+    return sorted(os.path.join(out_dir, n) for n in os.listdir(out_dir)
+                  if n.startswith("part-") and n.endswith(".parquet"))
 
 
 def claim(out_dir: str, key: str, settings: dict[str, Any], overwrite: bool) -> None:
@@ -247,7 +265,7 @@ def claim(out_dir: str, key: str, settings: dict[str, Any], overwrite: bool) -> 
         if not overwrite:
             raise JobError(f"{path} is unreadable ({e}); pass --overwrite to start over") from e
         recorded = {"key": None}
-    if not may_resume(out_dir, recorded, key, overwrite):
+    if not may_resume(out_dir, recorded, key, overwrite, settings):
         for name in os.listdir(out_dir):
             if name.endswith(".parquet") or name == "summary.json":
                 os.unlink(os.path.join(out_dir, name))

@@ -32,7 +32,7 @@ from batchgen.pipeline.run.preflight import Checked, check_inputs, check_options
 from batchgen.pipeline.run.progress import Progress
 from batchgen.pipeline.text.results import add_openai_fields, job_rows
 from batchgen.pipeline.run.signals import Preempted, StopOnSignal
-from batchgen.pipeline.run.summary import JobCounts, add_work, run_summary, used, work_of
+from batchgen.pipeline.run.summary import JobCounts, ThisRun, add_work, run_summary, used, work_of
 from batchgen.pipeline.text.tokenize import Tokenizer
 from batchgen.pipeline.text.expand import (JobCompletions, JobTokens, completions_expected, job_requests, tokenize_jobs,
                                   whole_key)
@@ -55,6 +55,7 @@ def process(inputs: Sequence[str], output: str, options: RunOptions,
     try:
         from batchgen.pipeline.model.ahead import ModelAhead
         from batchgen.pipeline.model.hf import as_forward
+        from batchgen.pipeline.model.identity import model_identity
         from batchgen.pipeline.model.kernels import set_threads
         from batchgen.pipeline.model.load import DEFAULT_MODEL, resolve_precision
         from batchgen.pipeline.run.parts import PartStore, job_set_key, may_resume, read_manifest
@@ -85,13 +86,22 @@ def process(inputs: Sequence[str], output: str, options: RunOptions,
             mine = _mine(checked, options, shard)
             report_invalid = shard is None or shard[0] == 0  # rows that cannot run: shard 0 reports them
             model_name = options.model or DEFAULT_MODEL
-            settings = run_settings(options, model_name, resolve_precision(options.device, options.dtype, options.model),
-                                    checked.adapters.digests())
-            job_set = job_set_key(checked.digest, settings)
-            key = f"{job_set}:{options.shard}"
-            # refused before the run takes the model; checked again under the output's lock
-            may_resume(output + ".parts", read_manifest(output + ".parts"), key, options.overwrite)
+            precision = resolve_precision(options.device, options.dtype, options.model)
+
+            def keyed(files: str | None) -> tuple[dict[str, Any], str, str]:
+                settings = run_settings(options, model_name, precision, checked.adapters.digests(), files)
+                job_set = job_set_key(checked.digest, settings)
+                return settings, job_set, f"{job_set}:{options.shard}"
+
+            files = model_identity(options.model)
+            settings, job_set, key = keyed(files)
+            if files is not None:  # (a hub model not in the local cache yet is checked once loaded)
+                # refused before the run takes the model; checked again under the output's lock
+                may_resume(output + ".parts", read_manifest(output + ".parts"), key, options.overwrite, settings)
             model = as_forward(model_ahead.result()[0])
+            loaded = model_identity(options.model)
+            if loaded != files:  # a hub id's snapshot the load downloaded or moved on to: what ran
+                settings, job_set, key = keyed(loaded)
             if checked.adapters.infos:  # every adapter the jobs use, loaded once (index i + 1: infos[i])
                 model.set_adapters(checked.adapters.infos)
 
@@ -100,9 +110,10 @@ def process(inputs: Sequence[str], output: str, options: RunOptions,
             try:
                 store = PartStore(output, key, settings, checked.schema, discard_mismatch=options.overwrite)
                 run = _Run(output, options, checked, store, model, model_name, stop)
-                counts, work, about = run.generate(mine, report_invalid, progress)
-                summary = run_summary(counts, work, started=started, model=model_name, options=options)
-                summary.update(about, job_set=job_set, shard=list(shard) if shard else None, jobs_total=checked.total,
+                counts, work, about, share = run.generate(mine, report_invalid, progress)
+                summary = run_summary(counts, work, started=started, model=model_name, options=options, run=share)
+                summary.update(about, job_set=job_set, model_files=settings["model_files"],
+                               shard=list(shard) if shard else None, jobs_total=checked.total,
                                device_type=settings["device_type"], dtype=settings["dtype"])
                 write_summary(summary_path(output), summary)
                 store.remove()
@@ -142,8 +153,10 @@ class _Run:
         self.model, self.model_name = model, model_name
 
     def generate(self, mine: np.ndarray, report_invalid: bool,
-                 progress: Callable[[Progress], None] | None) -> tuple[JobCounts, dict[str, int], dict[str, Any]]:
-        """The output's job counts, the work of all runs, and what else the summary reports."""
+                 progress: Callable[[Progress], None] | None) -> tuple[JobCounts, dict[str, int], dict[str, Any],
+                                                                       ThisRun]:
+        """The output's job counts, the work of all runs, what else the summary reports, and this
+        run's share of it."""
         from batchgen.pipeline.engine.engine import Engine
 
         checked, store, options = self.checked, self.store, self.options
@@ -209,7 +222,8 @@ class _Run:
                  "output": self.output,
                  "errors_file": errors_path(self.output, fmt) if counts.failed else None,
                  "resumed_jobs": int(done.sum())}
-        return counts, committer.work(), about
+        committer.run.resumed_work = committer.base
+        return counts, committer.work(), about, committer.run
 
     def _windows(self, todo: np.ndarray):
         """(jobs by input position, requests in sorted order, completions that finish each job, and
@@ -315,8 +329,9 @@ class _Committer:
 
     def __init__(self, store, options: RunOptions, tokenizer: Tokenizer) -> None:
         self.store, self.options, self.tokenizer = store, options, tokenizer
-        self.base = add_work(store.stats)
+        self.base = add_work(store.stats)  # the work of the earlier runs, as they committed it
         self.finished = RunStats()  # the work of this run's finished windows
+        self.run = ThisRun()  # the jobs this run completed
         self.engine = None  # the window's engine, while it runs
         self.results: list[dict[str, Any]] = []
         self.errors: list[dict[str, Any]] = []
@@ -325,6 +340,7 @@ class _Committer:
 
     def add(self, order: int, job: Job, completions: list[Completion]) -> None:
         results, errors = job_rows(order, job, completions, self.tokenizer)
+        self.run.add_rows(results)
         self.results += results
         self.errors += errors
         self.jobs += 1

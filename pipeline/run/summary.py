@@ -4,6 +4,11 @@ Job-level counts are computed from the committed output itself, so a run that wa
 resumed reports exactly what an uninterrupted run reports. Engine work counters are the work
 done by all runs that committed parts, including work redone after an interruption: they say
 what the runs cost, not what the output holds.
+
+This run's share is counted apart (`ThisRun`): the jobs it completed, their tokens, and the work
+the earlier runs had committed (`resumed_work`). `prefill_saving` and the token rate are this
+run's work over this run's jobs: all runs' work over all the output's prompts mixed the two, and
+after a resume that had redone work it read "prefill 257 of 134 prompt tokens (-92% saved)".
 """
 from __future__ import annotations
 
@@ -93,25 +98,62 @@ def add_work(*works: Mapping[str, int]) -> dict[str, int]:
     return {name: sum(int(w.get(name, 0) or 0) for w in works) for name in WORK_COUNTERS}
 
 
-def summarize(counts: JobCounts, work: Mapping[str, int], wall: float) -> dict[str, Any]:
-    """The counters and the rates derived from them (also what `merge` recomputes)."""
+@dataclass
+class ThisRun:
+    """This run's share of a summary: the jobs it completed (their prompt tokens once per job, their
+    completion tokens per sample, as `JobCounts` counts them) and the work counters of the earlier
+    runs whose committed jobs it resumed."""
+
+    jobs: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    resumed_work: dict[str, int] = field(default_factory=dict)
+
+    def add_rows(self, rows: list[dict[str, Any]]) -> None:
+        """Result rows of jobs this run completed (one per sample)."""
+        for r in rows:
+            if r["sample_index"] == 0:
+                self.jobs += 1
+                self.prompt_tokens += int(r["prompt_tokens"] or 0)
+            self.completion_tokens += int(r["completion_tokens"] or 0)
+
+    @classmethod
+    def of(cls, summary: Mapping[str, Any]) -> "ThisRun":
+        """A summary's share (one written before batchgen counted it apart: all of it)."""
+        if "run_jobs" not in summary:
+            return cls(int(summary.get("completed", 0) or 0), int(summary.get("prompt_tokens", 0) or 0),
+                       int(summary.get("completion_tokens", 0) or 0))
+        return cls(int(summary["run_jobs"]), int(summary["run_prompt_tokens"]),
+                   int(summary["run_completion_tokens"]), add_work(summary.get("resumed_work") or {}))
+
+
+def summarize(counts: JobCounts, work: Mapping[str, int], wall: float, run: ThisRun | None = None) -> dict[str, Any]:
+    """The counters and the rates derived from them (also what `merge` recomputes). `run`: this
+    run's share (None: a run that resumed nothing, all of it)."""
     out = asdict(counts)
     adapter_jobs = add_adapter_jobs(out.pop("adapter_jobs"))
     if adapter_jobs:  # (only where some job ran an adapter)
         out["adapter_jobs"] = adapter_jobs
+    if run is None:
+        run = ThisRun(counts.completed, counts.prompt_tokens, counts.completion_tokens)
+    total, resumed = add_work(work), add_work(run.resumed_work)
+    prefilled = total["prefill_tokens"] - resumed["prefill_tokens"]  # by this run
     return {
         **out,
-        **add_work(work),
-        # prefill work of all runs over the prompts of the output: a resume that redid work saves less
-        "prefill_saving": round(1 - work.get("prefill_tokens", 0) / counts.prompt_tokens, 4)
-        if counts.prompt_tokens else 0.0,
+        **total,  # all runs' work, redone work included: what the output cost
+        "run_jobs": run.jobs,
+        "run_prompt_tokens": run.prompt_tokens,
+        "run_completion_tokens": run.completion_tokens,
+        "resumed_work": resumed,
+        # this run's prefill over its own jobs' prompts (an uninterrupted run: over the output's)
+        "prefill_saving": round(1 - prefilled / run.prompt_tokens, 4) if run.prompt_tokens else 0.0,
         "wall_seconds": round(wall, 3),
-        "completion_tokens_per_second": round(counts.completion_tokens / wall, 2) if wall > 0 else None,
+        "completion_tokens_per_second": round(run.completion_tokens / wall, 2) if wall > 0 else None,
     }
 
 
 def run_summary(counts: JobCounts, work: Mapping[str, int], *, started: float, model: str,
-                options: Any) -> dict[str, Any]:
+                options: Any, run: ThisRun | None = None) -> dict[str, Any]:
     import torch
 
     from batchgen.pipeline import __version__
@@ -119,7 +161,7 @@ def run_summary(counts: JobCounts, work: Mapping[str, int], *, started: float, m
     opts = asdict(options)
     opts["defaults"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in opts["defaults"].items()}
     return {
-        **summarize(counts, work, time.monotonic() - started),
+        **summarize(counts, work, time.monotonic() - started, run),
         "model": model,
         "versions": {"batchgen": __version__, "torch": torch.__version__, "transformers": _version("transformers"),
                      "python": sys.version.split()[0]},
@@ -155,8 +197,11 @@ def merged(summaries: list[Mapping[str, Any]]) -> dict[str, Any]:
                           if f.name != "adapter_jobs"},
                        adapter_jobs=add_adapter_jobs(*(s.get("adapter_jobs") for s in summaries)))
     wall = max(float(s.get("wall_seconds", 0) or 0) for s in summaries)  # shards run side by side
+    shares = [ThisRun.of(s) for s in summaries]
+    run = ThisRun(sum(r.jobs for r in shares), sum(r.prompt_tokens for r in shares),
+                  sum(r.completion_tokens for r in shares), add_work(*(r.resumed_work for r in shares)))
     out = dict(summaries[0])
-    out.update(summarize(counts, add_work(*summaries), wall))
+    out.update(summarize(counts, add_work(*summaries), wall, run))
     out["resumed_jobs"] = sum(int(s.get("resumed_jobs", 0) or 0) for s in summaries)
     for key in ("attention_path", "attention_kernels", "model_code"):
         values = sorted({str(s.get(key)) for s in summaries if s.get(key)})

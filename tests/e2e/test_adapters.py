@@ -171,6 +171,38 @@ def test_the_python_api_takes_adapters(model_dir, adapters, references):
     assert "is neither a registered adapter name" in bad[0]["error"]
 
 
+def test_an_adapter_name_may_hold_spaces(tmp_path, model_dir, adapters, references):
+    """`--adapter "my adapter=DIR"` registers "my adapter" (a name is any text without '=', '/' or
+    '\\'): jobs select it by that name, the output and the summary say it; a NAME=PATH whose name
+    holds a path's separator is a path, and the refusal says what a name may hold."""
+    import batchgen
+
+    name = "my adapter"
+    rows = [{"id": "a", "prompt": SHARED + "What is rain?", "adapter": name},
+            {"id": "b", "prompt": SHARED + "What is rain?"}]
+    src = write_jsonl(tmp_path / "jobs.jsonl", rows)
+    out = tmp_path / "out.parquet"
+    run(["process", str(src), "-o", str(out), "--max-new-tokens", str(NEW), "--min-shared-tokens", "4",
+         "--adapter", f"{name}={adapters['r8']}"], model_dir)
+    table = pq.read_table(out).to_pylist()
+    assert [r["adapter"] for r in table] == [name, None]
+    tok = Tokenizer(make_tokenizer())
+    ids = tok.encode_prompt(rows[0]["prompt"])
+    for r, who in zip(table, ["r8", None]):
+        assert r["completion"] == tok.decode(reference_generate(references[who], Request(0, ids, SamplingParams(NEW)),
+                                                                [2]))
+    assert json.loads(open(str(out) + ".summary.json").read())["adapter_jobs"] == {"": 1, name: 1}
+    api = batchgen.generate(rows, str(model_dir), adapters={name: adapters["r8"]}, max_new_tokens=NEW,
+                            min_shared_tokens=4, dtype="float32")
+    assert [(r["adapter"], r["completion"]) for r in api] == [(r["adapter"], r["completion"]) for r in table]
+    for spec, says in ((f"org/x={adapters['r8']}", "in NAME=PATH a name is any text but empty, without '=', '/'"),
+                       (f" ={adapters['r8']}", "names no adapter before '='")):
+        bad = run(["validate", str(src), "--adapter", spec], model_dir, ok=False)
+        assert bad.exit_code == 2 and says in bad.output, bad.output
+    with pytest.raises(batchgen.BatchgenError, match="a name is any text but empty, without '='"):
+        batchgen.generate(rows, str(model_dir), adapters={"a/b": adapters["r8"]})
+
+
 @pytest.mark.slow  # subprocesses, one killed
 def test_resume_with_adapters_and_a_changed_adapter_refuses_it(tmp_path, model_dir, adapters):
     """A run killed after its first commit resumes to the uninterrupted output; an adapter whose

@@ -52,6 +52,10 @@ def test_ray_engine_equals_the_local_engine(tmp_path):
     again = json.loads((out_dir / "summary.json").read_text())
     assert again["resumed_jobs"] == 16 and again["completed"] == 16
     assert again["prefill_tokens"] == ray_summary["prefill_tokens"]
+    # this run's share apart from the earlier run's: none of the jobs, none of the work
+    assert (ray_summary["run_jobs"], ray_summary["resumed_work"]["prefill_tokens"]) == (16, 0)
+    assert (again["run_jobs"], again["run_prompt_tokens"], again["prefill_saving"]) == (0, 0, 0.0)
+    assert again["resumed_work"]["prefill_tokens"] == ray_summary["prefill_tokens"]
     for key in ("jobs", "completed", "failed", "rows", "prompt_tokens", "cached_tokens", "completion_tokens"):
         assert again[key] == local_summary[key] == ray_summary[key], key
     # another input of as many rows into the same directory: its jobs are not "done" by position
@@ -61,6 +65,11 @@ def test_ray_engine_equals_the_local_engine(tmp_path):
     res = CliRunner().invoke(main, ["process", str(other), "-o", str(out_dir), "--engine", "ray", *common])
     assert res.exit_code == 1 and "other jobs, options or model" in res.output, res.output
     assert sorted(out_dir.glob("part-*.parquet")) == before  # the first run's work is kept
+    # the model rewritten in place (new weights, the same path): its work is not mixed in either
+    make_model("qwen2", seed=1).save_pretrained(model_dir)
+    res = CliRunner().invoke(main, ["process", str(src), "-o", str(out_dir), "--engine", "ray", *common])
+    assert res.exit_code == 1 and f"model {model_dir} is not the one it ran" in res.output, res.output
+    assert sorted(out_dir.glob("part-*.parquet")) == before
 
 
 def test_ray_refuses_an_output_format_it_does_not_write(tmp_path, model_dir):

@@ -228,3 +228,61 @@ def test_a_resumed_run_of_scoring_and_generating_jobs_has_every_count_of_an_unin
     api = batchgen.generate(src, str(model_dir), max_new_tokens=4, min_shared_tokens=4, max_batch_tokens=200,
                             dtype="float32")
     assert [{k: r[k] for k in counts} for r in api] == want.to_pylist()
+
+
+# --- issue 48, 6: after a resume, this run's work is counted apart from the resumed work ---------
+
+@pytest.mark.slow  # a subprocess, killed
+def test_a_resumed_runs_line_and_summary_count_this_runs_work_apart(tmp_path, model_dir, jobs_file):
+    """Runs killed after their first commits redo their window's prefill each time: all runs' prefill
+    comes to more than the output's prompt tokens, which the last line printed as a negative
+    saving. The line and the summary now count this run's jobs and work apart."""
+    import re
+    import subprocess
+    import sys
+
+    out = str(tmp_path / "out.parquet")
+    # each run prefills all the jobs left at once (its first batch), and commits one at a time
+    args = ["process", str(jobs_file), "-o", out, "--model", str(model_dir), "--max-new-tokens", "4",
+            "--min-shared-tokens", "4", "--max-batch-tokens", "4096", "--commit-every", "1"]
+    killed = subprocess.run([sys.executable, "-m", "batchgen", *args], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "BATCHGEN_FAULT": "after-commit"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    from batchgen.jobs import GenerationDefaults
+
+    same = options(model_dir, defaults=GenerationDefaults(max_new_tokens=4, seed=0), max_batch_tokens=4096,
+                   commit_every=1)  # the command's options
+    prompts = process([str(jobs_file)], str(tmp_path / "ref.parquet"), same)["prompt_tokens"]
+    manifest = out + ".parts/manifest.json"
+    for _ in range(20):  # more interrupted runs, until all runs' prefill exceeds the output's prompts
+        if json.loads(open(manifest).read())["stats"]["prefill_tokens"] > prompts:
+            break
+        with pytest.raises(Interrupted):
+            process([str(jobs_file)], out, same, progress=interrupt_after(2))
+    before = json.loads(open(manifest).read())
+    assert before["stats"]["prefill_tokens"] > prompts
+    earlier = {r["id"] for part in before["parts"] for f in part["files"] if f.startswith("part-")
+               for r in pq.read_table(out + ".parts/" + f, columns=["id"]).to_pylist()}
+
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    summary = json.loads(open(out + ".summary.json").read())
+    rows = pq.read_table(out).to_pylist()
+    mine = [r for r in rows if r["id"] not in earlier]
+    assert 0 < len(earlier) and mine
+    assert summary["prompt_tokens"] == prompts  # the output's counts: as before
+    assert summary["prefill_tokens"] > prompts  # all runs' work, redone work included: as before
+    assert summary["resumed_work"] == before["stats"]
+    assert summary["run_jobs"] == sum(r["sample_index"] == 0 for r in mine)
+    assert summary["run_prompt_tokens"] == sum(r["prompt_tokens"] for r in mine if r["sample_index"] == 0)
+    assert summary["run_completion_tokens"] == sum(r["completion_tokens"] for r in mine)
+    prefilled = summary["prefill_tokens"] - before["stats"]["prefill_tokens"]
+    assert 0 < prefilled <= summary["run_prompt_tokens"]
+    assert summary["prefill_saving"] == round(1 - prefilled / summary["run_prompt_tokens"], 4) >= 0
+    line = [x for x in res.output.splitlines() if " jobs done" in x][-1]
+    found = re.fullmatch(r"(\d+)/(\d+) jobs done \((\d+) by earlier runs\), (\d+) failed; this run: prefill (\d+) "
+                         r"of (\d+) prompt tokens \((\d+)% saved\); (\d+) new tokens in [\d.]+s -> .*", line)
+    assert found, line
+    assert [int(x) for x in found.groups()] == [
+        summary["completed"], summary["jobs"], summary["resumed_jobs"], summary["failed"], prefilled,
+        summary["run_prompt_tokens"], round(100 * summary["prefill_saving"]), summary["run_completion_tokens"]]
