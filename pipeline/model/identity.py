@@ -3,12 +3,16 @@ run is resumed only where the model's files are the same, so that a checkpoint r
 between a crash and the rerun never mixes its completions with the old weights' ones.
 
 - A local directory (and the embedded default model's converted directory): each file's name,
-  size and modification time, as the packed-weight cache keys its files (`prepack._identity`).
-  Hashing the weights' bytes would read every byte of a model of many gigabytes at every start;
-  a rewrite (`save_pretrained`, a copy over it, a new conversion) gives new modification times
-  even where the sizes stay. The files are those directly in the directory, except hidden ones
-  and `*.md` (documentation): whatever a loader may read there (weights, config, tokenizer,
-  generation config, chat template, custom code) counts.
+  size and content. Reading every byte of a model of many gigabytes at every start would cost
+  seconds to minutes, so a large file's content is sampled: a safetensors file's header (every
+  tensor's name, dtype, shape and offsets) and the first and last 4 KiB of every tensor's bytes
+  (small tensors, as norms and biases, whole); any other large file's first MiB and 1,024 chunks
+  spread over the rest. New weights (a fine-tune, another seed, another conversion) change every
+  tensor's bytes, so they are another model; a copy of the same bytes on another machine, whose
+  files have new modification times, is the same model (a Slurm job requeued on another node
+  resumes). Files of up to 4 MiB (config, tokenizer, generation config, chat template, custom
+  code) are hashed whole. The files are those directly in the directory, except hidden ones and
+  `*.md` (documentation).
 - A hub id, from the local Hugging Face cache: the snapshot's revision (a commit hash on the hub,
   whose files never change), not its files: the cache fills a snapshot file by file as tools
   download them, and a revision names the same content whichever files are there.
@@ -23,7 +27,13 @@ import json
 import os
 import stat
 
+from batchgen.pipeline.model.decoder_config import header
 from batchgen.pipeline.model.load import located
+
+WHOLE = 4 << 20      # files up to this size are hashed whole
+EDGE = 4096          # bytes hashed at each end of a safetensors tensor
+HEAD = 1 << 20       # a large file of another kind: its first MiB ...
+SAMPLES = 1024       # ... and this many chunks of EDGE bytes spread over the rest
 
 
 def model_identity(name_or_path: str | None) -> str | None:
@@ -44,13 +54,52 @@ def model_identity(name_or_path: str | None) -> str | None:
         except OSError:
             continue  # a dangling link: nothing a loader reads
         if stat.S_ISREG(st.st_mode):
-            files.append((entry.name, st.st_size, st.st_mtime_ns))
+            files.append((entry.name, st.st_size, _content(entry.path, st.st_size)))
     return "files " + hashlib.blake2b(json.dumps(files).encode(), digest_size=16).hexdigest()
+
+
+def _content(path: str, size: int) -> str:
+    """A digest of the file's content, sampled where it is large (module docstring)."""
+    digest = hashlib.blake2b(digest_size=16)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return "unreadable"
+    try:
+        if size <= WHOLE:
+            digest.update(os.pread(fd, size, 0))
+        else:
+            for start, length in _spans(path, size):
+                digest.update(os.pread(fd, length, start))
+    finally:
+        os.close(fd)
+    return digest.hexdigest()
+
+
+def _spans(path: str, size: int) -> list[tuple[int, int]]:
+    """The (offset, length) spans of a large file whose bytes are hashed."""
+    if path.endswith(".safetensors"):
+        try:
+            data, tensors = header(path)
+            spans = [(0, data)]  # the header: names, dtypes, shapes, offsets
+            for name, info in sorted(tensors.items()):
+                if name == "__metadata__":
+                    continue
+                begin, end = (data + int(o) for o in info["data_offsets"])
+                if end - begin <= 2 * EDGE:
+                    spans.append((begin, end - begin))
+                else:
+                    spans += [(begin, EDGE), (end - EDGE, EDGE)]
+            return spans
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # not a safetensors file after all: sampled as any other
+    step = (size - HEAD) // SAMPLES
+    return [(0, HEAD), *((HEAD + i * step, EDGE) for i in range(SAMPLES)), (size - EDGE, EDGE)]
 
 
 def describe(identity: str | None) -> str:
     """How a refusal names what changed."""
     if identity is not None and identity.startswith("revision "):
         return "its hub revision"
-    return "its files (a file's size or modification time, or which files it has)"
+    return "its files (a file's content or size, or which files it has)"
 

@@ -62,9 +62,9 @@ def merge(shard_outputs: Sequence[str], output: str, overwrite: bool = False) ->
         found = ", ".join(f"{i}/{n}" for i, n in sorted(map(tuple, specs)))
         raise JobError(f"shards {found} given: need each of 0/{total} .. {total - 1}/{total} exactly once")
     if len({s["job_set"] for s in summaries}) != 1:
-        if len({s.get("model_files") for s in summaries}) != 1:  # (model_identity: a copy keeps its files' times)
-            raise JobError("the shards ran different files of the model (another checkpoint, or a copy whose "
-                           "modification times were not kept); rerun them on one copy of it")
+        if len({s.get("model_files") for s in summaries}) != 1:  # (model_identity: names, sizes, content)
+            raise JobError("the shards ran different model files (another checkpoint, or other weights at "
+                           "the same path); rerun them on one model")
         raise JobError("the shards ran different job sets or options; rerun them from one command line")
     jobs = summaries[0]["jobs_total"]
     errors = [pq.read_table(errors_path(p)) for p in shard_outputs if os.path.exists(errors_path(p))]

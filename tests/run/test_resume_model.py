@@ -104,15 +104,53 @@ def test_what_counts_as_the_same_model_directory(tmp_path):
     assert model_identity(str(model)) == same
     config = model / "config.json"
     a_tick_later()
-    config.write_text(config.read_text())  # the same bytes, written again: its time changed
+    config.write_text(config.read_text())  # the same bytes, written again: the same model
+    assert model_identity(str(model)) == same
+    config.write_text(config.read_text().replace("}", ', "note": 1}', 1)[::1])  # other bytes
     assert model_identity(str(model)) != same
     changed = model_identity(str(model))
     (model / "chat_template.jinja").write_text("{{ messages }}")  # a file a loader reads, added
     assert model_identity(str(model)) != changed
-    # a copy that keeps its files' times is the same model
+    # a copy of the same bytes with new modification times (another node's scratch copy) is the same model
     copy = tmp_path / "copy"
-    subprocess.run(["cp", "-rp", str(model), str(copy)], check=True)
+    a_tick_later()
+    subprocess.run(["cp", "-r", str(model), str(copy)], check=True)
     assert model_identity(str(copy)) == model_identity(str(model))
+    save_model(copy, seed=1)  # new weights over it
+    assert model_identity(str(copy)) != model_identity(str(model))
+
+
+def test_large_files_are_sampled_every_tensor_at_both_ends(tmp_path):
+    """Past 4 MiB a file is sampled: a safetensors file's header and both ends of every tensor
+    (a small one whole), any other file's first MiB and 1,024 chunks spread over the rest."""
+    import torch
+    from safetensors.torch import save_file
+
+    from batchgen.pipeline.model import identity
+
+    model = tmp_path / "big"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    tensors = {"big": torch.randn(3 << 20), "bias": torch.randn(16), "norm": torch.ones(64)}  # 12 MiB, then small ones
+    save_file(tensors, model / "model.safetensors")
+    (model / "other.bin").write_bytes(os.urandom(24 << 20))
+    first = model_identity(str(model))
+    reads = []
+    real = os.pread
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(identity.os, "pread", lambda fd, n, at: reads.append(n) or real(fd, n, at))
+        assert model_identity(str(model)) == first
+    assert sum(reads) < 6 << 20  # of 36 MiB: the samples only (5 MiB of them in other.bin)
+    for name, value in (("bias", tensors["bias"] + 1e-3), ("norm", tensors["norm"] * 2),
+                        ("big", torch.cat([tensors["big"][:-1], torch.ones(1)]))):  # one element at the end
+        save_file({**tensors, name: value}, model / "model.safetensors")
+        assert model_identity(str(model)) != first, name
+    save_file(tensors, model / "model.safetensors")
+    assert model_identity(str(model)) == first
+    data = bytearray((model / "other.bin").read_bytes())
+    data[:8] = b"changed!"  # its head
+    (model / "other.bin").write_bytes(bytes(data))
+    assert model_identity(str(model)) != first
 
 
 def test_the_default_model_is_its_converted_directorys_files(tmp_path, monkeypatch):
@@ -127,7 +165,9 @@ def test_the_default_model_is_its_converted_directorys_files(tmp_path, monkeypat
     assert model_identity(None) == model_identity(str(converted)) is not None
     before = model_identity(None)
     a_tick_later()
-    save_model(converted, seed=0)  # converted again: the same bytes, new files
+    save_model(converted, seed=0)  # converted again: the same bytes, new files, the same model
+    assert model_identity(None) == before
+    save_model(converted, seed=1)  # other weights in its place
     assert model_identity(None) != before
 
 
@@ -194,4 +234,4 @@ def test_merge_refuses_shards_of_two_models(tmp_path, jobs_file):
                                         "--shard", f"{i}/2"])
         assert res.exit_code == 0, res.output
     res = CliRunner().invoke(main, ["merge", *outs, "-o", str(tmp_path / "all.parquet")])
-    assert res.exit_code == 1 and "different files of the model" in res.output, res.output
+    assert res.exit_code == 1 and "different model files" in res.output, res.output
