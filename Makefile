@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test bench gpu-wheels gpu-check clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,14 @@ test: setup
 
 bench: setup
 	$(BIN)/python -m bench.bench_engine --workloads fewshot,system_prompt --turns 2
+
+# what a GPU run carries to a machine without network (docs/gpu.md): wheels and SmolLM2's shape, into .gpu/
+gpu-wheels: setup
+	$(BIN)/python -m bench.gpu_carry --dest .gpu
+
+# the device script's CPU mode, tiny sizes (the suite runs it too: tests/test_gpu_check.py)
+gpu-check: setup
+	DEVICE=cpu SIZE=tiny PYTHON=$(BIN)/python bash bench/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) out

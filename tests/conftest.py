@@ -1,4 +1,7 @@
+import os
+
 import pytest
+import torch
 
 
 def pytest_sessionstart(session):
@@ -20,3 +23,10 @@ def model_dir(tmp_path_factory):
     make_model("llama").save_pretrained(d)
     make_tokenizer().save_pretrained(d)
     return d
+
+
+@pytest.fixture(scope="session")
+def device():
+    """Where the equivalence tests that take this fixture run their models: BATCHGEN_TEST_DEVICE
+    (cpu by default; bench/gpu_check.sh sets cuda), the engine and its reference alike."""
+    return torch.device(os.environ.get("BATCHGEN_TEST_DEVICE", "cpu"))
