@@ -6,8 +6,7 @@ closure, pure-Python or abi3 only, into `.gpu/wheels`; this script, run on the d
 machine's own Python, resolves ROOTS against what that Python already has, walking each carried
 wheel's own requirements, and installs only what is missing or too old into a folder put first on
 PYTHONPATH (pip's `--target`, or the wheels unzipped where pip is absent). Nothing the machine has is
-changed. It also lays batchgen out there as installed (`batchgen.jobs` and `batchgen.pipeline` are the
-repository's `jobs/` and `pipeline/`, pyproject's package-dir) with links, so no build step runs.
+changed. (bench/gpu_check.sh lays batchgen out as installed with two links, so no build step runs.)
 
 Standard library only, plus `packaging` (transformers needs it; pip's vendored copy otherwise).
 
@@ -44,8 +43,6 @@ ROOT = Path(__file__).resolve().parent.parent
 # carries, and the steps that need them are skipped where the machine lacks them (bench/gpu_check.sh).
 ROOTS = ["transformers>=5.24,<6", "tokenizers", "huggingface_hub", "safetensors", "click>=8.1", "tqdm>=4.60",
          "pytest>=8"]
-# the repository folders batchgen's packages live in (pyproject's [tool.setuptools.package-dir])
-PACKAGE_DIRS = {"jobs": "jobs", "pipeline": "pipeline"}
 
 
 class Unresolved(Exception):
@@ -142,24 +139,6 @@ def install(paths: list[Path], site: Path) -> str:
     return "unzip"
 
 
-def lay_out_batchgen(site: Path) -> None:
-    """`site/batchgen` as pip would install it: the package's own files and the package-dir folders,
-    as links into the repository (edits show at once; no build backend needed)."""
-    pkg = site / "batchgen"
-    pkg.mkdir(parents=True, exist_ok=True)
-    for entry in (ROOT / "batchgen").iterdir():
-        if entry.name != "__pycache__":
-            _link(pkg / entry.name, entry)
-    for name, folder in PACKAGE_DIRS.items():
-        _link(pkg / name, ROOT / folder)
-
-
-def _link(at: Path, to: Path) -> None:
-    if at.is_symlink() or at.exists():
-        at.unlink()
-    at.symlink_to(to)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--wheels", type=Path, default=ROOT / ".gpu" / "wheels")
@@ -177,7 +156,6 @@ def main(argv: list[str] | None = None) -> int:
         report["unsatisfied"] = missing
     except (Unresolved, subprocess.CalledProcessError) as e:
         report["error"] = str(e)
-    lay_out_batchgen(args.site)
     if args.report:
         args.report.write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))

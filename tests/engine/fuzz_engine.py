@@ -255,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="every case in this dtype, each in both, or the seed's own draw (bfloat16 1 in 5)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (set OMP_NUM_THREADS too)")
     ap.add_argument("--device", default="cpu", help="where the engine, its models and the references run")
+    ap.add_argument("--max-seconds", type=float, default=0, help="start no seed after this long (0: no limit); "
+                    "the summary names the seeds that ran")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     T.utils.logging.disable_progress_bar()
@@ -263,9 +265,13 @@ def main(argv: list[str] | None = None) -> int:
     counts: Counter = Counter()
     codes: Counter = Counter()
     fatal = 0
+    ran = None  # the last seed started
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="batchgen-fuzz-") as tmp:
         for seed in args.seeds:
+            if args.max_seconds and time.perf_counter() - start > args.max_seconds:
+                break
+            ran = seed
             for dtype in dtypes:
                 result = check_case(case_of_seed(seed, dtype), Path(tmp), device=args.device)
                 counts[f"cases {result.dtype}"] += 1
@@ -275,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                     counts[f.kind] += 1
                     fatal += f.fatal
                     print(json.dumps(asdict(f)), flush=True)
-    summary = dict(summary=True, seeds=f"{args.seeds.start}:{args.seeds.stop}", dtype=args.dtype, device=args.device,
+    summary = dict(summary=True, seeds=f"{args.seeds.start}:{ran + 1 if ran is not None else args.seeds.start}", dtype=args.dtype, device=args.device,
                    fatal=fatal,
                    counts=dict(sorted(counts.items())), model_codes=dict(sorted(codes.items())),
                    seconds=round(time.perf_counter() - start, 1))
