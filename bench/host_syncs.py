@@ -7,6 +7,10 @@ needs no GPU: `counting()` wraps the methods with counters while an engine runs 
 conversions `int()`, `float()` and `bool()` of a tensor are counted as `scalar`), and `StepSplit`
 attributes each call to the engine step it falls in (a step runs from one `Engine.forward` to the
 next: the forward, then sampling its logits), so decode steps are told from prefill steps.
+
+Uploads are counted beside them (`upload`, not in `all`): `torch.tensor(..., device=...)`,
+`torch.as_tensor(..., device=...)` and `copy_` from a host tensor. On a GPU each copies host memory
+to the device and, from pageable memory, waits for the copy; on a CPU they are the same calls.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import torch
 
 METHODS = {"item": "item", "tolist": "tolist", "cpu": "cpu", "__int__": "scalar", "__float__": "scalar",
            "__bool__": "scalar", "numpy": "numpy"}
+SYNCS = sorted(set(METHODS.values()))
 
 
 @dataclass
@@ -43,8 +48,9 @@ class StepSplit:
     def per_step(self, step_kind: str = "decode") -> dict[str, float]:
         """Calls of each kind per step of `step_kind`, and their total as `all`."""
         n = self.steps[step_kind]
-        out = {kind: self.counts[(step_kind, kind)] / n if n else 0.0 for kind in sorted(set(METHODS.values()))}
+        out = {kind: self.counts[(step_kind, kind)] / n if n else 0.0 for kind in SYNCS}
         out["all"] = sum(out.values())
+        out["upload"] = self.counts[(step_kind, "upload")] / n if n else 0.0
         return out
 
 
@@ -67,17 +73,41 @@ def counting(engine) -> Iterator[StepSplit]:
         return method
 
     real_forward = engine.forward
+    real_tensor, real_as_tensor, real_copy = torch.tensor, torch.as_tensor, torch.Tensor.copy_
+
+    def tensor(*args, **kwargs):
+        if kwargs.get("device") is not None:
+            split.hit("upload")
+        return real_tensor(*args, **kwargs)
+
+    def as_tensor(*args, **kwargs):
+        if kwargs.get("device") is not None:
+            split.hit("upload")
+        return real_as_tensor(*args, **kwargs)
+
+    def copy_(self, src, *args, **kwargs):
+        if isinstance(src, torch.Tensor) and src.device.type == "cpu":
+            split.hit("upload")
+        return real_copy(self, src, *args, **kwargs)
 
     def forward(step, keep):
         split.begin(step.n_dec == step.tokens and step.n_dec > 0)  # one token per decoding row, nothing else
         return real_forward(step, keep)
 
     engine.forward = forward
+    torch.tensor, torch.as_tensor = tensor, as_tensor
+    own_copy = "copy_" in vars(torch.Tensor)
+    torch.Tensor.copy_ = copy_
     for name, kind in METHODS.items():
         setattr(torch.Tensor, name, counted(name, kind))
     try:
         yield split
     finally:
+        torch.tensor, torch.as_tensor = real_tensor, real_as_tensor
+        if own_copy:
+            torch.Tensor.copy_ = real_copy
+        else:
+            del torch.Tensor.copy_
         for name, real in saved.items():
             if name in own:
                 setattr(torch.Tensor, name, real)

@@ -110,7 +110,7 @@ def test_the_device_script_runs_every_step_on_a_cpu(tmp_path):
                           text=True, timeout=900)
     steps = [line.split("\t") for line in (out / "steps.tsv").read_text().splitlines()]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert [s[0] for s in steps] == ["install", "equivalence", "fuzz", "model", "bench", "bench_decode", "bench_engine"]
+    assert [s[0] for s in steps] == ["install", "equivalence", "model", "bench", "fuzz", "bench_decode", "bench_engine"]
     assert all(s[1] == "0" for s in steps), steps
     assert [s[0] for s in steps if s[3].startswith("skipped")] == ["bench_engine"]
     assert f"batchgen from {ROOT / 'batchgen' / '__init__.py'}" in (out / "versions.txt").read_text()
