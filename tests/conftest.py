@@ -1,7 +1,6 @@
 import os
 
 import pytest
-import torch
 
 
 def pytest_sessionstart(session):
@@ -29,4 +28,6 @@ def model_dir(tmp_path_factory):
 def device():
     """Where the equivalence tests that take this fixture run their models: BATCHGEN_TEST_DEVICE
     (cpu by default; bench/gpu_check.sh sets cuda), the engine and its reference alike."""
+    import torch
+
     return torch.device(os.environ.get("BATCHGEN_TEST_DEVICE", "cpu"))

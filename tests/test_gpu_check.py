@@ -107,7 +107,7 @@ def test_the_device_script_runs_every_step_on_a_cpu(tmp_path):
            "CARRY": str(carry), "OUT": str(out), "EXTRA_ROOTS": "gpuprobe_a", "OMP_NUM_THREADS": "1"}
     env.pop("PYTHONPATH", None)
     proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh")], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=900)
+                          text=True, timeout=1300)
     steps = [line.split("\t") for line in (out / "steps.tsv").read_text().splitlines()]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [s[0] for s in steps] == ["install", "equivalence", "model", "bench", "fuzz", "bench_decode", "bench_engine"]
