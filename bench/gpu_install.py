@@ -127,12 +127,12 @@ def install(paths: list[Path], site: Path) -> str:
     site.mkdir(parents=True, exist_ok=True)
     if not paths:
         return "nothing"
-    pip = subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True)
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+           "--disable-pip-version-check", "--target", str(site), *map(str, paths)]
+    pip = subprocess.run(cmd, capture_output=True, text=True)
     if pip.returncode == 0:
-        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-               "--disable-pip-version-check", "--target", str(site), *map(str, paths)]
-        subprocess.run(cmd, check=True)
         return "pip"
+    print(f"pip failed ({pip.stderr.strip()[-500:]}); unzipping the wheels instead", file=sys.stderr)
     for p in paths:
         with zipfile.ZipFile(p) as z:
             z.extractall(site)
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         report["installer"] = install(sorted(chosen.values()), args.site)
         report["installed"] = {n: p.name for n, p in sorted(chosen.items())}
         report["unsatisfied"] = missing
-    except (Unresolved, subprocess.CalledProcessError) as e:
+    except Unresolved as e:
         report["error"] = str(e)
     if args.report:
         args.report.write_text(json.dumps(report, indent=1))

@@ -71,6 +71,14 @@ def test_the_installer_takes_only_what_this_python_lacks(tmp_path):
     assert out == ["1.0", "2.5"]
 
 
+def test_without_pip_the_wheels_are_unzipped(tmp_path, monkeypatch):
+    wheel = make_wheel(tmp_path, "gpuprobe_z", "3.1")
+    monkeypatch.setattr(gpu_install.sys, "executable", "/bin/false")  # a Python whose pip fails
+    assert gpu_install.install([wheel], tmp_path / "site") == "unzip"
+    assert (tmp_path / "site" / "gpuprobe_z.py").read_text() == "VERSION = '3.1'\n"
+    assert (tmp_path / "site" / "gpuprobe_z-3.1.dist-info" / "METADATA").exists()
+
+
 def test_profiler_events_are_told_apart():
     """What `per_step` counts on CUDA, from the profiler's events (the CPU check sees none of these)."""
     from types import SimpleNamespace as Event
