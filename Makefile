@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run test bench docs clean
+.PHONY: setup run test bench docs gpu-wheels gpu-check clean
 
 setup: $(STAMP)
 
@@ -39,6 +39,14 @@ bench: setup
 # the docs site into site/ (mkdocs.yml); --strict: a broken link or a page missing from the nav fails
 docs: setup
 	$(BIN)/mkdocs build --strict
+
+# what a GPU run carries to a machine without network (docs/gpu.md): wheels and SmolLM2's shape, into .gpu/
+gpu-wheels: setup
+	$(BIN)/python -m bench.gpu_carry --dest .gpu
+
+# the device script's CPU mode, tiny sizes (the suite runs it too: tests/test_gpu_check.py)
+gpu-check: setup
+	DEVICE=cpu SIZE=tiny PYTHON=$(BIN)/python bash bench/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) out site

@@ -3,7 +3,9 @@
 Decode tokens/s (rows / median decode step time) and peak RSS for batchgen's cascade path (prefix K/V stored
 and read once), its copy path (prefix copied into every row), and batched `model.generate`
 (left-padded full prompts). Memory: each system alone in a fresh forked process. Speed: all systems
-in turns (`--repeat` each) in one process, so the host's drift hits them alike.
+in turns (`--repeat` each) in one process, so the host's drift hits them alike. `--device cuda`:
+the step times are taken with the device synchronized, and memory is CUDA's peak allocation, not RSS
+(bench/gpu_check.sh runs it so, with `--model` a random model of SmolLM2's shape).
 
     PYTHONPATH=. python -m bench.bench_decode --rows 8,32,128 --prefix 512,2048 --repeat 3
 """
@@ -20,6 +22,12 @@ import time
 import torch
 
 SUFFIX, NEW = 16, 16
+DEVICE, DTYPE, MODEL = "cpu", "float32", None  # set by main() before the children fork
+
+
+def _sync() -> None:
+    if DEVICE.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def prompts(b: int, p: int, seed: int = 0) -> list[list[int]]:
@@ -37,8 +45,10 @@ def run_engine(model, ps, cascade: bool) -> dict:
     real = engine.forward
 
     def timed(step, keep):
+        _sync()
         t = time.perf_counter()
         out = real(step, keep)
+        _sync()
         if step.n_dec == step.tokens:  # a decode step: one token per row, no prefill beside it
             steps.append(time.perf_counter() - t)
         return out
@@ -55,7 +65,7 @@ def warm_up(model) -> None:
 
     if hasattr(model, "generate"):  # transformers' model
         with torch.inference_mode():
-            model(input_ids=torch.tensor([[100, 101, 102]]))
+            model(input_ids=torch.tensor([[100, 101, 102]], device=next(model.parameters()).device))
     else:
         Engine(model, eos_token_ids=[]).generate([Request(0, [100, 101, 102], SamplingParams(max_new_tokens=1))])
 
@@ -67,10 +77,11 @@ def run_generate(model, ps) -> dict:
 
     class Stamp(LogitsProcessor):
         def __call__(self, input_ids, scores):
+            _sync()
             stamps.append(time.perf_counter())
             return scores
 
-    ids = torch.tensor(ps)  # equal lengths: no padding needed
+    ids = torch.tensor(ps, device=next(model.parameters()).device)  # equal lengths: no padding needed
     model.generation_config.eos_token_id = None
     config = GenerationConfig(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
     t = time.perf_counter()
@@ -87,19 +98,28 @@ def child(system: str, b: int, p: int, threads: int, queue) -> None:
 
     base = _rss_mb()  # the interpreter and libraries: not the group's memory
     # the engine's paths on what a CLI run loads (batchgen's decoder), `generate` on transformers' model
-    model, _ = load_model(None, "cpu", "float32", own_decoder=False if system == "generate" else None)
+    model, _ = load_model(MODEL, DEVICE, DTYPE, own_decoder=False if system == "generate" else None)
     # a 3-token warm-up pages the weights in and initializes the kernels (about 25 MB here)
     warm_up(model)
     warm = _rss_mb()
-    # peaks from here on: loading packs the weights in place
-    # (`kernels.pack_in_place`), and while it does, the checkpoint's pages and the packed copies
-    # are both mapped, a load-time peak that is not the group's
-    reset = _reset_peak()
     ps = prompts(b, p)
+    cuda = DEVICE.startswith("cuda")
+    if cuda:  # the device's memory: the model's, then the group's peak above it
+        torch.cuda.reset_peak_memory_stats()
+        held = torch.cuda.memory_allocated()
+    else:
+        # peaks from here on: loading packs the weights in place
+        # (`kernels.pack_in_place`), and while it does, the checkpoint's pages and the packed copies
+        # are both mapped, a load-time peak that is not the group's
+        reset = _reset_peak()
     out = run_generate(model, ps) if system == "generate" else run_engine(model, ps, system == "cascade")
-    peak = _status_mb("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    out["peak_rss_mb"] = peak - base
-    out["group_mb"] = peak - warm  # what the group itself added on top of the loaded, warmed model
+    if cuda:
+        out["peak_rss_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        out["group_mb"] = (torch.cuda.max_memory_allocated() - held) / 2**20
+    else:
+        peak = _status_mb("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        out["peak_rss_mb"] = peak - base
+        out["group_mb"] = peak - warm  # what the group itself added on top of the loaded, warmed model
     queue.put(out)
 
 
@@ -109,8 +129,8 @@ def speed_child(systems: list[str], b: int, p: int, threads: int, repeat: int, q
     torch.set_num_threads(threads)
     from batchgen.pipeline.model.load import load_model
 
-    own = load_model(None, "cpu", "float32")[0] if set(systems) - {"generate"} else None
-    hf = load_model(None, "cpu", "float32", own_decoder=False)[0] if "generate" in systems else None
+    own = load_model(MODEL, DEVICE, DTYPE)[0] if set(systems) - {"generate"} else None
+    hf = load_model(MODEL, DEVICE, DTYPE, own_decoder=False)[0] if "generate" in systems else None
     ps = prompts(b, p)
     steps: dict[str, list[float]] = {s: [] for s in systems}
     for _ in range(repeat):
@@ -139,10 +159,10 @@ def _reset_peak() -> bool:
         return False
 
 
-def kv_bytes_per_token(c) -> int:
+def kv_bytes_per_token(c, itemsize: int = 4) -> int:
     heads = getattr(c, "num_key_value_heads", c.num_attention_heads)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return 2 * c.num_hidden_layers * heads * head_dim * 4
+    return 2 * c.num_hidden_layers * heads * head_dim * itemsize
 
 
 def main() -> None:
@@ -156,20 +176,26 @@ def main() -> None:
     ap.add_argument("--max-copy-gb", type=float, default=8.0, help="skip the copy path above this much K/V")
     ap.add_argument("--repeat", type=int, default=3, help="turns per system in the speed process")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (memory: CUDA's peak allocation)")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--model", default=None, help="a model directory (default: the default model)")
     args = ap.parse_args()
+    global DEVICE, DTYPE, MODEL
+    DEVICE, DTYPE, MODEL = args.device, args.dtype, args.model
     import os
 
     from transformers import AutoConfig
 
     from batchgen.pipeline.model.load import default_model_path
 
-    path = default_model_path()  # the parent loads no weights: children start small
-    per_token = kv_bytes_per_token(AutoConfig.from_pretrained(path))
+    path = args.model or default_model_path()  # the parent loads no weights (nor CUDA): children start small
+    per_token = kv_bytes_per_token(AutoConfig.from_pretrained(path), getattr(torch, args.dtype).itemsize)
     weights_mb = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
                      if f.endswith(".safetensors")) / 2**20
     ctx = mp.get_context("fork")
     results = []
-    print(f"K/V {per_token / 1024:.0f} KiB/token, weights {weights_mb:.0f} MB; peak RSS is above the "
+    print(f"{args.device}, {args.dtype}. K/V {per_token / 1024:.0f} KiB/token, weights {weights_mb:.0f} MB; "
+          f"{'peak = CUDA peak allocation' if args.device.startswith('cuda') else 'peak RSS is above the'} "
           "interpreter's own; group = peak RSS during the run above the loaded, warmed model; bound = (P + B*(suffix+new)) x K/V "
           "+ weights\n")
     print("| B | P | system | decode tok/s | vs copy | peak RSS MB | RSS / bound | weights + group MB | bound MB "

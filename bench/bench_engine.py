@@ -112,7 +112,7 @@ def result_line(system: str, stdout: str) -> dict:
 def run_once(system: str, jobs: Path, out: Path, args, result: Result, samples: bool, turn: int = 0) -> None:
     """One timed run of `system`, its phases added to `result` (and its outputs kept, the last run's)."""
     times = out.with_suffix(".times.json")
-    cmd, extra = command(system, jobs, out, times, args.threads, Path(args.peers))
+    cmd, extra = command(system, jobs, out, times, args.threads, Path(args.peers), args.device, args.model)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), **extra}
     exec_at = time.monotonic()  # CLOCK_MONOTONIC: the clock the children's ready/done times are read from
     proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -231,13 +231,16 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--peers", default=str(PEERS), help="where bench/peers/setup.sh built the peers (BATCHGEN_PEERS)")
     p.add_argument("--json", default=None, help="save the raw numbers here")
+    p.add_argument("--device", default="cpu", help="batchgen's and hf-batched's device (bench/gpu_check.sh: cuda)")
+    p.add_argument("--model", default=None, help="a model directory for batchgen and hf-batched (default: the "
+                                                 "default model)")
     args = p.parse_args(argv)
     systems = [s for s in args.systems.split(",") if s]
     unknown = sorted(set(systems) - set(SYSTEMS)) + sorted(set(args.workloads.split(",")) - set(SHAPES))
     if unknown:
         raise SystemExit(f"unknown systems or workloads {unknown}; choose from {list(SYSTEMS)} and {list(SHAPES)}")
     ref_name = args.ref or next((s for s in systems if is_batchgen(s)), systems[0])
-    cpu = cpu_model()
+    cpu = cpu_model() + ("" if args.device == "cpu" else f"; batchgen and hf-batched on {args.device}")
     report, warmed = {"cpu": cpu, "threads": args.threads}, set()
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.workloads.split(","):

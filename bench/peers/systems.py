@@ -46,6 +46,7 @@ SYSTEMS = {s.name: s for s in (
     System("llamacpp-shared", "llama.cpp, f32 GGUF and KV, each group's common prefix decoded once for all its jobs",
            ("llamacpp/bin/python", "model-f32.gguf")),
     System("hf-batched", "batched `model.generate`, left padding, 16 rows a call"),
+    System("hf-batched-bf16", "as hf-batched, in bfloat16"),
 )}
 
 
@@ -61,19 +62,22 @@ def missing(name: str, peers: Path) -> str | None:
     return None
 
 
-def command(name: str, jobs: Path, out: Path, times: Path, threads: int, peers: Path) -> tuple[list[str], dict]:
+def command(name: str, jobs: Path, out: Path, times: Path, threads: int, peers: Path, device: str = "cpu",
+            model: str | None = None) -> tuple[list[str], dict]:
     """The command line of one run and the environment it adds. A batchgen run writes its forwards'
-    times to `times` (`bench.timed_batchgen`); a runner prints its own on its last line."""
+    times to `times` (`bench.timed_batchgen`); a runner prints its own on its last line. `device` and
+    `model` (a directory; None: the default model) reach batchgen and hf-batched only."""
     t = str(threads)
     if is_batchgen(name):
         cmd = [sys.executable, "-m", "bench.timed_batchgen", str(times), "process", str(jobs), "-o", str(out),
-               "--overwrite", "--device", "cpu", "--threads", t,
-               "--dtype", "bfloat16" if name == "batchgen-bf16" else "float32"]
+               "--overwrite", "--device", device, "--threads", t,
+               "--dtype", "bfloat16" if name == "batchgen-bf16" else "float32", *(["--model", model] if model else [])]
         env = {"batchgen-transformers": {"BATCHGEN_DECODER": "0"}, "batchgen-pytorch-attention": {"BATCHGEN_NATIVE": "0"},
                "batchgen-onednn": {"BATCHGEN_GEMM": "0"}}
         return cmd, env.get(name, {})
-    if name == "hf-batched":
-        return [sys.executable, "-m", "bench.hf_run", str(jobs), str(out), t], {}
+    if name.startswith("hf-batched"):
+        dtype = "bfloat16" if name.endswith("bf16") else "float32"
+        return [sys.executable, "-m", "bench.hf_run", str(jobs), str(out), t, "16", dtype, device, model or ""], {}
     python = str(peers / SYSTEMS[name].needs[0])
     model = str(peers / SYSTEMS[name].needs[1])
     if name.startswith("openvino"):

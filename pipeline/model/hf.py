@@ -48,6 +48,7 @@ class HFModel:
         if self.device.type == "cpu":
             kernels.keep_freed_memory()  # activations reuse memory instead of faulting in fresh pages
         self.adapters: lora.Adapters | None = None  # `set_adapters`
+        self._keep: tuple[list[int] | None, torch.Tensor | None] = (None, None)  # the last forward's, on the device
         self._targets: list[tuple[int, str, torch.nn.Module]] = []  # (layer, projection, its module)
 
     def layer_shapes(self) -> list[LayerShape]:
@@ -71,11 +72,22 @@ class HFModel:
         self.adapters, self._targets = adapters, targets
 
     def forward(self, step: Step, keep: list[int] | torch.Tensor) -> torch.Tensor:
-        index = torch.as_tensor(keep, dtype=torch.long, device=self.device)
+        index = self._index(keep)
         with selected(self.model), kernels.linears_on_onednn(self.linears), self._lora_hooks(step.lora):
             out = self.model(input_ids=step.input_ids, position_ids=step.positions, use_cache=False,
                              logits_to_keep=index, **{KWARG: step})
         return out.logits[0].float()
+
+    def _index(self, keep: list[int] | torch.Tensor) -> torch.Tensor:
+        """`keep` on the device; decode steps keep the same rows' logits step after step (the rows
+        change as they join or leave), so the last upload is reused while it is the same list."""
+        if isinstance(keep, torch.Tensor):
+            return keep.to(device=self.device, dtype=torch.long)
+        last, index = self._keep
+        if keep != last:
+            index = torch.as_tensor(keep, dtype=torch.long, device=self.device)
+            self._keep = (list(keep), index)
+        return index
 
     @contextmanager
     def _lora_hooks(self, ad: lora.Lora) -> Iterator[None]:

@@ -350,12 +350,14 @@ class StaticDecode:
     def __init__(self, kv: RowKV, device: torch.device) -> None:
         self.kv = kv
         n = kv.slots
-        self.ids = torch.zeros(1, n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(1, n, dtype=torch.long, device=device)
-        self.at = torch.zeros(n, dtype=torch.long, device=device)  # write index = length before the step
+        # token ids, positions and write indices (= lengths before the step) are rows of one buffer:
+        # one host-to-device copy per step, not three (on a GPU each waits for the copy)
+        self.staged = torch.zeros(3, n, dtype=torch.long, device=device)
+        self.ids, self.positions, self.at = self.staged[0:1], self.staged[1:2], self.staged[2]
         self.lens = torch.ones(n, dtype=torch.long, device=device)  # own keys after the step's write
         self.slots = torch.arange(n, device=device)
         self.buckets = sorted({min(1 << i, n) for i in range(n.bit_length() + 1)})
+        self._groups: dict[tuple[int, ...], torch.Tensor] = {}  # last step's group members on the device
 
     def bucket(self, hi: int) -> int:
         return next(b for b in self.buckets if b >= hi)
@@ -370,11 +372,15 @@ class StaticDecode:
             if d.anchor is not None:
                 members.setdefault(id(d.anchor), (d.anchor, []))[1].append(d.slot)
         device = self.ids.device
-        self.ids[0, :size].copy_(torch.tensor(ids))
-        self.positions[0, :size].copy_(torch.tensor(pos))
-        self.at[:size].copy_(torch.tensor(at))
+        self.staged[:, :size].copy_(torch.tensor([ids, pos, at]))
         torch.add(self.at[:size], 1, out=self.lens[:size])
-        groups = [Group(p, torch.tensor(index, device=device), torch.tensor(index).apply_(lambda s: pos[s]))
+        # which slots read which prefix changes only as rows join or leave: their index tensors on the
+        # device are kept from the step before, not uploaded again
+        kept, self._groups = self._groups, {}
+        for _, index in members.values():
+            key = tuple(index)
+            self._groups[key] = kept[key] if key in kept else torch.tensor(index, device=device)
+        groups = [Group(p, self._groups[tuple(index)], torch.tensor(index).apply_(lambda s: pos[s]))
                   for p, index in members.values()]
         return Step(
             input_ids=self.ids[:, :size], positions=self.positions[:, :size], kv=self.kv, n_dec=size,

@@ -3,6 +3,7 @@
 tests/engine/fuzz_cases.py; tests/engine/test_fuzz.py runs a fixed set of seeds.
 
     python -m tests.engine.fuzz_engine --seeds 2000:2100 [--dtype float32|bfloat16|both|drawn] [--threads 1]
+                                       [--device cpu|cuda]
 
 runs each seed's case (--dtype: in that dtype, in both, or in the dtype the seed draws, bfloat16
 one time in five), prints one JSON line per finding and a summary line, and exits 1 on any float32
@@ -10,7 +11,8 @@ token mismatch, exception, missing or extra row, engine error or wrong finish_re
 greedy runs may part where the reference's logits are tied at bfloat16 precision (the rule
 tests/helpers/reference.py's `bf16_tie` states); parts beyond that rule are reported as
 "bf16 beyond tie rule" and do not fail: bfloat16 rounds differently across batch shapes even in
-PyTorch's own kernels (the fuzz saw it on the 'hf' path with BATCHGEN_NATIVE=0 too).
+PyTorch's own kernels (the fuzz saw it on the 'hf' path with BATCHGEN_NATIVE=0 too). `--device`
+runs the engine, its models and the references there (bench/gpu_check.sh: cuda).
 """
 from __future__ import annotations
 
@@ -96,8 +98,9 @@ def greedy_without_cache(model, prompt, max_new: int, eos) -> list[int]:
     meets the whole cache ("The size of tensor a (283) must match the size of tensor b (5)").
     Slow, but the same greedy tokens by definition."""
     ids, out = list(prompt), []
+    device = next(model.parameters()).device
     for _ in range(max_new):
-        token = int(model(torch.tensor([ids])).logits[0, -1].float().argmax())
+        token = int(model(torch.tensor([ids], device=device)).logits[0, -1].float().argmax())
         out.append(token)
         ids.append(token)
         if token in eos:
@@ -163,17 +166,17 @@ def compare(case: Case, path: str, ref_model, want_all: list[list[int]], got: di
     return out
 
 
-def _load(path: str, directory: Path, dtype: str):
+def _load(path: str, directory: Path, dtype: str, device: str = "cpu"):
     with _env(BATCHGEN_DECODER="0" if path == "load_nodecoder" else None):
-        return load_model(str(directory), "cpu", dtype)[0]
+        return load_model(str(directory), device, dtype)[0]
 
 
-def _reload(directory: Path, dtype: torch.dtype):
+def _reload(directory: Path, dtype: torch.dtype, device: str = "cpu"):
     try:
         model = T.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation="sdpa")
     except ValueError:
         model = T.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation="eager")
-    return model.eval()
+    return model.eval().to(device)
 
 
 @torch.no_grad()
@@ -181,24 +184,25 @@ def _perturb(model, scale: float, seed: int):
     model = copy.deepcopy(model)
     g = torch.Generator().manual_seed(seed)
     for p in model.parameters():
-        p.add_((torch.randn(p.shape, generator=g) * scale).to(p.dtype))
+        p.add_((torch.randn(p.shape, generator=g) * scale).to(p.device, p.dtype))
     return model
 
 
-def check_case(case: Case, workdir: Path, perturb_reference: float = 0.0) -> CaseResult:
-    """Run the case's three model paths; `perturb_reference` (a noise scale) changes the reference
-    models' weights only, to show that the checker fails."""
+def check_case(case: Case, workdir: Path, perturb_reference: float = 0.0, device: str = "cpu") -> CaseResult:
+    """Run the case's three model paths on `device`; `perturb_reference` (a noise scale) changes the
+    reference models' weights only, to show that the checker fails."""
     start = time.perf_counter()
     directory = workdir / f"model-{case.seed}-{case.model.dtype}"
     try:
-        return _check(case, directory, perturb_reference, start)
+        return _check(case, directory, perturb_reference, start, device)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def _check(case: Case, directory: Path, perturb_reference: float, start: float) -> CaseResult:
+def _check(case: Case, directory: Path, perturb_reference: float, start: float, device: str) -> CaseResult:
     model = case.build_model()
     model.save_pretrained(directory)
+    model = model.to(device)
     ref_hf = _perturb(model, perturb_reference, case.seed) if perturb_reference else model
     # Mistral with `layer_types`: the model transformers builds in memory is not the one it reads
     # back from the directory (in memory its attention modules have no sliding_window, read back
@@ -207,7 +211,7 @@ def _check(case: Case, directory: Path, perturb_reference: float, start: float) 
     # does. For the other configs the two are the same model.
     ref_loaded = ref_hf
     if case.model.has_layer_types:
-        ref_loaded = _reload(directory, model.dtype)
+        ref_loaded = _reload(directory, model.dtype, device)
         ref_loaded = _perturb(ref_loaded, perturb_reference, case.seed) if perturb_reference else ref_loaded
     findings, codes, uncached = [], {}, False
     try:
@@ -225,7 +229,7 @@ def _check(case: Case, directory: Path, perturb_reference: float, start: float) 
                 engine_model, ref, want, codes[path] = model, ref_hf, want_hf, "hf-unpacked"
             else:
                 try:
-                    engine_model = _load(path, directory, case.model.dtype)
+                    engine_model = _load(path, directory, case.model.dtype, device)
                 except ModelLoadError:
                     codes[path] = "refused"
                     continue
@@ -250,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=[*DTYPES, "both", "drawn"], default="float32",
                     help="every case in this dtype, each in both, or the seed's own draw (bfloat16 1 in 5)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (set OMP_NUM_THREADS too)")
+    ap.add_argument("--device", default="cpu", help="where the engine, its models and the references run")
+    ap.add_argument("--max-seconds", type=float, default=0, help="start no seed after this long (0: no limit); "
+                    "the summary names the seeds that ran")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     T.utils.logging.disable_progress_bar()
@@ -258,11 +265,15 @@ def main(argv: list[str] | None = None) -> int:
     counts: Counter = Counter()
     codes: Counter = Counter()
     fatal = 0
+    ran = None  # the last seed started
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="batchgen-fuzz-") as tmp:
         for seed in args.seeds:
+            if args.max_seconds and time.perf_counter() - start > args.max_seconds:
+                break
+            ran = seed
             for dtype in dtypes:
-                result = check_case(case_of_seed(seed, dtype), Path(tmp))
+                result = check_case(case_of_seed(seed, dtype), Path(tmp), device=args.device)
                 counts[f"cases {result.dtype}"] += 1
                 counts["uncached references"] += result.uncached_reference
                 codes.update(f"{path}:{code}" for path, code in result.model_code.items())
@@ -270,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
                     counts[f.kind] += 1
                     fatal += f.fatal
                     print(json.dumps(asdict(f)), flush=True)
-    summary = dict(summary=True, seeds=f"{args.seeds.start}:{args.seeds.stop}", dtype=args.dtype, fatal=fatal,
+    summary = dict(summary=True, seeds=f"{args.seeds.start}:{ran + 1 if ran is not None else args.seeds.start}", dtype=args.dtype, device=args.device,
+                   fatal=fatal,
                    counts=dict(sorted(counts.items())), model_codes=dict(sorted(codes.items())),
                    seconds=round(time.perf_counter() - start, 1))
     print(json.dumps(summary), flush=True)

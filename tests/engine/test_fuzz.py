@@ -79,7 +79,8 @@ def test_the_command_line_prints_findings_and_fails_on_them(monkeypatch, capsys)
     assert summary["fatal"] == 0 and summary["counts"] == {"cases float32": 1, "uncached references": 0}
 
     real = fuzz_engine.check_case
-    monkeypatch.setattr(fuzz_engine, "check_case", lambda case, workdir: real(case, workdir, perturb_reference=0.05))
+    monkeypatch.setattr(fuzz_engine, "check_case",
+                        lambda case, workdir, **kw: real(case, workdir, perturb_reference=0.05, **kw))
     assert fuzz_engine.main(["--seeds", str(SEED)]) == 1
     lines = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
     assert lines[-1]["fatal"] == lines[-1]["counts"]["tokens"] == len(lines) - 1 > 0

@@ -41,7 +41,7 @@ def bf16_tie(model, prompt, want, got) -> bool:
         i = min(len(got), len(want))
         if i >= len(want) or i >= len(got):
             return False
-    ids = torch.tensor([prompt + want[:i]])
+    ids = torch.tensor([prompt + want[:i]], device=next(model.parameters()).device)
     with torch.inference_mode():
         logits = model(ids).logits[0, -1].float()
         exact = copy.deepcopy(model).float()(ids).logits[0, -1]
