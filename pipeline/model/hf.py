@@ -51,7 +51,8 @@ class HFModel:
         self._targets: list[tuple[int, str, torch.nn.Module]] = []  # (layer, projection, its module)
 
     def layer_shapes(self) -> list[LayerShape]:
-        return layer_shapes(self.model)
+        shapes = getattr(self.model, "batchgen_layer_shapes", None)  # probed at load (`load._probe`)
+        return shapes if shapes is not None else layer_shapes(self.model)
 
     def set_adapters(self, infos: list[AdapterInfo]) -> None:
         """Load these LoRA adapters as indices 1..len(infos) (`Decode.adapter`, `Segment.adapter`),
@@ -103,13 +104,40 @@ def as_forward(model: Any) -> Forward:
     return HFModel(model) if isinstance(model, torch.nn.Module) else model
 
 
+# What transformers' attention calls pass that batchgen's attention needs no more of: position
+# ids (the step holds the positions), the cache flag (batchgen's buffers are the cache), MoE
+# bookkeeping. Anything else is an argument batchgen would drop, and an error (`check_call`).
+_IGNORED = frozenset({KWARG, "position_ids", "use_cache", "output_router_logits"})
+
+
+def check_call(module, attention_mask, dropout: float, kwargs: dict) -> str | None:
+    """Why batchgen's attention cannot run this attention call as transformers would, or None:
+    an argument it does not implement is never dropped."""
+    name = type(module).__name__
+    if KWARG not in kwargs:
+        return (f"{name} is called without the forward's keyword arguments, so batchgen's attention does not "
+                "receive the forward's layout")
+    unknown = sorted(k for k in kwargs if k not in _IGNORED)
+    if unknown:
+        return f"{name} passes attention arguments batchgen does not implement: {', '.join(unknown)}"
+    if attention_mask is not None:  # batchgen masks by position itself; a model's own mask may carry a bias (ALiBi)
+        return f"{name} passes an attention mask of its own (a bias such as ALiBi), which batchgen does not apply"
+    if dropout:
+        return f"{name} asks for attention dropout {dropout}"
+    return None
+
+
 def interface(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask=None,
               scaling: float | None = None, dropout: float = 0.0, sliding_window: int | None = None,
-              softcap: float | None = None, **kwargs):
+              softcap: float | None = None, s_aux: torch.Tensor | None = None, **kwargs):
     """transformers' attention interface: query (1, Hq, T, D), key/value (1, Hkv, T, D), the
-    forward's new tokens; returns (1, T, Hq, Dv)."""
+    forward's new tokens; returns (1, T, Hq, Dv). `s_aux`: attention sinks, one logit per query
+    head (gpt-oss, granite_swa)."""
+    if attention_mask is not None or dropout or KWARG not in kwargs or not _IGNORED.issuperset(kwargs):
+        raise EngineError(check_call(module, attention_mask, dropout, kwargs) or "unexpected attention call")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = attention.attend(kwargs[KWARG], module.layer_idx, query[0], key[0], value[0], scale, sliding_window, softcap)
+    out = attention.attend(kwargs[KWARG], module.layer_idx, query[0], key[0], value[0], scale, sliding_window,
+                           softcap, sinks=s_aux)
     return out.to(query.dtype)[None], None
 
 
@@ -140,11 +168,23 @@ def probing(model: torch.nn.Module, fn) -> Iterator[None]:
 
 
 def layer_shapes(model: torch.nn.Module) -> list[LayerShape]:
-    """Per layer, the key/value heads and sizes, read off one probe forward of one token; it also
-    checks that every layer's attention reaches batchgen's attention function."""
+    """Per layer, the key/value heads and sizes, read off one probe forward of one token. It also
+    checks that every layer's attention reaches batchgen's attention function with the forward's
+    keyword arguments, and with no argument batchgen does not implement (`check_call`): a model
+    that would fail or run otherwise at its first real forward is refused here, at load."""
     seen: dict[int, LayerShape] = {}
+    problems: list[str] = []
 
-    def probe(module, query, key, value, *args, **kwargs):
+    def probe(module, query, key, value, attention_mask=None, dropout=0.0, scaling=None, sliding_window=None,
+              softcap=None, s_aux=None, **kwargs):
+        why = check_call(module, attention_mask, dropout, kwargs)
+        if why is None and kwargs[KWARG] is not _PROBE:
+            why = f"{type(module).__name__} is called with another value of batchgen's per-forward argument"
+        if why is None and s_aux is not None and tuple(s_aux.shape) != (query.shape[1],):
+            why = (f"{type(module).__name__}'s attention sinks have shape {tuple(s_aux.shape)}, "
+                   f"not one per query head ({query.shape[1]})")
+        if why is not None:
+            problems.append(why)
         seen[module.layer_idx] = LayerShape(key.shape[1], key.shape[-1], value.shape[-1])
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
 
@@ -153,13 +193,21 @@ def layer_shapes(model: torch.nn.Module) -> list[LayerShape]:
     try:
         with probing(model, probe), torch.inference_mode():
             model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
-                  position_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False, logits_to_keep=1)
+                  position_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False, logits_to_keep=1,
+                  **{KWARG: _PROBE})
     except Exception as e:  # noqa: BLE001 - any failure means the same: this model is not supported
-        raise EngineError(f"{type(model).__name__}: its attention cannot run through batchgen's ({e})") from e
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise EngineError(f"{type(model).__name__}: its attention cannot run through batchgen's "
+                          f"({type(e).__name__}: {first})") from e
+    if problems:
+        raise EngineError(f"{type(model).__name__}: {problems[0]}")
     if not seen or (layers is not None and sorted(seen) != list(range(layers))):
         raise EngineError(f"{type(model).__name__}: its attention layers do not all go through transformers' "
                           "attention interface with a layer index, which batchgen needs")
     return [seen[i] for i in sorted(seen)]
+
+
+_PROBE = object()  # the probe forward's per-forward argument: it must reach every attention call as it is
 
 
 def _register(name: str, fn) -> None:

@@ -272,8 +272,21 @@ def load_model(
     model.batchgen_decoder_declined = why  # the summary's `decoder_declined`
     model.to(torch_device)
     model.eval()
+    _probe(model, label)
     if pack_weights:
         from batchgen.pipeline.model.kernels import pack_in_place
 
         pack_in_place(model)
     return model, source
+
+
+def _probe(model, label: str) -> None:
+    """One probe forward through batchgen's attention (`hf.layer_shapes`), at load: a model whose
+    attention calls batchgen cannot run exactly is refused here, in one line, before any job runs."""
+    from batchgen.pipeline.model.forward import EngineError
+    from batchgen.pipeline.model.hf import layer_shapes
+
+    try:
+        model.batchgen_layer_shapes = layer_shapes(model)  # `HFModel.layer_shapes` reads them back
+    except EngineError as e:
+        raise ModelLoadError(f"model {label!r}: {e}") from None
