@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from batchgen.pipeline.model import attention, kernels, lora
+from batchgen.pipeline.model import attention, kernels, lora, runnable
 from batchgen.pipeline.model.adapter_files import AdapterError, AdapterInfo
 from batchgen.pipeline.model.forward import EngineError, Forward, eos_list
 from batchgen.pipeline.model.kv import LayerShape
@@ -36,6 +36,9 @@ class HFModel:
     model_code = "transformers"
 
     def __init__(self, model: PreTrainedModel) -> None:
+        why = runnable.problem(model.config)  # a model passed in memory: the allow-list `load_model` applies
+        if why:
+            raise EngineError(f"{type(model).__name__}: {why}")
         self.model = model.eval()  # inference: no dropout
         first = next(model.parameters())
         self.device, self.dtype = first.device, first.dtype
@@ -110,10 +113,12 @@ def as_forward(model: Any) -> Forward:
 _IGNORED = frozenset({KWARG, "position_ids", "use_cache", "output_router_logits"})
 
 
-def check_call(module, attention_mask, dropout: float, kwargs: dict) -> str | None:
+def check_call(module, attention_mask, dropout: float, kwargs: dict, is_causal: bool = True) -> str | None:
     """Why batchgen's attention cannot run this attention call as transformers would, or None:
     an argument it does not implement is never dropped."""
     name = type(module).__name__
+    if not is_causal:
+        return f"{name} asks for attention in both directions (is_causal false); batchgen's is causal"
     if KWARG not in kwargs:
         return (f"{name} is called without the forward's keyword arguments, so batchgen's attention does not "
                 "receive the forward's layout")
@@ -129,12 +134,14 @@ def check_call(module, attention_mask, dropout: float, kwargs: dict) -> str | No
 
 def interface(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask=None,
               scaling: float | None = None, dropout: float = 0.0, sliding_window: int | None = None,
-              softcap: float | None = None, s_aux: torch.Tensor | None = None, **kwargs):
+              softcap: float | None = None, s_aux: torch.Tensor | None = None, is_causal: bool = True, **kwargs):
     """transformers' attention interface: query (1, Hq, T, D), key/value (1, Hkv, T, D), the
     forward's new tokens; returns (1, T, Hq, Dv). `s_aux`: attention sinks, one logit per query
-    head (gpt-oss, granite_swa)."""
-    if attention_mask is not None or dropout or KWARG not in kwargs or not _IGNORED.issuperset(kwargs):
-        raise EngineError(check_call(module, attention_mask, dropout, kwargs) or "unexpected attention call")
+    head (gpt-oss, granite_swa). `is_causal`: a config that states it passes it (true only:
+    `runnable` refuses a false one)."""
+    if attention_mask is not None or dropout or not is_causal or KWARG not in kwargs \
+            or not _IGNORED.issuperset(kwargs):
+        raise EngineError(check_call(module, attention_mask, dropout, kwargs, is_causal) or "unexpected attention call")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = attention.attend(kwargs[KWARG], module.layer_idx, query[0], key[0], value[0], scale, sliding_window,
                            softcap, sinks=s_aux)
@@ -176,8 +183,8 @@ def layer_shapes(model: torch.nn.Module) -> list[LayerShape]:
     problems: list[str] = []
 
     def probe(module, query, key, value, attention_mask=None, dropout=0.0, scaling=None, sliding_window=None,
-              softcap=None, s_aux=None, **kwargs):
-        why = check_call(module, attention_mask, dropout, kwargs)
+              softcap=None, s_aux=None, is_causal=True, **kwargs):
+        why = check_call(module, attention_mask, dropout, kwargs, is_causal)
         if why is None and kwargs[KWARG] is not _PROBE:
             why = f"{type(module).__name__} is called with another value of batchgen's per-forward argument"
         if why is None and s_aux is not None and tuple(s_aux.shape) != (query.shape[1],):

@@ -23,7 +23,7 @@ from batchgen.pipeline.errors import option
 
 # model types the sweep proves (tests/model/test_hf_sweep.py's FAMILIES holds every one of them)
 SUPPORTED = frozenset({
-    "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma", "gemma2", "gemma3_text",
+    "llama", "mistral", "ministral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma", "gemma2", "gemma3_text",
     "olmo2", "olmo3", "granite", "cohere", "cohere2", "phi", "phi3", "starcoder2", "smollm3", "glm", "glm4",
     "deepseek_v3", "exaone4", "gpt2", "gpt_neox", "opt", "gpt_oss", "granite_swa",
 })

@@ -89,14 +89,18 @@ def test_an_unsupported_model_is_one_line(tmp_path, bloom_dir):
     assert "Traceback" not in res.output
 
 
-def test_the_probe_refuses_an_attention_that_bypasses_the_interface(bloom_dir):
+def test_the_probe_refuses_an_attention_that_bypasses_the_interface(bloom_dir, monkeypatch):
     import transformers as T
 
     from batchgen.pipeline.engine.engine import Engine, EngineError
+    from batchgen.pipeline.model import hf_support
 
     model = T.AutoModelForCausalLM.from_pretrained(bloom_dir)
+    with pytest.raises(EngineError, match="^BloomForCausalLM: model type 'bloom' is not supported"):
+        Engine(model)  # in memory, as from the Python API: the allow-list
+    monkeypatch.setattr(hf_support, "SUPPORTED", hf_support.SUPPORTED | {"bloom"})
     with pytest.raises(EngineError, match="^BloomForCausalLM: its attention layers do not all go through"):
-        Engine(model)
+        Engine(model)  # were it listed, the probe forward
 
 
 def test_options_are_named_as_the_face_that_was_called_spells_them():

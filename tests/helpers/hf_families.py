@@ -53,6 +53,8 @@ def _draw(family: str, rng: random.Random) -> T.PretrainedConfig:
         kw |= hd | _rope(rng) | {"attention_bias": rng.random() < 0.5, "mlp_bias": rng.random() < 0.5}
     elif family == "mistral":
         kw |= hd | {"sliding_window": rng.choice(WINDOW)}
+    elif family == "ministral":  # Mistral with layer types (transformers loads a Mistral that has them as one)
+        kw |= hd | _sliding(rng)
     elif family in ("qwen2", "qwen3"):
         kw |= hd | _rope(rng) | {"use_sliding_window": True, "sliding_window": rng.choice(WINDOW),
                                  "max_window_layers": rng.choice([0, 1])}

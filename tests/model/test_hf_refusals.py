@@ -99,5 +99,7 @@ def test_the_interface_refuses_what_it_would_otherwise_drop():
         hf.interface(_Layer(), q, k, v, torch.zeros(1, 2, 3, 3), **{hf.KWARG: step})
     with pytest.raises(EngineError, match="do not implement|does not implement: cu_seq_lens_q"):
         hf.interface(_Layer(), q, k, v, cu_seq_lens_q=torch.zeros(2), **{hf.KWARG: step})
+    with pytest.raises(EngineError, match="is_causal false"):
+        hf.interface(_Layer(), q, k, v, is_causal=False, **{hf.KWARG: step})
     with pytest.raises(EngineError, match="dropout"):
         hf.interface(_Layer(), q, k, v, dropout=0.1, **{hf.KWARG: step})
