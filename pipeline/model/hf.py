@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from batchgen.pipeline.model import attention, kernels, lora, runnable
+from batchgen.pipeline.model import attention, hf_support, kernels, lora, runnable
 from batchgen.pipeline.model.adapter_files import AdapterError, AdapterInfo
 from batchgen.pipeline.model.forward import EngineError, Forward, eos_list
 from batchgen.pipeline.model.kv import LayerShape
@@ -36,7 +36,8 @@ class HFModel:
     model_code = "transformers"
 
     def __init__(self, model: PreTrainedModel) -> None:
-        why = runnable.problem(model.config)  # a model passed in memory: the allow-list `load_model` applies
+        # a model passed in memory: the allow-list `load_model` applies; its class transformers' own
+        why = runnable.problem(model.config) or hf_support.foreign(model)
         if why:
             raise EngineError(f"{type(model).__name__}: {why}")
         self.model = model.eval()  # inference: no dropout

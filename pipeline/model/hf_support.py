@@ -86,5 +86,14 @@ def knob_problem(config) -> str | None:
 def problem(config) -> str | None:
     """Why transformers' model code in batchgen does not run this config, in one line (None: it does)."""
     model_type = getattr(config, "model_type", None)
-    why = unlisted(model_type) or knob_problem(config)
+    why = unlisted(model_type) or foreign(config) or knob_problem(config)
     return None if why is None else refused(model_type, why)
+
+
+def foreign(obj) -> str | None:
+    """A config or model class from a model's own code (`trust_remote_code`), not transformers':
+    the sweep verified transformers' model code of a model type, not another code of that name."""
+    module = type(obj).__module__
+    if module.startswith(("transformers.", "torch.")):
+        return None
+    return f"{type(obj).__name__} comes from the model's own code ({module}), which batchgen has not verified"

@@ -19,7 +19,7 @@ def problem(config) -> str | None:
     (`rope.refusal`, `_cache_problem`), then knobs the allow-list's sweep does not cover."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     model_type = getattr(config, "model_type", None)
-    why = hf_support.unlisted(model_type) \
+    why = hf_support.unlisted(model_type) or hf_support.foreign(config) \
         or refusal(getattr(text, "is_causal", True), getattr(text, "rope_parameters", None)) \
         or _cache_problem(text) or hf_support.knob_problem(config)
     return None if why is None else hf_support.refused(model_type, why)

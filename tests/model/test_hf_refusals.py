@@ -103,3 +103,19 @@ def test_the_interface_refuses_what_it_would_otherwise_drop():
         hf.interface(_Layer(), q, k, v, is_causal=False, **{hf.KWARG: step})
     with pytest.raises(EngineError, match="dropout"):
         hf.interface(_Layer(), q, k, v, dropout=0.1, **{hf.KWARG: step})
+
+
+class _OwnLlama(T.LlamaForCausalLM):
+    """Stands in for a model's own code (`trust_remote_code`) under a listed model type."""
+
+
+def test_a_listed_model_type_on_the_models_own_code_is_refused():
+    config = hf_families.config("llama", 0)
+    model = _OwnLlama(config).eval()
+    with pytest.raises(EngineError, match="_OwnLlama comes from the model's own code"):
+        HFModel(model)
+
+    class OwnConfig(T.LlamaConfig):
+        pass
+
+    assert "OwnConfig comes from the model's own code" in hf_support.problem(OwnConfig(**config.to_dict()))
