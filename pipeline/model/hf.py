@@ -36,8 +36,9 @@ class HFModel:
     model_code = "transformers"
 
     def __init__(self, model: PreTrainedModel) -> None:
-        # a model passed in memory: the allow-list `load_model` applies; its class transformers' own
-        why = runnable.problem(model.config) or hf_support.foreign(model)
+        # a model passed in memory: the allow-list `load_model` applies (less the keys of a config.json
+        # file its class does not declare: a config built in memory has none); its class transformers' own
+        why = runnable.problem(model.config, files=False) or hf_support.foreign(model)
         if why:
             raise EngineError(f"{type(model).__name__}: {why}")
         self.model = model.eval()  # inference: no dropout

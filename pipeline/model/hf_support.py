@@ -23,9 +23,12 @@ from batchgen.pipeline.errors import option
 
 # model types the sweep proves (tests/model/test_hf_sweep.py's FAMILIES holds every one of them)
 SUPPORTED = frozenset({
-    "llama", "mistral", "ministral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma", "gemma2", "gemma3_text",
-    "olmo2", "olmo3", "granite", "cohere", "cohere2", "phi", "phi3", "starcoder2", "smollm3", "glm", "glm4",
-    "deepseek_v3", "exaone4", "gpt2", "gpt_neox", "opt", "gpt_oss", "granite_swa",
+    "llama", "mistral", "ministral", "qwen2", "qwen3", "smollm3", "granite", "glm", "glm4", "exaone4", "olmo2",
+    "olmo3", "cohere", "cohere2", "phi", "phi3", "starcoder2",  # Llama and its kin
+    "gemma", "gemma2", "gemma3_text", "gemma3n_text",
+    "mixtral", "qwen3_moe", "deepseek_v3",  # mixtures of experts; deepseek_v3's latent attention
+    "gpt_oss", "granite_swa",  # attention sinks
+    "gpt2", "gpt_neox", "opt",
 })
 
 _SINKS = ("attention sinks (s_aux) on a model batchgen has not verified them on; batchgen runs "
@@ -44,8 +47,7 @@ KNOWN = {
     "stablelm": _NO_STEP, "falcon": _NO_STEP, "nemotron": _NO_STEP,
     "lfm2": "its convolution layers mix tokens outside attention, over transformers' cache",
     "lfm2_moe": "its convolution layers mix tokens outside attention, over transformers' cache",
-    "gemma3n": "its later layers reuse earlier layers' keys and values from transformers' cache",
-    "gemma3n_text": "its later layers reuse earlier layers' keys and values from transformers' cache",
+    "gemma3n": "its multimodal model is not verified (its text model, gemma3n_text, is)",
     "bloom": "its attention (ALiBi) bypasses transformers' attention interface",
     "mpt": "its attention (ALiBi) bypasses transformers' attention interface",
 }

@@ -72,12 +72,20 @@ def _draw(family: str, rng: random.Random) -> T.PretrainedConfig:
         kw |= {"head_dim": 16, "query_pre_attn_scalar": rng.choice([16, 24]), **_sliding(rng),
                "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
+    elif family == "gemma3n_text":  # its last layers reuse the keys and values of the last ones that store them
+        kw |= {"head_dim": 16, "num_hidden_layers": 4, "vocab_size_per_layer_input": 256,
+               "layer_types": [rng.choice(["sliding_attention", "full_attention"]), "full_attention"] * 2,
+               "num_kv_shared_layers": 2, "sliding_window": rng.choice(WINDOW), "hidden_size_per_layer_input": 16,
+               "laurel_rank": 8, "altup_num_inputs": 2,
+               "activation_sparsity_pattern": [rng.choice([0.0, 0.95]), 0.0, 0.0, 0.0]}
     elif family in ("olmo2",):
         kw |= {"attention_bias": rng.random() < 0.5}
     elif family == "olmo3":
         kw |= _sliding(rng)
     elif family in ("granite", "granite_swa"):
-        kw |= (_sliding(rng) if family == "granite_swa" else {}) | {"embedding_multiplier": rng.choice([2.0, 12.0]), "residual_multiplier": rng.choice([0.2, 0.5]),
+        if family == "granite_swa":
+            kw |= _sliding(rng)
+        kw |= {"embedding_multiplier": rng.choice([2.0, 12.0]), "residual_multiplier": rng.choice([0.2, 0.5]),
                "attention_multiplier": rng.choice([0.05, 0.2]), "logits_scaling": rng.choice([2.0, 8.0])}
     elif family == "cohere":
         kw |= {"use_qk_norm": rng.random() < 0.5, "logit_scale": rng.choice([0.5, 1.0])}
@@ -118,7 +126,8 @@ def _draw(family: str, rng: random.Random) -> T.PretrainedConfig:
 # families refused, with what their draw needs (tests/model/test_hf_sweep.py; the CLI test)
 REFUSED = {
     "stablelm": {}, "falcon": {"new_decoder_architecture": True}, "nemotron": {}, "lfm2": {},
-    "granitemoe_swa": {"sliding_window": 8, "num_local_experts": 4, "num_experts_per_tok": 2}, "llama4_text": {"head_dim": 16}, "bloom": {},
+    "granitemoe_swa": {"sliding_window": 8, "num_local_experts": 4, "num_experts_per_tok": 2},
+    "llama4_text": {"head_dim": 16}, "bloom": {},
 }
 
 
@@ -135,5 +144,6 @@ def randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     g = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         if p.ndim == 1:
-            p.add_(torch.randn(p.shape, generator=g, dtype=torch.float32).to(p.dtype) * (1.0 if "sinks" in name else 0.3))
+            spread = 1.0 if "sinks" in name else 0.3  # sinks start at zero: spread them past the scores
+            p.add_(torch.randn(p.shape, generator=g, dtype=torch.float32).to(p.dtype) * spread)
     return model
