@@ -166,7 +166,7 @@ def selected(model: torch.nn.Module) -> Iterator[None]:
 @contextmanager
 def probing(model: torch.nn.Module, fn) -> Iterator[None]:
     """Route the model's attention to `fn` for one forward (`layer_shapes` reads the layers' shapes)."""
-    _register(NAME + "_probe", fn)
+    _register(NAME + "_probe", fn, _mask_rule)
     config = model.config
     previous = config._attn_implementation
     config._attn_implementation = NAME + "_probe"
@@ -186,7 +186,10 @@ def layer_shapes(model: torch.nn.Module) -> list[LayerShape]:
 
     def probe(module, query, key, value, attention_mask=None, dropout=0.0, scaling=None, sliding_window=None,
               softcap=None, s_aux=None, is_causal=True, **kwargs):
-        why = check_call(module, attention_mask, dropout, kwargs, is_causal)
+        rule = attention_mask if isinstance(attention_mask, _MaskRule) else None
+        why = check_call(module, None if rule else attention_mask, dropout, kwargs, is_causal)
+        if why is None and rule is not None:
+            why = rule.problem(sliding_window, type(module).__name__)
         if why is None and kwargs[KWARG] is not _PROBE:
             why = f"{type(module).__name__} is called with another value of batchgen's per-forward argument"
         if why is None and s_aux is not None and tuple(s_aux.shape) != (query.shape[1],):
@@ -219,8 +222,56 @@ def layer_shapes(model: torch.nn.Module) -> list[LayerShape]:
 _PROBE = object()  # the probe forward's per-forward argument: it must reach every attention call as it is
 
 
-def _register(name: str, fn) -> None:
-    """transformers' registry is imported only for a transformers model."""
+class _MaskRule:
+    """What transformers' mask functions give a layer in the probe forward instead of a mask: the
+    rule its mask would follow (`mask_function(batch, head, q_idx, kv_idx)`). batchgen masks by
+    position itself, causally and by the `sliding_window` the attention call passes, so a layer whose
+    mask follows another rule (a window only its mask holds, as Phi-MoE's; chunks; both
+    directions) would run otherwise than in transformers."""
+
+    FAR = 1 << 21  # query indices read: past any window batchgen's sliding layers are verified on
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.windows: set[int | None] | None = None  # read once: every layer of a type gets this one rule
+
+    def window(self, q: int) -> int | None:
+        """The keys query `q` sees: the last w up to itself (w; None: all of them). ValueError else."""
+        kv = torch.arange(q + 2)
+        seen = torch.as_tensor(self.fn(torch.tensor(0), torch.tensor(0), torch.tensor(q), kv)).expand(q + 2)
+        w = int(seen.sum())
+        if not seen[q] or seen[q + 1] or not seen[q + 1 - w : q + 1].all():
+            raise ValueError("not a causal window")
+        return None if w == q + 1 else w
+
+    def problem(self, sliding_window: int | None, name: str) -> str | None:
+        try:
+            if self.windows is None:  # two queries: a chunk's start would move, a sliding window does not
+                self.windows = {self.window(self.FAR), self.window(self.FAR + 1)}
+        except Exception:  # noqa: BLE001 - a rule that is not a causal window, or that cannot be read
+            return f"{name}'s attention mask is not causal, or not by a sliding window, which batchgen does not apply"
+        if len(self.windows) > 1:
+            return f"{name}'s attention mask is chunked (its window moves with the query), which batchgen does not apply"
+        (window,) = self.windows
+        if window != sliding_window:
+            return (f"{name}'s attention mask has a window of {window} keys but its attention call passes "
+                    f"sliding_window={sliding_window}; batchgen would attend by the latter")
+        return None
+
+
+def _mask_rule(*args, mask_function=None, **kwargs) -> _MaskRule:
+    """The probe's mask interface: the rule, not a mask (`_MaskRule`)."""
+    return _MaskRule(mask_function)
+
+
+def _register(name: str, fn, mask=None) -> None:
+    """transformers' registry is imported only for a transformers model. `mask`: the mask
+    interface of that name too (batchgen's own forwards register none: transformers then builds no
+    masks for them)."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(name, fn)
+    if mask is not None:
+        from transformers.masking_utils import AttentionMaskInterface
+
+        AttentionMaskInterface.register(name, mask)

@@ -26,7 +26,9 @@ SUPPORTED = frozenset({
     "llama", "mistral", "ministral", "qwen2", "qwen3", "smollm3", "granite", "glm", "glm4", "exaone4", "olmo2",
     "olmo3", "cohere", "cohere2", "phi", "phi3", "starcoder2",  # Llama and its kin
     "gemma", "gemma2", "gemma3_text", "gemma3n_text",
-    "mixtral", "qwen3_moe", "deepseek_v3",  # mixtures of experts; deepseek_v3's latent attention
+    "olmo", "ernie4_5", "seed_oss", "arcee", "apertus",
+    "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "glm4_moe", "ernie4_5_moe",
+    "deepseek_v3",  # mixtures of experts; deepseek_v3's latent attention
     "gpt_oss", "granite_swa",  # attention sinks
     "gpt2", "gpt_neox", "opt",
 })
@@ -48,6 +50,8 @@ KNOWN = {
     "lfm2": "its convolution layers mix tokens outside attention, over transformers' cache",
     "lfm2_moe": "its convolution layers mix tokens outside attention, over transformers' cache",
     "gemma3n": "its multimodal model is not verified (its text model, gemma3n_text, is)",
+    "phimoe": "its sliding window is in its attention mask only, not in its attention calls, and batchgen "
+              "masks by the window the calls pass",
     "bloom": "its attention (ALiBi) bypasses transformers' attention interface",
     "mpt": "its attention (ALiBi) bypasses transformers' attention interface",
 }

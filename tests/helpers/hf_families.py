@@ -116,6 +116,26 @@ def _draw(family: str, rng: random.Random) -> T.PretrainedConfig:
                "layer_types": ["sliding_attention", "full_attention"],
                "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 24,
                                    "rope_theta": 1.5e5, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}}
+    elif family in ("ernie4_5", "seed_oss", "arcee", "apertus"):  # Llama's layout, other MLPs and biases
+        kw |= hd | _rope(rng) | {"attention_bias": rng.random() < 0.5}
+    elif family == "olmo":
+        kw |= {"clip_qkv": rng.choice([None, 0.5])}
+    elif family in ("qwen2_moe", "olmoe"):
+        kw |= {"num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": rng.random() < 0.5}
+        if family == "qwen2_moe":
+            kw |= {"moe_intermediate_size": 32, "shared_expert_intermediate_size": 48}
+        else:
+            kw |= {"clip_qkv": rng.choice([None, 0.5])}
+    elif family == "granitemoe":
+        kw |= {"num_local_experts": 4, "num_experts_per_tok": 2, "embedding_multiplier": 6.0,
+               "residual_multiplier": 0.3, "attention_multiplier": 0.1, "logits_scaling": 4.0}
+    elif family == "glm4_moe":
+        kw |= {"head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+               "n_group": 1, "topk_group": 1, "first_k_dense_replace": rng.choice([0, 1]), "partial_rotary_factor": 0.5,
+               "use_qk_norm": rng.random() < 0.5, "attention_bias": rng.random() < 0.5}
+    elif family == "ernie4_5_moe":
+        kw |= {"moe_num_experts": 4, "moe_k": 2, "moe_intermediate_size": 32, "moe_num_shared_experts": 1,
+               "moe_layer_start_index": rng.choice([0, 1])}
     elif family in REFUSED:
         kw |= REFUSED[family]
     else:
@@ -128,6 +148,7 @@ REFUSED = {
     "stablelm": {}, "falcon": {"new_decoder_architecture": True}, "nemotron": {}, "lfm2": {},
     "granitemoe_swa": {"sliding_window": 8, "num_local_experts": 4, "num_experts_per_tok": 2},
     "llama4_text": {"head_dim": 16}, "bloom": {},
+    "phimoe": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8},
 }
 
 

@@ -119,3 +119,21 @@ def test_a_listed_model_type_on_the_models_own_code_is_refused():
         pass
 
     assert "OwnConfig comes from the model's own code" in hf_support.problem(OwnConfig(**config.to_dict()))
+
+
+@pytest.mark.parametrize("family,says", [
+    ("phimoe", "PhimoeAttention's attention mask has a window of 8 keys but its attention call passes "
+               "sliding_window=None"),  # before issue 48: attended past its window, silently
+    ("llama4_text", "Llama4TextAttention's attention mask is chunked"),
+])
+def test_the_probe_refuses_a_mask_batchgen_would_not_apply(family, says, monkeypatch):
+    """The probe forward reads the rule each layer's mask would follow, and compares it with what
+    batchgen applies: causal, windowed by the attention call's sliding_window."""
+    model = model_from_config(hf_families.config(family, 0))
+    if family == "llama4_text":
+        model.config.attention_chunk_size = 4
+        model.config.layer_types = ["chunked_attention", "full_attention"]
+    monkeypatch.setattr(hf_support, "SUPPORTED", hf_support.SUPPORTED | {model.config.model_type})
+    monkeypatch.setattr(hf_support, "KNOWN", {})
+    with pytest.raises(EngineError, match=says):
+        hf.layer_shapes(model)
