@@ -11,7 +11,8 @@ configs of it, with nested shared prefixes, prompts equal to a shared prefix, on
 n > 1 and sliding windows crossed. Every other model type is refused in one line, before any
 weights load (`batchgen validate` and `plan` read the config too), with the reason where one is
 known. The attention interface refuses, besides, any argument it does not implement
-(`hf.check_call`), which the probe forward at load finds (`hf.layer_shapes`).
+(`hf.check_call`), which the probe forward at load finds (`hf.layer_shapes`); the probe also
+reads the rule each layer's mask would follow, and refuses one batchgen would not apply.
 
 What a config may set within a listed family is checked too: its rope types and attention layer
 types must be ones the sweep covers (`rope.refusal` words longrope and non-causal configs;
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 from batchgen.pipeline.errors import option
 
-# model types the sweep proves (tests/model/test_hf_sweep.py's FAMILIES holds every one of them)
+# model types the sweep proves (tests/model/test_hf_sweep.py runs each; tests/helpers/hf_families.py draws them)
 SUPPORTED = frozenset({
     "llama", "mistral", "ministral", "qwen2", "qwen3", "smollm3", "granite", "glm", "glm4", "exaone4", "olmo2",
     "olmo3", "cohere", "cohere2", "phi", "phi3", "starcoder2",  # Llama and its kin

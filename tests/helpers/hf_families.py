@@ -37,8 +37,10 @@ def _rope(rng: random.Random) -> dict:
 
 
 def _sliding(rng: random.Random, layers: int = 2) -> dict:
-    return {"sliding_window": rng.choice(WINDOW),
-            "layer_types": [rng.choice(["sliding_attention", "full_attention"]) for _ in range(layers)]}
+    """A window, and layer types with a sliding layer at least (the first, or the last)."""
+    types = [rng.choice(["sliding_attention", "full_attention"]) for _ in range(layers - 1)]
+    types.insert(rng.choice([0, layers - 1]), "sliding_attention")
+    return {"sliding_window": rng.choice(WINDOW), "layer_types": types}
 
 
 def _draw(family: str, rng: random.Random) -> T.PretrainedConfig:
@@ -62,7 +64,7 @@ def _draw(family: str, rng: random.Random) -> T.PretrainedConfig:
         kw |= hd | {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                     "decoder_sparse_step": rng.choice([1, 2]), "norm_topk_prob": rng.random() < 0.5}
     elif family == "mixtral":
-        kw |= hd | {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": rng.choice(WINDOW + (None,))}
+        kw |= hd | {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": rng.choice(WINDOW)}
     elif family == "gemma":
         kw |= {"head_dim": 16}
     elif family == "gemma2":
