@@ -71,3 +71,22 @@ def test_the_installed_cli_refuses_stablelm_in_one_line(model_dirs, tmp_path):
     lines = [x for x in res.stderr.splitlines() + res.stdout.splitlines() if x.strip()]
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
     assert len(lines) == 1 and "model type 'stablelm' is not supported" in lines[0], lines
+
+
+@pytest.mark.parametrize("edit", [{"n_head": 5}, {"n_embd": 60}, {"activation_function": "no_such_act"}])
+def test_a_config_transformers_cannot_build_is_one_line(edit, tmp_path):
+    """A listed model type whose config.json transformers' model code fails on, whatever it raises."""
+    import json
+
+    d = tmp_path / "model"
+    model_from_config(hf_families.config("gpt2", 0)).save_pretrained(d)
+    make_tokenizer().save_pretrained(d)
+    path = d / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **edit}))
+    src = tmp_path / "jobs.jsonl"
+    src.write_text('{"prompt": "hello there"}\n')
+    res = CliRunner().invoke(main, ["process", str(src), "-o", str(tmp_path / "out.parquet"), "--model", str(d),
+                                    "--max-new-tokens", "2"])
+    assert res.exit_code == 1 and isinstance(res.exception, SystemExit), res.output + repr(res.exception)
+    lines = [x for x in res.output.splitlines() if x.strip()]
+    assert len(lines) == 1 and f"model '{d}'" in lines[0] and "Traceback" not in res.output, res.output
