@@ -251,7 +251,8 @@ class _MaskRule:
         except Exception:  # noqa: BLE001 - a rule that is not a causal window, or that cannot be read
             return f"{name}'s attention mask is not causal, or not by a sliding window, which batchgen does not apply"
         if len(self.windows) > 1:
-            return f"{name}'s attention mask is chunked (its window moves with the query), which batchgen does not apply"
+            return (f"{name}'s attention mask is chunked (its window moves with the query), which batchgen "
+                    "does not apply")
         (window,) = self.windows
         if window != sliding_window:
             return (f"{name}'s attention mask has a window of {window} keys but its attention call passes "
