@@ -108,7 +108,12 @@ def _draw(family: str, rng: random.Random) -> T.PretrainedConfig:
         kw |= {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
                "moe_intermediate_size": 32, "first_k_dense_replace": rng.choice([0, 1]), "n_shared_experts": 1,
                "q_lora_rank": rng.choice([None, 32]), "kv_lora_rank": 16, "qk_rope_head_dim": 8,
-               "qk_nope_head_dim": rng.choice([8, 16]), "v_head_dim": rng.choice([8, 16])}
+               "qk_nope_head_dim": rng.choice([8, 16]), "v_head_dim": rng.choice([8, 16]),
+               "rope_interleave": rng.random() < 0.5,
+               "rope_parameters": rng.choice([
+                   {"rope_type": "default", "rope_theta": 1e4},
+                   {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 24,
+                    "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}])}
         kw["num_key_value_heads"] = kw["num_attention_heads"]
     elif family == "exaone4":
         kw |= hd | {"sliding_window": rng.choice(WINDOW), "sliding_window_pattern": 2,
