@@ -29,16 +29,19 @@ from batchgen.pipeline.model.step import Step
 
 
 def attend(step: Step, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-           sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+           sliding_window: int | None = None, softcap: float | None = None,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One layer's attention for the step's flat tokens: q (Hq, T, D), k/v (Hkv, T, D) (views are
     fine); the new keys/values are stored first. Returns (T, Hq, Dv) in float32, or from the
-    compiled kernels in q's dtype (bfloat16 rounded there as `.to` rounds, saving the cast's pass)."""
+    compiled kernels in q's dtype (bfloat16 rounded there as `.to` rounds, saving the cast's pass).
+    `sinks` (Hq,): attention sinks (gpt-oss), one more logit per head in every softmax, with no
+    value: merged once, after the own and anchor parts, from their joint log-sum-exp."""
     hq, t, d = q.shape
     hkv = k.shape[0]
     fold = hq // hkv
     step.store(layer, k, v)
 
-    if step.native is not None and sliding_window is None and softcap is None \
+    if step.native is not None and sliding_window is None and softcap is None and sinks is None \
             and native_ok(q.dtype, hq, hkv, d, v.shape[-1]):
         out = q.new_empty(t, hq, v.shape[-1])  # (T, Hq, Dv), q's dtype
         if _native(step, layer, q, hkv, scale, out):
@@ -95,6 +98,14 @@ def attend(step: Step, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Te
             out[g.index].lerp_(o, w)
         else:
             out.index_copy_(0, g.index, out.index_select(0, g.index).lerp_(o, w))
+        if sinks is not None:  # the joint log-sum-exp of the own and anchor parts, which the sink joins
+            both = torch.logaddexp(lse[g.index], l)
+            if isinstance(g.index, slice):
+                lse[g.index] = both
+            else:
+                lse.index_copy_(0, g.index, both)
+    if sinks is not None:  # a sink's share e^s / (e^s + e^lse) of each softmax goes to no value
+        out.mul_(torch.sigmoid(lse - sinks.float()[None, :])[..., None])
     return out
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from batchgen.pipeline.model import attention, kernels, lora
+from batchgen.pipeline.model import attention, hf_support, kernels, lora, runnable
 from batchgen.pipeline.model.adapter_files import AdapterError, AdapterInfo
 from batchgen.pipeline.model.forward import EngineError, Forward, eos_list
 from batchgen.pipeline.model.kv import LayerShape
@@ -36,6 +36,11 @@ class HFModel:
     model_code = "transformers"
 
     def __init__(self, model: PreTrainedModel) -> None:
+        # a model passed in memory: the allow-list `load_model` applies (less the keys of a config.json
+        # file its class does not declare: a config built in memory has none); its class transformers' own
+        why = runnable.problem(model.config, files=False) or hf_support.foreign(model)
+        if why:
+            raise EngineError(f"{type(model).__name__}: {why}")
         self.model = model.eval()  # inference: no dropout
         first = next(model.parameters())
         self.device, self.dtype = first.device, first.dtype
@@ -52,7 +57,8 @@ class HFModel:
         self._targets: list[tuple[int, str, torch.nn.Module]] = []  # (layer, projection, its module)
 
     def layer_shapes(self) -> list[LayerShape]:
-        return layer_shapes(self.model)
+        shapes = getattr(self.model, "batchgen_layer_shapes", None)  # probed at load (`load._probe`)
+        return shapes if shapes is not None else layer_shapes(self.model)
 
     def set_adapters(self, infos: list[AdapterInfo]) -> None:
         """Load these LoRA adapters as indices 1..len(infos) (`Decode.adapter`, `Segment.adapter`),
@@ -115,13 +121,44 @@ def as_forward(model: Any) -> Forward:
     return HFModel(model) if isinstance(model, torch.nn.Module) else model
 
 
+# What transformers' attention calls pass that batchgen's attention needs no more of: position
+# ids (the step holds the positions), the cache flag (batchgen's buffers are the cache), MoE
+# bookkeeping. Anything else is an argument batchgen would drop, and an error (`check_call`).
+_IGNORED = frozenset({KWARG, "position_ids", "use_cache", "output_router_logits"})
+
+
+def check_call(module, attention_mask, dropout: float, kwargs: dict, is_causal: bool = True) -> str | None:
+    """Why batchgen's attention cannot run this attention call as transformers would, or None:
+    an argument it does not implement is never dropped."""
+    name = type(module).__name__
+    if not is_causal:
+        return f"{name} asks for attention in both directions (is_causal false); batchgen's is causal"
+    if KWARG not in kwargs:
+        return (f"{name} is called without the forward's keyword arguments, so batchgen's attention does not "
+                "receive the forward's layout")
+    unknown = sorted(k for k in kwargs if k not in _IGNORED)
+    if unknown:
+        return f"{name} passes attention arguments batchgen does not implement: {', '.join(unknown)}"
+    if attention_mask is not None:  # batchgen masks by position itself; a model's own mask may carry a bias (ALiBi)
+        return f"{name} passes an attention mask of its own (a bias such as ALiBi), which batchgen does not apply"
+    if dropout:
+        return f"{name} asks for attention dropout {dropout}"
+    return None
+
+
 def interface(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask=None,
               scaling: float | None = None, dropout: float = 0.0, sliding_window: int | None = None,
-              softcap: float | None = None, **kwargs):
+              softcap: float | None = None, s_aux: torch.Tensor | None = None, is_causal: bool = True, **kwargs):
     """transformers' attention interface: query (1, Hq, T, D), key/value (1, Hkv, T, D), the
-    forward's new tokens; returns (1, T, Hq, Dv)."""
+    forward's new tokens; returns (1, T, Hq, Dv). `s_aux`: attention sinks, one logit per query
+    head (gpt-oss, granite_swa). `is_causal`: a config that states it passes it (true only:
+    `runnable` refuses a false one)."""
+    if attention_mask is not None or dropout or not is_causal or KWARG not in kwargs \
+            or not _IGNORED.issuperset(kwargs):
+        raise EngineError(check_call(module, attention_mask, dropout, kwargs, is_causal) or "unexpected attention call")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = attention.attend(kwargs[KWARG], module.layer_idx, query[0], key[0], value[0], scale, sliding_window, softcap)
+    out = attention.attend(kwargs[KWARG], module.layer_idx, query[0], key[0], value[0], scale, sliding_window,
+                           softcap, sinks=s_aux)
     return out.to(query.dtype)[None], None
 
 
@@ -141,7 +178,7 @@ def selected(model: torch.nn.Module) -> Iterator[None]:
 @contextmanager
 def probing(model: torch.nn.Module, fn) -> Iterator[None]:
     """Route the model's attention to `fn` for one forward (`layer_shapes` reads the layers' shapes)."""
-    _register(NAME + "_probe", fn)
+    _register(NAME + "_probe", fn, _mask_rule)
     config = model.config
     previous = config._attn_implementation
     config._attn_implementation = NAME + "_probe"
@@ -152,11 +189,26 @@ def probing(model: torch.nn.Module, fn) -> Iterator[None]:
 
 
 def layer_shapes(model: torch.nn.Module) -> list[LayerShape]:
-    """Per layer, the key/value heads and sizes, read off one probe forward of one token; it also
-    checks that every layer's attention reaches batchgen's attention function."""
+    """Per layer, the key/value heads and sizes, read off one probe forward of one token. It also
+    checks that every layer's attention reaches batchgen's attention function with the forward's
+    keyword arguments, and with no argument batchgen does not implement (`check_call`): a model
+    that would fail or run otherwise at its first real forward is refused here, at load."""
     seen: dict[int, LayerShape] = {}
+    problems: list[str] = []
 
-    def probe(module, query, key, value, *args, **kwargs):
+    def probe(module, query, key, value, attention_mask=None, dropout=0.0, scaling=None, sliding_window=None,
+              softcap=None, s_aux=None, is_causal=True, **kwargs):
+        rule = attention_mask if isinstance(attention_mask, _MaskRule) else None
+        why = check_call(module, None if rule else attention_mask, dropout, kwargs, is_causal)
+        if why is None and rule is not None:
+            why = rule.problem(sliding_window, type(module).__name__)
+        if why is None and kwargs[KWARG] is not _PROBE:
+            why = f"{type(module).__name__} is called with another value of batchgen's per-forward argument"
+        if why is None and s_aux is not None and tuple(s_aux.shape) != (query.shape[1],):
+            why = (f"{type(module).__name__}'s attention sinks have shape {tuple(s_aux.shape)}, "
+                   f"not one per query head ({query.shape[1]})")
+        if why is not None:
+            problems.append(why)
         seen[module.layer_idx] = LayerShape(key.shape[1], key.shape[-1], value.shape[-1])
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
 
@@ -165,17 +217,74 @@ def layer_shapes(model: torch.nn.Module) -> list[LayerShape]:
     try:
         with probing(model, probe), torch.inference_mode():
             model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
-                  position_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False, logits_to_keep=1)
+                  position_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False, logits_to_keep=1,
+                  **{KWARG: _PROBE})
     except Exception as e:  # noqa: BLE001 - any failure means the same: this model is not supported
-        raise EngineError(f"{type(model).__name__}: its attention cannot run through batchgen's ({e})") from e
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise EngineError(f"{type(model).__name__}: its attention cannot run through batchgen's "
+                          f"({type(e).__name__}: {first})") from e
+    if problems:
+        raise EngineError(f"{type(model).__name__}: {problems[0]}")
     if not seen or (layers is not None and sorted(seen) != list(range(layers))):
         raise EngineError(f"{type(model).__name__}: its attention layers do not all go through transformers' "
                           "attention interface with a layer index, which batchgen needs")
     return [seen[i] for i in sorted(seen)]
 
 
-def _register(name: str, fn) -> None:
-    """transformers' registry is imported only for a transformers model."""
+_PROBE = object()  # the probe forward's per-forward argument: it must reach every attention call as it is
+
+
+class _MaskRule:
+    """What transformers' mask functions give a layer in the probe forward instead of a mask: the
+    rule its mask would follow (`mask_function(batch, head, q_idx, kv_idx)`). batchgen masks by
+    position itself, causally and by the `sliding_window` the attention call passes, so a layer whose
+    mask follows another rule (a window only its mask holds, as Phi-MoE's; chunks; both
+    directions) would run otherwise than in transformers."""
+
+    FAR = 1 << 21  # query indices read: past any window batchgen's sliding layers are verified on
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.windows: set[int | None] | None = None  # read once: every layer of a type gets this one rule
+
+    def window(self, q: int) -> int | None:
+        """The keys query `q` sees: the last w up to itself (w; None: all of them). ValueError else."""
+        kv = torch.arange(q + 2)
+        seen = torch.as_tensor(self.fn(torch.tensor(0), torch.tensor(0), torch.tensor(q), kv)).expand(q + 2)
+        w = int(seen.sum())
+        if not seen[q] or seen[q + 1] or not seen[q + 1 - w : q + 1].all():
+            raise ValueError("not a causal window")
+        return None if w == q + 1 else w
+
+    def problem(self, sliding_window: int | None, name: str) -> str | None:
+        try:
+            if self.windows is None:  # two queries: a chunk's start would move, a sliding window does not
+                self.windows = {self.window(self.FAR), self.window(self.FAR + 1)}
+        except Exception:  # noqa: BLE001 - a rule that is not a causal window, or that cannot be read
+            return f"{name}'s attention mask is not causal, or not by a sliding window, which batchgen does not apply"
+        if len(self.windows) > 1:
+            return (f"{name}'s attention mask is chunked (its window moves with the query), which batchgen "
+                    "does not apply")
+        (window,) = self.windows
+        if window != sliding_window:
+            return (f"{name}'s attention mask has a window of {window} keys but its attention call passes "
+                    f"sliding_window={sliding_window}; batchgen would attend by the latter")
+        return None
+
+
+def _mask_rule(*args, mask_function=None, **kwargs) -> _MaskRule:
+    """The probe's mask interface: the rule, not a mask (`_MaskRule`)."""
+    return _MaskRule(mask_function)
+
+
+def _register(name: str, fn, mask=None) -> None:
+    """transformers' registry is imported only for a transformers model. `mask`: the mask
+    interface of that name too (batchgen's own forwards register none: transformers then builds no
+    masks for them)."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(name, fn)
+    if mask is not None:
+        from transformers.masking_utils import AttentionMaskInterface
+
+        AttentionMaskInterface.register(name, mask)

@@ -114,7 +114,9 @@ def load_config(name_or_path: str | None, trust_remote_code: bool = False):
         hint = (f"it needs custom code: pass {option('trust_remote_code')} only if you trust that code"
                 if "trust_remote_code" in str(e) and not trust_remote_code
                 else "pass a local directory written by save_pretrained, or a hub id that is in the local HF cache")
-        raise ModelLoadError(f"model {label!r}: cannot read its config: {str(e)[:300]}\nFix: {hint}") from e
+        raise ModelLoadError(f"model {label!r}: cannot read its config: {_flat(e, 300)}; {hint}") from e
+    except Exception as e:  # noqa: BLE001 - a config class failing on this config.json: no traceback (issue 48)
+        raise ModelLoadError(f"model {label!r}: transformers cannot read its config ({_named(e)})") from e
     _check_runnable(config, label)
     return config
 
@@ -227,6 +229,8 @@ def load_model(
 
     from batchgen.pipeline.model.runnable import held_load_report, mismatch
 
+    _check_before_weights(source, label, trust_remote_code)
+
     def _load(attn: str) -> PreTrainedModel:
         return AutoModelForCausalLM.from_pretrained(
             source, dtype=torch_dtype, attn_implementation=attn, trust_remote_code=trust_remote_code
@@ -252,8 +256,8 @@ def load_model(
         elif "trust_remote_code" in msg and not trust_remote_code:
             hint = f"it needs custom code: pass {option('trust_remote_code')} only if you trust that code"
         else:
-            hint = "use a causal language model (AutoModelForCausalLM)"
-        raise ModelLoadError(f"model {label!r} could not be loaded: {msg[:500]}\nFix: {hint}") from e
+            hint = "transformers cannot build it from its config.json"
+        raise ModelLoadError(f"model {label!r} could not be loaded: {_flat(msg, 500)}; {hint}") from e
     except pickle.UnpicklingError as e:
         # torch.load (weights_only) refuses a pickled checkpoint holding more than tensors
         detail = next((line.strip() for line in str(e).splitlines() if "WeightsUnpickler error" in line),
@@ -266,23 +270,64 @@ def load_model(
         raise ModelLoadError(f"model {label!r}: {_DAMAGED} ({e})") from e
     except RuntimeError as e:
         if "ignore_mismatched_sizes" not in str(e) and "size mismatch" not in str(e):
-            raise
+            raise ModelLoadError(f"model {label!r}: transformers cannot load it ({_named(e)})") from e
         raise ModelLoadError(f"model {label!r}: {mismatch(report)}: the config does not match the weights") from None
     except (KeyError, TypeError) as e:  # e.g. rope parameters that lack a key, a head_dim of null
         raise ModelLoadError(f"model {label!r}: transformers cannot build it from its config.json "
                              f"({type(e).__name__}: {str(e)[:300]})") from None
     except OSError as e:
         raise ModelLoadError(
-            f"model {label!r} could not be loaded: {e}\n"
-            "Fix: pass a local directory written by save_pretrained, or a hub id that is in the local HF cache"
+            f"model {label!r} could not be loaded: {_flat(e, 500)}; "
+            "pass a local directory written by save_pretrained, or a hub id that is in the local HF cache"
         ) from e
+    except Exception as e:  # noqa: BLE001 - transformers' model code failing on this model: no traceback (issue 48)
+        raise ModelLoadError(f"model {label!r}: transformers cannot load it ({_named(e)})") from e
 
     _check_runnable(model.config, label)
     model.batchgen_decoder_declined = why  # the summary's `decoder_declined`
     model.to(torch_device)
     model.eval()
+    _probe(model, label)
     if pack_weights:
         from batchgen.pipeline.model.kernels import pack_in_place
 
         pack_in_place(model)
     return model, source
+
+
+def _probe(model, label: str) -> None:
+    """One probe forward through batchgen's attention (`hf.layer_shapes`), at load: a model whose
+    attention calls batchgen cannot run exactly is refused here, in one line, before any job runs."""
+    from batchgen.pipeline.model.forward import EngineError
+    from batchgen.pipeline.model.hf import layer_shapes
+    from batchgen.pipeline.model.hf_support import foreign, refused
+
+    why = foreign(model)  # custom model code under a listed model type's config
+    if why:
+        raise ModelLoadError(f"model {label!r}: {refused(getattr(model.config, 'model_type', None), why)}")
+    try:
+        model.batchgen_layer_shapes = layer_shapes(model)  # `HFModel.layer_shapes` reads them back
+    except EngineError as e:
+        raise ModelLoadError(f"model {label!r}: {e}") from None
+
+
+
+def _check_before_weights(source: str, label: str, trust_remote_code: bool) -> None:
+    """A model transformers' model code in batchgen does not run is refused from its config, before
+    its weights load (the Python API loads without `validate`'s check first)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except Exception:  # noqa: BLE001 - the load itself words what is wrong with it
+        return
+    _check_runnable(config, label)
+
+
+def _flat(e: BaseException | str, limit: int) -> str:
+    """A message on one line, cut: transformers' errors span lines (an error of batchgen's is one)."""
+    return " ".join(str(e).split())[:limit]
+
+
+def _named(e: BaseException) -> str:
+    return f"{type(e).__name__}: {_flat(e, 300)}"

@@ -8,13 +8,22 @@ import re
 from contextlib import contextmanager
 from typing import Iterator
 
+from batchgen.pipeline.model import hf_support
 from batchgen.pipeline.model.rope import refusal
 
 
-def problem(config) -> str | None:
-    """Why batchgen does not run this model (`rope.refusal`, `_cache_problem`), or None."""
+def problem(config, files: bool = True) -> str | None:
+    """Why batchgen does not run this model, in one line that names its model type and the way to run
+    it anyway, or None: a model type off the allow-list of transformers' model code
+    (`hf_support`), then what no model code of batchgen's runs as transformers would
+    (`rope.refusal`; with `files`, `_cache_problem`: keys a config.json sets that its config class
+    does not declare), then knobs the allow-list's sweep does not cover."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return refusal(getattr(text, "is_causal", True), getattr(text, "rope_parameters", None)) or _cache_problem(text)
+    model_type = getattr(config, "model_type", None)
+    why = hf_support.unlisted(model_type) or hf_support.foreign(config) \
+        or refusal(getattr(text, "is_causal", True), getattr(text, "rope_parameters", None)) \
+        or (_cache_problem(text) if files else None) or hf_support.knob_problem(config)
+    return None if why is None else hf_support.refused(model_type, why)
 
 
 def _cache_problem(config) -> str | None:

@@ -64,7 +64,8 @@ def test_the_cli_catches_batchgen_errors_only():
 @pytest.fixture(scope="module")
 def bloom_dir(tmp_path_factory):
     """A tiny Bloom: transformers runs it, but its attention bypasses the attention interface
-    batchgen's engine runs every layer through, so the engine refuses it (EngineError)."""
+    batchgen's engine runs every layer through: its model type is off the allow-list
+    (`hf_support`), and the probe forward refuses it too (EngineError)."""
     import transformers as T
     from tests.helpers.tiny_tokenizer import make_tokenizer
 
@@ -83,8 +84,23 @@ def test_an_unsupported_model_is_one_line(tmp_path, bloom_dir):
                                     "2", "--model", str(bloom_dir)])
     assert res.exit_code == 1 and isinstance(res.exception, SystemExit), res.output + repr(res.exception)
     lines = [x for x in res.output.splitlines() if x.strip()]
-    assert len(lines) == 1 and lines[0].startswith("Error: BloomForCausalLM: its attention"), res.output
+    assert len(lines) == 1 and lines[0].startswith(f"Error: model '{bloom_dir}': model type 'bloom' is not "
+                                                   "supported: its attention (ALiBi)"), res.output
     assert "Traceback" not in res.output
+
+
+def test_the_probe_refuses_an_attention_that_bypasses_the_interface(bloom_dir, monkeypatch):
+    import transformers as T
+
+    from batchgen.pipeline.engine.engine import Engine, EngineError
+    from batchgen.pipeline.model import hf_support
+
+    model = T.AutoModelForCausalLM.from_pretrained(bloom_dir)
+    with pytest.raises(EngineError, match="^BloomForCausalLM: model type 'bloom' is not supported"):
+        Engine(model)  # in memory, as from the Python API: the allow-list
+    monkeypatch.setattr(hf_support, "SUPPORTED", hf_support.SUPPORTED | {"bloom"})
+    with pytest.raises(EngineError, match="^BloomForCausalLM: its attention cannot run through batchgen's"):
+        Engine(model)  # were it listed, the probe forward (its ALiBi bias meets the mask's rule there)
 
 
 def test_options_are_named_as_the_face_that_was_called_spells_them():
