@@ -109,6 +109,8 @@ def create_app(config: ServeConfig) -> "FastAPI":
         worker.start()
         yield
         await run_in_threadpool(worker.stop)
+        print("batchgen serve: stopped; a batch that was running committed its finished requests and resumes "
+              "at the next start", file=sys.stderr, flush=True)
 
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.store, app.state.worker = store, worker

@@ -88,7 +88,9 @@ class Worker:
 
     def _step(self, batch: dict) -> None:
         status = batch["status"]
-        if status == "validating":
+        if status == "validating" and self._expired(batch):  # never checked, never ran: no files
+            self._end(batch, "batch_expired", "expired", ("validating",))
+        elif status == "validating":
             self._validate(batch)
         elif status == "in_progress":
             self._run(batch)
