@@ -10,7 +10,7 @@ import click
 
 from batchgen.pipeline import __version__
 from batchgen.pipeline.engine.schedule import MAX_BATCH_TOKENS, MIN_SHARED_TOKENS
-from batchgen.pipeline.serve.batches import MAX_FILE_BYTES, MAX_REQUESTS
+from batchgen.pipeline.batchapi.batches import MAX_FILE_BYTES, MAX_REQUESTS
 
 EXAMPLES = """
 \b
@@ -372,8 +372,8 @@ def serve(host, port, data, api_key, max_file_bytes, max_requests, model, trust_
     committed parts and resume: kill the server at any moment and start it again on the same
     --data, and every batch continues). The run options are every batch's defaults."""
     from batchgen.pipeline.run.options import RunOptions
-    from batchgen.pipeline.serve.app import serve as run_serve
-    from batchgen.pipeline.serve.config import ServeConfig
+    from batchgen.pipeline.batchapi.app import serve as run_serve
+    from batchgen.pipeline.batchapi.config import ServeConfig
 
     _quiet_hub_progress()
     options = RunOptions(model=model, device=device, dtype=dtype, defaults=_guard(_defaults, gen),

@@ -136,7 +136,7 @@ def children_of(batch_dir):
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             cmd = open(f"/proc/{pid}/cmdline", "rb").read()
-            if b"batchgen.pipeline.serve.child" in cmd and os.readlink(f"/proc/{pid}/cwd") == str(batch_dir):
+            if b"batchgen.pipeline.batchapi.child" in cmd and os.readlink(f"/proc/{pid}/cwd") == str(batch_dir):
                 found.append(int(pid))
         except OSError:
             pass

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 
 from batchgen.pipeline.errors import OptionError
 from batchgen.pipeline.run.options import RunOptions
-from batchgen.pipeline.serve.batches import MAX_FILE_BYTES, MAX_REQUESTS
+from batchgen.pipeline.batchapi.batches import MAX_FILE_BYTES, MAX_REQUESTS
 
 # seconds added to the server's clock: expiry is tested by starting a server a day later (tests only)
 CLOCK_OFFSET_ENV = "BATCHGEN_SERVE_CLOCK_OFFSET"
@@ -42,8 +42,12 @@ def prepare(config: ServeConfig) -> ServeConfig:
         raise OptionError("api_key", "is empty; give a key, or leave it out to listen on loopback only")
     options = config.options
     model = options.model
-    if model is not None and os.path.exists(model):
-        model = os.path.abspath(model)
+    if model is not None and (os.path.exists(model) or model.startswith((".", "/", "~"))):
+        # a local model that every batch would fail on is refused now (a hub id loads in each batch's run)
+        model = os.path.abspath(os.path.expanduser(model))
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise OptionError("model", "is not a model directory (no config.json there); point to a directory "
+                                       "written by save_pretrained, or give a Hugging Face model id", options.model)
     adapters = tuple(_absolute_adapter(a) for a in options.adapters)
     options = replace(options, model=model, adapters=adapters, output_format="openai", overwrite=False,
                       on_error="skip", engine="local", shard=None)

@@ -1,4 +1,4 @@
-"""One batch's run, in a process of its own (`python -m batchgen.pipeline.serve.child`), started
+"""One batch's run, in a process of its own (`python -m batchgen.pipeline.batchapi.child`), started
 by the server's worker (worker.py) in the batch's directory: batchgen's runner on the batch's
 input file, with its committed parts and resume, writing the Batch API's output and error files.
 

@@ -21,11 +21,11 @@ from typing import Any, Literal
 
 from batchgen.jobs.schema import OPENAI_ENDPOINTS
 from batchgen.pipeline.errors import BatchgenError
-from batchgen.pipeline.serve import files as uploads
-from batchgen.pipeline.serve.config import ServeConfig, prepare
-from batchgen.pipeline.serve.errors import ApiError, error_body, not_found
-from batchgen.pipeline.serve.store import Store, new_id
-from batchgen.pipeline.serve.worker import BATCHES, INPUT, Worker
+from batchgen.pipeline.batchapi import files as uploads
+from batchgen.pipeline.batchapi.config import ServeConfig, prepare
+from batchgen.pipeline.batchapi.errors import ApiError, error_body, not_found
+from batchgen.pipeline.batchapi.store import Store, new_id
+from batchgen.pipeline.batchapi.worker import BATCHES, INPUT, Worker
 
 WINDOWS = {"24h": 24 * 3600}  # the Batch API's one completion window
 CREATE_FIELDS = {"input_file_id", "endpoint", "completion_window", "metadata"}

@@ -29,9 +29,9 @@ from dataclasses import replace
 
 from batchgen.jobs.openai_batch import not_run_reason
 from batchgen.pipeline.run.options import RunOptions
-from batchgen.pipeline.serve.batches import Committed, check_input, custom_ids, lines_in, read_outcome
-from batchgen.pipeline.serve.config import ServeConfig
-from batchgen.pipeline.serve.store import Store, new_id
+from batchgen.pipeline.batchapi.batches import Committed, check_input, custom_ids, lines_in, read_outcome
+from batchgen.pipeline.batchapi.config import ServeConfig
+from batchgen.pipeline.batchapi.store import Store, new_id
 
 BATCHES = "batches"  # the batches' folder in the data directory
 INPUT, OUTPUT = "input.jsonl", "output.jsonl"
@@ -230,15 +230,18 @@ class Worker:
 
 
 class _Child:
-    """`python -m batchgen.pipeline.serve.child` in directory `d`, handed its spec on standard input,
+    """`python -m batchgen.pipeline.batchapi.child` in directory `d`, handed its spec on standard input,
     which stays open while it runs: its end tells the child that the server is gone."""
 
     def __init__(self, d: str, options: RunOptions) -> None:
         spec = pickle.dumps(([INPUT], OUTPUT, options))
         env = {**os.environ, "BATCHGEN_SERVE_PARENT": str(os.getpid())}
         with open(os.path.join(d, LOG), "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "batchgen.pipeline.serve.child"], cwd=d,
-                                         stdin=subprocess.PIPE, stdout=log, stderr=log, env=env)
+            # its own session: a Ctrl-C at the server's terminal is the server's to pass on (as a SIGTERM
+            # once it stops), not a second stop signal racing the worker's
+            self.proc = subprocess.Popen([sys.executable, "-m", "batchgen.pipeline.batchapi.child"], cwd=d,
+                                         stdin=subprocess.PIPE, stdout=log, stderr=log, env=env,
+                                         start_new_session=True)
         try:
             self.proc.stdin.write(len(spec).to_bytes(8, "big") + spec)  # type: ignore[union-attr]
             self.proc.stdin.flush()  # type: ignore[union-attr]

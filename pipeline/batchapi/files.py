@@ -16,7 +16,7 @@ from typing import AsyncIterator
 
 from python_multipart.multipart import MultipartParser, parse_options_header
 
-from batchgen.pipeline.serve.errors import ApiError
+from batchgen.pipeline.batchapi.errors import ApiError
 
 FILES = "files"  # the uploads' folder in the data directory
 UPLOAD_PURPOSES = ("batch", "user_data", "assistants", "fine-tune", "vision", "evals")
@@ -79,7 +79,8 @@ class _Form:
         elif name == "purpose":
             self.fields[name] = b""
             self._part = name
-        # other fields (expires_after[...], ...) are read past: the service keeps files until deleted
+        else:  # expires_after[...] and the like: this service keeps a file until it is deleted
+            raise ApiError(400, f"unsupported parameter {name!r} (an upload takes file and purpose)", param=name)
 
     def part_data(self, data: bytes, start: int, end: int) -> None:
         if self._part == "file":
