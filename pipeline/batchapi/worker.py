@@ -126,10 +126,12 @@ class Worker:
                     self._count(batch, committed)
                     time.sleep(POLL_SECONDS)
             self._count(batch, committed)
-            if rc == PREEMPTED and why == "expired":
+            # stopped: it committed and exited 75, or our SIGTERM came before its handler was installed
+            stopped = rc == PREEMPTED or (rc != 0 and why is not None)
+            if stopped and why == "expired":
                 return self._end(self.store.batch(batch["id"]), "batch_expired", "expired",
                                  ("in_progress", "cancelling"))
-            if rc == PREEMPTED or (rc != 0 and why == "stop"):
+            if stopped:
                 return  # cancelling: the next step finishes it; a stop or a stray signal: resumed later
             if rc != 0:
                 return self._fail(batch, ("in_progress",), "batch_failed", self._child_error(d, rc))
