@@ -218,8 +218,17 @@ def create_app(config: ServeConfig) -> "FastAPI":
 
     @app.post("/v1/batches/{batch_id}/cancel")
     def cancel_batch(batch_id: str):
-        row = _batch(batch_id)
-        if not store.move(batch_id, ("validating", "in_progress"), "cancelling", config.now()):
+        _batch(batch_id)
+        now = config.now()
+        with store.tx() as db:
+            # a batch not yet checked has not run: nothing to stop, cancelled at once (the worker's own
+            # move from validating then finds it gone); a running one stops at its next step
+            if store.move(batch_id, ("validating",), "cancelling", now, db):
+                store.move(batch_id, ("cancelling",), "cancelled", now, db)
+                changed = True
+            else:
+                changed = store.move(batch_id, ("in_progress",), "cancelling", now, db)
+        if not changed:
             row = _batch(batch_id)
             if row["status"] not in ("cancelling", "cancelled"):
                 raise ApiError(400, f"batch {batch_id} is {row['status']}: only a validating or in_progress batch "

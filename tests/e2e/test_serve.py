@@ -204,10 +204,14 @@ def test_a_round_trip_answers_as_batchgen_process(server, batch_file, reference)
 
 def test_cancel_keeps_the_finished_requests(server, batch_file, reference):
     client = server.client()
-    b = client.batches.create(input_file_id=upload(client, batch_file).id, endpoint="/v1/chat/completions",
-                              completion_window="24h")
+    fid = upload(client, batch_file).id
+    b = client.batches.create(input_file_id=fid, endpoint="/v1/chat/completions", completion_window="24h")
+    queued = client.batches.create(input_file_id=fid, endpoint="/v1/chat/completions", completion_window="24h")
     b = wait(client, b.id, lambda b: done(b) or b.request_counts.completed >= 2)
     assert not done(b), b
+    queued = client.batches.cancel(queued.id)  # waiting behind the running one: it never ran
+    assert queued.status == "cancelled" and queued.output_file_id is None and queued.error_file_id is None
+    assert statuses(server.data, queued.id) == ["validating", "cancelling", "cancelled"]
     b = client.batches.cancel(b.id)
     assert b.status == "cancelling" and b.cancelling_at is not None
     b = wait(client, b.id, done)
