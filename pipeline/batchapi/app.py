@@ -15,6 +15,7 @@ import hmac
 import json
 import os
 import shutil
+import socket
 import sys
 from contextlib import asynccontextmanager
 from typing import Any, Literal
@@ -48,14 +49,28 @@ def serve(config: ServeConfig) -> None:
 
     config = prepare(config)
     lock = hold_data_dir(config.data)
-    app = create_app(config)
-    where = f"http://{config.host}:{config.port}/v1"
-    print(f"batchgen serve: {where}, data in {config.data}" + ("" if config.api_key else ", no API key (loopback "
-                                                                "only)"), file=sys.stderr, flush=True)
     try:
-        uvicorn.run(app, host=config.host, port=config.port, log_level="warning")
+        sock = listen(config.host, config.port)  # before any work: a port in use is one line
+        app = create_app(config)
+        port = sock.getsockname()[1]
+        host = f"[{config.host}]" if ":" in config.host else config.host
+        print(f"batchgen serve: http://{host}:{port}/v1, data in {config.data}" +
+              ("" if config.api_key else ", no API key (loopback only)"), file=sys.stderr, flush=True)
+        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
     finally:
         os.close(lock)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        raise BatchgenError(f"cannot listen on {host}:{port}: {e.strerror or e}; choose another --host or --port") \
+            from None
+    return sock
 
 
 def hold_data_dir(data: str) -> int:
@@ -201,8 +216,9 @@ def create_app(config: ServeConfig) -> "FastAPI":
         except ValueError:
             raise ApiError(400, "the request body must be a JSON object") from None
         batch_id = await run_in_threadpool(new_batch, config, store, body)
+        created = batch_object(store.batch(batch_id))  # as created (validating), whatever the worker does next
         worker.wake()
-        return batch_object(store.batch(batch_id))
+        return created
 
     @app.get("/v1/batches")
     def list_batches(limit: int = Query(20, ge=1, le=100), after: str | None = None):
