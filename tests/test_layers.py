@@ -1,4 +1,4 @@
-"""The four layers hold (README, "Layout"): import-linter's contracts in pyproject.toml pass, and
+"""The four layers hold (docs/layout.md): import-linter's contracts in pyproject.toml pass, and
 fail when a forbidden import is planted; no module imports another that imports it back.
 
 grimp finds a package's modules by walking its folder, and the repository's `jobs/` and

@@ -105,6 +105,11 @@ def test_files_in_and_options_checked_like_job_fields(engine, tmp_path):
 
 
 def test_generate_in_a_fresh_process(tmp_path, model_dir):
+    """The API and the CLI from a folder of the user's that holds a jobs.py and a pipeline.py (first
+    on sys.path, as the current folder is): batchgen's internals install as batchgen.jobs and
+    batchgen.pipeline, so the user's modules shadow nothing."""
+    for name in ("jobs", "pipeline"):
+        (tmp_path / f"{name}.py").write_text(f"raise ImportError('the user\\'s own {name}.py was imported')\n")
     code = ("import json, batchgen; out = batchgen.generate([{'prompt': 'Hello there', 'lang': 'en'}], "
             f"model={str(model_dir)!r}, max_new_tokens=8, choice=['hi', 'hello']); print(json.dumps(out))")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -114,6 +119,12 @@ def test_generate_in_a_fresh_process(tmp_path, model_dir):
     assert done.returncode == 0, done.stderr
     (row,) = json.loads(done.stdout.strip().splitlines()[-1])
     assert row["lang"] == "en" and row["completion"] in ("hi", "hello") and row["error"] is None
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"prompt": "Hello there"}) + "\n")
+    cli = subprocess.run([sys.executable, "-m", "batchgen", "process", str(src), "-o", str(tmp_path / "out.parquet"),
+                          "--model", str(model_dir), "--max-new-tokens", "2"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0, cli.stderr
 
 
 def test_errors_name_the_keyword_arguments_not_the_cli_flags(engine, tmp_path):

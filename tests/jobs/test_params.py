@@ -190,9 +190,8 @@ def test_an_openai_list_prompt_is_one_job_per_element_and_fails_whole():
 
 # --- the one documented list, and no crash on any value ------------------------------------------
 
-def test_the_readme_documents_every_reserved_name():
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    section = readme.split("## Generation parameters", 1)[1].split("\n## ", 1)[0]
+def test_the_docs_document_every_reserved_name():
+    section = (Path(__file__).parents[2] / "docs" / "generation.md").read_text()
     missing = sorted(n for n in RESERVED if not re.search(rf"`{re.escape(n)}`", section))
     assert missing == []
 
