@@ -74,9 +74,11 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def hold_data_dir(data: str) -> int:
-    """The data directory's lock, held while the server runs: one server (one worker) per directory."""
+    """The data directory's lock, held while the server runs: one server (one worker) per directory.
+    Folders it makes are its user's only: they hold every uploaded file and every answer."""
+    os.makedirs(data, mode=0o700, exist_ok=True)
     for sub in (uploads.FILES, BATCHES):
-        os.makedirs(os.path.join(data, sub), exist_ok=True)
+        os.makedirs(os.path.join(data, sub), mode=0o700, exist_ok=True)
     fd = os.open(os.path.join(data, ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
