@@ -20,6 +20,7 @@ import pickle
 import signal
 import sys
 import threading
+import time
 
 PREEMPTED = 75  # as pipeline/run/signals.py (not imported before the die-with-parent set-up)
 
@@ -68,8 +69,11 @@ def main() -> int:
     from batchgen.pipeline.run.signals import Preempted
 
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    # the tests' pace (as the runner's BATCHGEN_FAULT, for tests only): seconds per finished
+    # completion, so that a batch of a tiny model still runs long enough to be stopped in the middle
+    pace = float(os.environ.get("BATCHGEN_SERVE_TEST_PACE") or 0)
     try:
-        process(inputs, output, options)
+        process(inputs, output, options, progress=(lambda p: time.sleep(pace)) if pace > 0 else None)
     except Preempted:
         return PREEMPTED
     except BatchgenError as e:

@@ -22,9 +22,11 @@ from batchgen.pipeline.cli import main
 pytestmark = pytest.mark.slow
 
 KEY = "test-key-0123456789"
-# a batch long enough to stop in the middle: one row at a time (--max-batch-tokens), EOS kept out
-# of most requests so they run to max_tokens, a commit every two requests
+# a batch long enough to stop in the middle, also on a fast machine: one row at a time
+# (--max-batch-tokens), EOS kept out of most requests so they run to max_tokens, a commit every two
+# requests, and the run's pace (child.py: seconds per finished request, for tests only)
 SERVER_OPTIONS = ["--commit-every", "2", "--max-batch-tokens", "160", "--max-new-tokens", "16"]
+PACE = {"BATCHGEN_SERVE_TEST_PACE": "0.1"}
 SYSTEM = "You are a helpful assistant. Answer in one short sentence. "
 
 
@@ -34,7 +36,7 @@ def chat(cid, text, **body):
                                                          {"role": "user", "content": text}], **body}}
 
 
-REQUESTS = [chat(f"q{i}", f"Question number {i}?", max_tokens=100 if i % 4 else 12,
+REQUESTS = [chat(f"q{i}", f"Question number {i}?", max_tokens=48 if i % 4 else 12,
                  **({"logit_bias": {"2": -100}} if i % 3 else {})) for i in range(20)]
 REQUESTS.insert(7, chat("bad-tools", "Weather?", tools=[{"type": "function", "function": {"name": "w"}}]))
 
@@ -57,7 +59,7 @@ class Server:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "batchgen", "serve", "--host", "127.0.0.1", "--port", str(port), "--data",
                  str(data), "--api-key", KEY, "--model", str(model_dir), *SERVER_OPTIONS, *extra],
-                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **PACE, **(env or {})})
         deadline = time.monotonic() + 120
         while raw_get(self.url + "/batches?limit=1", KEY)[0] != 200:
             assert self.proc.poll() is None, self.output()
@@ -230,13 +232,7 @@ def test_sigkill_mid_batch_then_restart_finishes_each_request_once(tmp_path, mod
     data = tmp_path / "data"
     first = Server(data, model_dir)
     client = first.client()
-    b = client.batches.create(input_file_id=upload(client, batch_file).id, endpoint="/v1/chat/completions",
-                              completion_window="24h")
-    b = wait(client, b.id, lambda b: done(b) or b.request_counts.completed >= 4)
-    assert not done(b), b
-    batch_dir = data / "batches" / b.id
-    assert children_of(batch_dir)
-    # an upload cut off by the kill: half its body sent
+    # an upload the kill will cut: half its body sent, its temporary file begun
     half = socket.create_connection(("127.0.0.1", first.port))
     head = (b"POST /v1/files HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
             b"\r\nContent-Type: multipart/form-data; boundary=b0undary\r\nContent-Length: 500000\r\n\r\n")
@@ -246,8 +242,14 @@ def test_sigkill_mid_batch_then_restart_finishes_each_request_once(tmp_path, mod
     while not any(n.startswith(".upload-") for n in os.listdir(data / "files")):
         assert time.monotonic() < deadline
         time.sleep(0.05)
+    b = client.batches.create(input_file_id=upload(client, batch_file).id, endpoint="/v1/chat/completions",
+                              completion_window="24h")
+    b = wait(client, b.id, lambda b: done(b) or b.request_counts.completed >= 4)
+    batch_dir = data / "batches" / b.id
+    running = children_of(batch_dir)
     first.kill()
     half.close()
+    assert not done(b) and running, b
     deadline = time.monotonic() + 10
     while children_of(batch_dir):  # the child dies with the server
         assert time.monotonic() < deadline, "the batch's child outlived its server"
