@@ -298,6 +298,7 @@ def test_expiry_ends_the_batch_with_what_it_finished(tmp_path, model_dir, batch_
 
 def test_a_wrong_key_gets_401_and_stores_nothing(server, batch_file):
     before = sorted(os.listdir(server.data / "files"))
+    listed = [f.id for f in server.client().files.list()]
     for key in ("wrong-key", KEY + "x", KEY[:-1]):
         bad = server.client(key)
         with pytest.raises(openai.AuthenticationError) as e:
@@ -308,6 +309,7 @@ def test_a_wrong_key_gets_401_and_stores_nothing(server, batch_file):
     assert raw_get(server.url + "/batches")[0] == 401  # no Authorization header
     assert raw_get(server.url + "/nowhere")[0] == 401  # every route, known or not
     assert sorted(os.listdir(server.data / "files")) == before
+    assert [f.id for f in server.client().files.list()] == listed
 
 
 def test_an_invalid_file_fails_the_batch_with_line_numbers(server):
