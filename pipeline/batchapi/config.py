@@ -7,7 +7,7 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 
-from batchgen.pipeline.errors import OptionError
+from batchgen.pipeline.errors import BatchgenError, OptionError
 from batchgen.pipeline.run.options import RunOptions
 from batchgen.pipeline.batchapi.batches import MAX_FILE_BYTES, MAX_REQUESTS
 
@@ -43,8 +43,10 @@ def prepare(config: ServeConfig) -> ServeConfig:
     options = config.options
     model = options.model
     if model is not None and (os.path.exists(model) or model.startswith((".", "/", "~"))):
-        # a local model that every batch would fail on is refused now (a hub id loads in each batch's run)
-        model = os.path.abspath(os.path.expanduser(model))
+        # a local model that every batch would fail on is refused now (a hub id loads in each batch's run);
+        # an absolute path stays as given: it is the model's name in the output's system_fingerprint
+        if not os.path.isabs(model):
+            model = os.path.abspath(os.path.expanduser(model))
         if not os.path.isfile(os.path.join(model, "config.json")):
             raise OptionError("model", "is not a model directory (no config.json there); point to a directory "
                                        "written by save_pretrained, or give a Hugging Face model id", options.model)
@@ -55,7 +57,7 @@ def prepare(config: ServeConfig) -> ServeConfig:
     try:
         clock = float(offset) if offset else config.clock_offset
     except ValueError:
-        raise OptionError("clock_offset", f"{CLOCK_OFFSET_ENV} must be a number of seconds", offset) from None
+        raise BatchgenError(f"{CLOCK_OFFSET_ENV} must be a number of seconds, got {offset!r}") from None
     return replace(config, data=os.path.abspath(config.data), options=options, clock_offset=clock)
 
 
