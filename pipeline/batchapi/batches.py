@@ -67,7 +67,7 @@ def check_input(path: str, endpoint: str, max_requests: int = MAX_REQUESTS,
 
 def _check_line(out: Checked, raw: bytes, line: int, endpoint: str) -> None:
     try:
-        request = json.loads(raw.decode("utf-8"))
+        request = json.loads(raw.rstrip(b"\r\n").decode("utf-8"))  # (a column past the line's end, not 1)
     except UnicodeDecodeError:
         return out.fail("invalid_json_line", f"Line {line} is not valid UTF-8 text.", line)
     except json.JSONDecodeError as e:

@@ -23,7 +23,7 @@ def line(cid, url=CHAT, model="m", **extra):
 
 def test_a_batch_input_is_checked_line_by_line(tmp_path):
     path = tmp_path / "in.jsonl"
-    rows = ["\ufeff" + line("a"), line("b"), "", "{oops", line("c", url="/v1/completions"), line("d", model="n"),
+    rows = ["\ufeff" + line("a"), line("b"), "", '{"custom_id": "d",', line("c", url="/v1/completions"), line("d", model="n"),
             line("a"), json.dumps({"custom_id": 5}), line("e", method="GET"), json.dumps([1]), "  ",
             json.dumps({"custom_id": "f", "method": "POST", "url": CHAT, "body": {"messages": []}})]
     path.write_text("\n".join(rows) + "\n", encoding="utf-8")
@@ -33,7 +33,9 @@ def test_a_batch_input_is_checked_line_by_line(tmp_path):
         ("invalid_json_line", 4, None), ("url_mismatch", 5, "url"), ("model_mismatch", 6, "body.model"),
         ("duplicate_custom_id", 7, "custom_id"), ("invalid_request", 8, "custom_id"), ("invalid_request", 9, "method"),
         ("invalid_json_line", 10, None), ("invalid_request", 12, "body.model")]
-    assert got.problems[0]["message"].startswith("Line 4 is not parseable as valid JSON")
+    # where the line ends, not "column 1" of the line break after it
+    assert got.problems[0]["message"] == "Line 4 is not parseable as valid JSON: Expecting property name enclosed " \
+                                         "in double quotes at column 19."
 
 
 def test_the_limits_are_the_batch_apis_and_configurable(tmp_path):
