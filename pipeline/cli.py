@@ -10,6 +10,7 @@ import click
 
 from batchgen.pipeline import __version__
 from batchgen.pipeline.engine.schedule import MAX_BATCH_TOKENS, MIN_SHARED_TOKENS
+from batchgen.pipeline.batchapi.batches import MAX_FILE_BYTES, MAX_REQUESTS
 
 EXAMPLES = """
 \b
@@ -60,6 +61,27 @@ _output_format_option = click.option("--output-format", type=click.Choice(["parq
 _engine_option = click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True,
                               envvar="BATCHGEN_ENGINE",
                               help="ray: spread prefix groups over a Ray cluster; OUTPUT is a directory.")
+
+
+# options of `process` that `serve` takes too, as the defaults of the batches it runs
+_device_option = click.option("--device", default="auto", show_default=True, envvar="BATCHGEN_DEVICE",
+                              help="auto, cpu, cuda, cuda:N")
+_dtype_option = click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
+                             show_default=True, envvar="BATCHGEN_DTYPE",
+                             help="auto: the checkpoint's own dtype where this device computes it natively, else "
+                                  "float32")
+_max_batch_tokens_option = click.option(
+    "--max-batch-tokens", type=click.IntRange(min=1), default=MAX_BATCH_TOKENS, show_default=True,
+    envvar="BATCHGEN_MAX_BATCH_TOKENS", help="KV-cache token budget of one batch (rows x longest row).")
+_min_shared_tokens_option = click.option(
+    "--min-shared-tokens", type=click.IntRange(min=1), default=MIN_SHARED_TOKENS, show_default=True,
+    envvar="BATCHGEN_MIN_SHARED_TOKENS", help="Shorter shared prefixes are not cached separately.")
+_commit_every_option = click.option(
+    "--commit-every", type=click.IntRange(min=1), default=256, show_default=True, envvar="BATCHGEN_COMMIT_EVERY",
+    help="Commit finished jobs in parts of this many (or every 60 s).")
+_threads_option = click.option(
+    "--threads", type=click.IntRange(min=1), default=None, envvar="BATCHGEN_THREADS",
+    help="CPU threads [default: OMP_NUM_THREADS, else the cores this process may use (affinity and cgroup quota)].")
 
 
 def _generation_options(f):
@@ -153,15 +175,11 @@ def main() -> None:
 @click.option("-o", "--output", required=True, type=click.Path(), envvar="BATCHGEN_OUTPUT",
               help="Output file (.parquet, or .jsonl with --output-format jsonl/openai).")
 @_model_options
-@click.option("--device", default="auto", show_default=True, envvar="BATCHGEN_DEVICE", help="auto, cpu, cuda, cuda:N")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
-              show_default=True, envvar="BATCHGEN_DTYPE",
-              help="auto: the checkpoint's own dtype where this device computes it natively, else float32")
+@_device_option
+@_dtype_option
 @_generation_options
-@click.option("--max-batch-tokens", type=click.IntRange(min=1), default=MAX_BATCH_TOKENS, show_default=True,
-              envvar="BATCHGEN_MAX_BATCH_TOKENS", help="KV-cache token budget of one batch (rows x longest row).")
-@click.option("--min-shared-tokens", type=click.IntRange(min=1), default=MIN_SHARED_TOKENS, show_default=True,
-              envvar="BATCHGEN_MIN_SHARED_TOKENS", help="Shorter shared prefixes are not cached separately.")
+@_max_batch_tokens_option
+@_min_shared_tokens_option
 @_output_format_option
 @click.option("--overwrite", is_flag=True,
               help="Replace an existing output, and discard unfinished work of a run with other options.")
@@ -172,8 +190,7 @@ def main() -> None:
 @click.option("--shard", default=None, metavar="I/N", envvar="BATCHGEN_SHARD",
               help="Process shard I of N (prefix-aware: jobs sharing a prefix share a shard); "
                    "join the outputs with `batchgen merge`.")
-@click.option("--commit-every", type=click.IntRange(min=1), default=256, show_default=True,
-              envvar="BATCHGEN_COMMIT_EVERY", help="Commit finished jobs in parts of this many (or every 60 s).")
+@_commit_every_option
 @_engine_option
 @click.option("--address", default=None, envvar="BATCHGEN_RAY_ADDRESS",
               help="Ray cluster address (auto, ray://host:10001); default: start a local Ray for this run.")
@@ -184,9 +201,7 @@ def main() -> None:
 @click.option("--progress-every", type=click.FloatRange(min=0), default=30.0, show_default=True,
               envvar="BATCHGEN_PROGRESS_EVERY", metavar="SECONDS",
               help="When stderr is not a terminal (logs), print a progress line this often.")
-@click.option("--threads", type=click.IntRange(min=1), default=None, envvar="BATCHGEN_THREADS",
-              help="CPU threads [default: OMP_NUM_THREADS, else the cores this process may use "
-                   "(affinity and cgroup quota)].")
+@_threads_option
 @_window_options
 def process(inputs, output, model, trust_remote_code, adapters, device, dtype, max_batch_tokens, min_shared_tokens,
             output_format, overwrite, on_error, shard, commit_every, engine, address, workers, gpus_per_worker,
@@ -339,6 +354,48 @@ def merge(shards, output, overwrite):
     summary = _guard(run_merge, list(shards), output, overwrite)
     click.echo(f"merged {summary['shards']} shards: {summary['completed']} jobs done, {summary['failed']} failed "
                f"-> {output}", err=True)
+
+
+@main.command(epilog="\b\nExample:\n  batchgen serve --data serve-data --model HuggingFaceTB/SmolLM2-135M-Instruct")
+@click.option("--host", default="127.0.0.1", show_default=True, envvar="BATCHGEN_SERVE_HOST",
+              help="Address to listen on; other than loopback only with an API key.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, envvar="BATCHGEN_SERVE_PORT")
+@click.option("--data", required=True, type=click.Path(file_okay=False), envvar="BATCHGEN_SERVE_DATA",
+              help="Directory of the service's state: SQLite, uploaded files, batches' runs and outputs.")
+@click.option("--api-key", default=None, envvar="BATCHGEN_API_KEY",
+              help="Every request must send Authorization: Bearer KEY (without a key: loopback only).")
+@click.option("--max-file-bytes", type=click.IntRange(min=1), default=MAX_FILE_BYTES, show_default=True,
+              envvar="BATCHGEN_SERVE_MAX_FILE_BYTES", help="Largest upload and batch input (the Batch API's 200 MB).")
+@click.option("--max-requests", type=click.IntRange(min=1), default=MAX_REQUESTS, show_default=True,
+              envvar="BATCHGEN_SERVE_MAX_REQUESTS", help="Most requests in one batch (the Batch API's).")
+@_model_options
+@_device_option
+@_dtype_option
+@_generation_options
+@_max_batch_tokens_option
+@_min_shared_tokens_option
+@_commit_every_option
+@_threads_option
+@_window_options
+def serve(host, port, data, api_key, max_file_bytes, max_requests, model, trust_remote_code, adapters, device, dtype,
+          max_batch_tokens, min_shared_tokens, commit_every, threads, window_jobs, window_tokens, **gen):
+    """Serve OpenAI's Batch and Files API on your own model: upload a JSONL file, create a batch,
+    poll it, download its output and error files, with the `openai` client unchanged but for
+    base_url. Batches run one at a time, in creation order, through `process` (its checks,
+    committed parts and resume: kill the server at any moment and start it again on the same
+    --data, and every batch continues). The run options are every batch's defaults."""
+    from batchgen.pipeline.run.options import RunOptions
+    from batchgen.pipeline.batchapi.app import serve as run_serve
+    from batchgen.pipeline.batchapi.config import ServeConfig
+
+    _quiet_hub_progress()
+    options = RunOptions(model=model, device=device, dtype=dtype, defaults=_guard(_defaults, gen),
+                         max_batch_tokens=max_batch_tokens, min_shared_tokens=min_shared_tokens,
+                         trust_remote_code=trust_remote_code, commit_every=commit_every, threads=threads,
+                         window_jobs=window_jobs, window_tokens=window_tokens, adapters=tuple(adapters),
+                         output_format="openai")
+    _guard(run_serve, ServeConfig(data=data, options=options, host=host, port=port, api_key=api_key,
+                                  max_file_bytes=max_file_bytes, max_requests=max_requests))
 
 
 def script() -> None:

@@ -47,6 +47,11 @@ class RunOptions:
     # worker processes for `validate`'s and `plan`'s Python work on a big input (tokenizing plain
     # rows, planning windows: pipeline/run/workers.py); 0: none. The CLI gives one per core.
     workers: int = 0
+    # end the run now (`batchgen serve`'s cancel and expiry): nothing more is generated; each job not
+    # yet committed becomes an error row with this reason (jobs/openai_batch.NOT_RUN: its code and
+    # message), and the output is written from what is committed. Not a setting: the committed work
+    # it finishes is the same run's
+    finish_now: str | None = None
 
 
 def run_settings(options: RunOptions, model_name: str, precision: dict[str, str],

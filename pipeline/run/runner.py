@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 import pyarrow as pa
 
-from batchgen.jobs import (Job, JobError, errors_path, open_result_writer, summary_path,
+from batchgen.jobs import (InvalidRow, Job, JobError, errors_path, open_result_writer, summary_path,
                   write_summary)
 from batchgen.jobs.columns import ORDER
 from batchgen.jobs.openai_batch import request_key, whole_requests
@@ -167,6 +167,9 @@ class _Run:
         if report_invalid:
             committer.commit_invalid(checked.invalid.table(), done)
         todo = mine & ~done[checked.orders]
+        if options.finish_now is not None:  # cancelled or expired: what is not committed is not run
+            committer.commit_not_run(np.flatnonzero(todo), checked, options.finish_now)
+            todo = np.zeros_like(todo)
         total = int(mine.sum())
         pace = Progress(total - int(todo.sum()), total, total - int(todo.sum()), 0, 0, 0, 0.0)
         began = time.monotonic()
@@ -355,6 +358,15 @@ class _Committer:
             rows = invalid.slice(start, chunk).rename_columns([ORDER, "id", "location", "reason"]).to_pylist()
             self.store.commit([], rows, self.work())
             _fault("after-commit")
+
+    def commit_not_run(self, numbers: np.ndarray, checked: Checked, reason: str, chunk: int = 4096) -> None:
+        """Jobs `numbers` (job numbers) as error rows with `reason`, committed: a run ended before
+        they ran (RunOptions.finish_now), so each still lands exactly once."""
+        for start in range(0, len(numbers), chunk):
+            jobs = checked.spool.get(numbers[start:start + chunk].tolist())
+            rows = [{**InvalidRow(job.location, job.id, reason).to_row(), ORDER: int(checked.orders[n])}
+                    for n, job in jobs.items()]
+            self.store.commit([], rows, self.work())
 
     def work(self) -> dict[str, int]:
         current = work_of(self.engine.stats) if self.engine is not None else {}
