@@ -238,7 +238,8 @@ class _Keep:
             if self.digest is not None:  # the job set: every job that may run, tokenizable or not
                 self.digest.add(order, job)
             problem = InvalidRow(job.location, job.id, str(tokens)) if isinstance(tokens, TokenizerError) \
-                else token_problem(job, tokens, self.window) or generation_error(job, self.tokenizer, self.vocab)
+                else token_problem(job, tokens, self.window) or generation_error(job, self.tokenizer, self.vocab,
+                                                                             self.window)
             if problem is None:
                 kept.append((order, job, tokens))
                 continue
@@ -296,6 +297,8 @@ class JobDigest:
         item = [order, job.id, job.prompt, job.messages, job.extra, job.generation(), job.custom_id, job.prompt_index]
         if job.adapter is not None:  # (the digests of job sets without adapters stay what they were)
             item.append(job.adapter)
+        if job.then is not None:  # (likewise those without conversations)
+            item.append(["then", job.then])
         self._hash.update(json.dumps(item, sort_keys=True, default=str).encode() + b"\n")
 
     def hexdigest(self) -> str:
@@ -337,7 +340,7 @@ def vocab_size(config: Any) -> int | None:
 def make_requests(order: int, job: Job, tokens: JobTokens, tokenizer: Tokenizer, window: int | None,
                   run_seed: int | None, vocab: int | None = None, adapter: int = 0) -> list[Request] | InvalidRow:
     """A job's requests (pipeline/text/expand.py), with its adapter's index, or why it cannot run."""
-    problem = token_problem(job, tokens, window) or generation_error(job, tokenizer, vocab)
+    problem = token_problem(job, tokens, window) or generation_error(job, tokenizer, vocab, window)
     if problem is not None:
         return problem
     return job_requests(order, job, tokens, tokenizer, window, job_seed(run_seed, job), adapter)
@@ -355,15 +358,23 @@ def check_default_constraint(tokenizer: Tokenizer, options: RunOptions) -> None:
             raise OptionError(default.source or default.kind, f"cannot be used: {e}") from None
 
 
-def generation_error(job: Job, tokenizer: Tokenizer, vocab: int | None = None) -> InvalidRow | None:
+def generation_error(job: Job, tokenizer: Tokenizer, vocab: int | None = None,
+                     window: int | None = None) -> InvalidRow | None:
     """What the tokenizer refuses of a job's generation parameters: token ids (logit_bias,
-    stop_token_ids) outside the model's vocabulary, a constraint that does not compile for it."""
+    stop_token_ids) outside the model's vocabulary, a constraint that does not compile for it; a
+    conversation whose later turns do not render, or may outgrow the context `window`."""
     vocab = min(tokenizer.vocab_size, vocab or tokenizer.vocab_size)
     for name, ids in (("logit_bias", [t for t, _ in job.logit_bias]), ("stop_token_ids", job.stop_token_ids)):
         outside = [t for t in ids if t >= vocab]
         if outside:
             return InvalidRow(job.location, job.id, f"field '{name}' names token id {outside[0]}, outside the "
                                                     f"model's vocabulary of {vocab} tokens")
+    if job.then is not None:
+        from batchgen.pipeline.text.turns import conversation_problem
+
+        problem = conversation_problem(tokenizer, job, window)
+        if problem is not None:
+            return InvalidRow(job.location, job.id, problem)
     if job.constraint is not None:
         from batchgen.pipeline.text.grammar import GrammarError
 

@@ -20,7 +20,9 @@ from batchgen.pipeline.engine.types import RunStats
 # summary name -> RunStats field
 WORK_COUNTERS = {"prefill_tokens": "prefill_tokens", "decode_steps": "decode_steps", "batches": "batches",
                  "shared_prefixes": "prefix_nodes", "oom_splits": "oom_splits",
-                 "cascade_batches": "cascade_batches", "admitted_rows": "admitted_rows"}
+                 "cascade_batches": "cascade_batches", "admitted_rows": "admitted_rows",
+                 # conversations: turns after the first, prompt tokens kept in rows across turns, turns rerun
+                 "turns": "turns", "carried_tokens": "carried_tokens", "turn_reruns": "turn_reruns"}
 
 
 @dataclass
