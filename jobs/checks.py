@@ -142,9 +142,10 @@ class Checker:
                 roles = ", ".join(sorted(MESSAGE_ROLES))
                 raise self.fail(f"{where}.role", f"must be one of {roles}, got {show(role)}")
             content = msg.get("content")
-            if content is None:
+            if content is None and "content" in msg:
                 self._null_content(f"{where}.content", role, name, turns)
-            clean = {"role": role, "content": None if content is None else self._content(f"{where}.content", content)}
+            clean = {"role": role, "content": None if content is None and "content" in msg
+                     else self._content(f"{where}.content", content)}
             for key, extra in msg.items():
                 # Parquet structs fill absent members with null; drop those rather than fail.
                 if key in ("role", "content") or extra is None:
