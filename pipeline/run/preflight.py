@@ -69,6 +69,7 @@ class Checked:
     custom_ids: dict[int, tuple[str, int]]
     window: int | None = None  # the model's context window: a long prompt is scored in windows of it
     adapters: Adapters | None = None  # the run's adapters: each job's is resolved and checked
+    conversations: ConversationCounts | None = None  # the conversations among the jobs (`plan` reports them)
 
     def close(self) -> None:
         if self.spool is not None:
@@ -199,7 +200,8 @@ def check_inputs(inputs: list[str], options: RunOptions, purpose: str = "process
     index, digest = keep.index, keep.digest
     return Checked(rows.total, keep.invalid, np.frombuffer(keep.orders, dtype=np.int64),
                    index.build() if index is not None else None, keep.spool, rows.schema(), tokenizer,
-                   digest.hexdigest() if digest is not None else None, keep.custom_ids, window, adapters)
+                   digest.hexdigest() if digest is not None else None, keep.custom_ids, window, adapters,
+                   keep.conversations)
 
 
 class _Keep:
@@ -213,6 +215,7 @@ class _Keep:
         self.adapters = adapters
         self.plain_adapter = adapters.index_of(plain.template)  # plain rows run the default
         self.index, self.spool, self.digest = index, spool, digest
+        self.conversations = ConversationCounts()
         self.invalid = Problems()
         self.orders = array.array("q")
         self.custom_ids: dict[int, tuple[str, int]] = {}
@@ -275,6 +278,33 @@ class _Keep:
                 self.index.add_entries(e)
         if self.spool is not None:
             self.spool.add([j for _, j, _ in kept])
+        if self.index is not None:  # (`plan`, `process`)
+            for _, job, tokens in kept:
+                if job.then is not None:
+                    self.conversations.add(job, len(tokens.ids), self.tokenizer)
+
+
+@dataclass
+class ConversationCounts:
+    """The conversations among a run's jobs (pipeline/text/turns.py): how many, their samples'
+    turns, and the prefill their later turns need at least: what each later prompt adds besides
+    the replies, and each reply's last token (fed again: its logits start the next turn). The
+    replies' other tokens were fed as they were generated, and are not prefilled again."""
+
+    conversations: int = 0
+    turns: int = 0  # generated turns, every sample's
+    later_prefill_tokens: int = 0
+
+    def add(self, job: Job, first: int, tokenizer: Tokenizer) -> None:
+        from batchgen.pipeline.text.turns import full_length
+
+        self.conversations += 1
+        self.turns += job.turns * job.n
+        self.later_prefill_tokens += job.n * (full_length(tokenizer, job) - first + job.turns - 1)
+
+    def report(self) -> dict[str, int]:
+        return {"conversations": self.conversations, "turns": self.turns,
+                "later_turn_prefill_tokens": self.later_prefill_tokens}
 
 
 @dataclass

@@ -142,3 +142,19 @@ def test_bad_conversations_are_refused_with_their_location(tmp_path, model_dir):
     assert res.exit_code == 0, res.output
     assert [r["id"] for r in pq.read_table(out).to_pylist()] == [7]
     assert len(pq.read_table(str(out) + ".errors.parquet")) == 6
+
+
+def test_plan_reports_conversations_turns_and_the_expected_prefill(tmp_path, model_dir):
+    jobs = conversation_jobs()
+    src = write_jsonl(tmp_path / "jobs.jsonl", jobs)
+    res = run(["plan", str(src), "--json", "--max-new-tokens", "5", "--min-shared-tokens", "4"], model_dir)
+    report = json.loads(res.output)
+    assert report["conversations"] == 6 and report["turns"] == 2 + 3 * 2 + 2 + 2 + 3 + 2
+    assert report["expected_prefill_tokens"] == report["prefill_tokens"] + report["later_turn_prefill_tokens"]
+    # a run prefills that, but for replies whose re-tokenized text parts from the generated ids
+    out = tmp_path / "out.parquet"
+    run(["process", str(src), "-o", str(out), "--max-new-tokens", "5", "--min-shared-tokens", "4"], model_dir)
+    summary = json.loads((tmp_path / "out.parquet.summary.json").read_text())
+    assert report["expected_prefill_tokens"] <= summary["prefill_tokens"] <= report["expected_prefill_tokens"] + 4 * 9
+    text = run(["plan", str(src), "--max-new-tokens", "5"], model_dir).output
+    assert "conversations: 6   turns: 17" in text
