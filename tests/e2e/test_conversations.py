@@ -158,3 +158,37 @@ def test_plan_reports_conversations_turns_and_the_expected_prefill(tmp_path, mod
     assert report["expected_prefill_tokens"] <= summary["prefill_tokens"] <= report["expected_prefill_tokens"] + 4 * 9
     text = run(["plan", str(src), "--max-new-tokens", "5"], model_dir).output
     assert "conversations: 6   turns: 17" in text
+
+
+def single_turn_jobs(job_row, turns):
+    """Each turn of a conversation as an ordinary job: its conversation so far, earlier turns filled in."""
+    job = Job.from_row(job_row, Location("t"), GenerationDefaults(), 0)
+    out = []
+    for k in range(job.turns):
+        prompt, messages = render_turn(job, turns[:k])
+        row = {key: v for key, v in job_row.items() if key not in ("messages", "prompt", "then", "id")}
+        out.append({**row, "id": k, **({"prompt": prompt} if prompt is not None else {"messages": messages})})
+    return out
+
+
+def test_every_turn_follows_its_constraint_and_its_adapter(tmp_path, model_dir):
+    """Structured output holds per turn, and an adapter runs every turn: each turn is what the same
+    job, run alone on the conversation so far, gives."""
+    from tests.helpers.tiny_adapters import make_adapter
+
+    adapter = make_adapter(make_model("llama"), tmp_path / "lora", rank=4, seed=3)
+    engine = batchgen.Engine.load(str(model_dir), dtype="float32")
+    jobs = [{"id": "json", "messages": chat("Give a record.", "Another."), "regex": "[a-z]{2,4}!"},
+            {"id": "choice", "prompt": "Yes or no? ", "then": [" Sure? ", " Really? "], "choice": ["yes", "no"]},
+            {"id": "lora", "messages": chat("Hi.", "Go on."), "adapter": str(adapter)}]
+    rows = engine.generate(jobs, max_new_tokens=6, min_shared_tokens=4)
+    assert [r["error"] for r in rows] == [None] * 3
+    import re
+    assert all(re.fullmatch("[a-z]{2,4}!", t) for t in rows[0]["turns"])
+    assert len(rows[1]["turns"]) == 3 and set(rows[1]["turns"]) <= {"yes", "no"}
+    for spec, row in zip(jobs, rows):
+        alone = engine.generate(single_turn_jobs(spec, row["turns"]), max_new_tokens=6, min_shared_tokens=4)
+        assert [r["completion"] for r in alone] == row["turns"], spec["id"]
+        assert [r["finish_reason"] for r in alone] == row["turn_finish_reasons"], spec["id"]
+    base = engine.generate([{**jobs[2], "adapter": None}], max_new_tokens=6)
+    assert base[0]["turns"] != rows[2]["turns"]  # the adapter made a difference
