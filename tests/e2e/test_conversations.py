@@ -192,3 +192,33 @@ def test_every_turn_follows_its_constraint_and_its_adapter(tmp_path, model_dir):
         assert [r["finish_reason"] for r in alone] == row["turn_finish_reasons"], spec["id"]
     base = engine.generate([{**jobs[2], "adapter": None}], max_new_tokens=6)
     assert base[0]["turns"] != rows[2]["turns"]  # the adapter made a difference
+
+
+@pytest.mark.slow
+def test_the_default_model_answers_every_turn_as_generate_does(tmp_path):
+    """SmolLM2 (batchgen's own decoder) on two-turn questions under one system prompt, MT-bench's
+    shape; the reference is transformers' model code, uncached."""
+    from batchgen.pipeline.model.load import load_model
+
+    system = "You are a concise assistant. Answer in one sentence."
+    jobs = [{"id": f"q{i}", "messages": chat(a, b, system=system)} for i, (a, b) in enumerate([
+        ("Name a large river.", "Where does it end?"), ("What is rain?", "And snow?"),
+        ("Give me a colour.", "Why that one?")])]
+    src = write_jsonl(tmp_path / "jobs.jsonl", jobs)
+    out = tmp_path / "out.parquet"
+    res = CliRunner().invoke(main, ["process", str(src), "-o", str(out), "--max-new-tokens", "10",
+                                    "--min-shared-tokens", "2", "--device", "cpu", "--dtype", "float32"])
+    assert res.exit_code == 0, res.output
+    rows = pq.read_table(out).to_pylist()
+    model, source = load_model(None, "cpu", "float32", own_decoder=False)
+    eos = model.generation_config.eos_token_id
+    tok = Tokenizer.load(source)
+    for spec, row in zip(jobs, rows):
+        job = Job.from_row(spec, Location("t"), GenerationDefaults(max_new_tokens=10), 0)
+        for k in range(2):
+            _, messages = render_turn(job, row["turns"][:k])
+            want = reference_generate(model, Request(0, tok.encode_messages(messages), SamplingParams(10)),
+                                      eos if isinstance(eos, list) else [eos])
+            assert row["turns"][k] == tok.decode(want) and row["turn_completion_tokens"][k] == len(want), (spec["id"], k)
+    summary = json.loads((tmp_path / "out.parquet.summary.json").read_text())
+    assert summary["model_code"] == "batchgen" and summary["turns"] == 3 and summary["turn_reruns"] == 0
