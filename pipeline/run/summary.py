@@ -61,6 +61,9 @@ class JobCounts:
         self.rows += results.num_rows
         self.prompt_tokens += total(first, "prompt_tokens")
         self.cached_tokens += total(first, "cached_tokens")
+        if "turn_completion_tokens" in results.column_names:  # a conversation's row: every turn's tokens
+            self.completion_tokens += int(pc.sum(pc.list_flatten(results["turn_completion_tokens"])).as_py() or 0)
+            results = results.filter(pc.is_null(results["turn_completion_tokens"]))
         self.completion_tokens += total(results, "completion_tokens")
         if "adapter" in results.column_names and first.num_rows:
             for label, n in zip(*_value_counts(first["adapter"])):

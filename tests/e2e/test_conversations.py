@@ -103,6 +103,8 @@ def test_every_turn_equals_generate_on_the_conversation_so_far(tmp_path, model_d
     summary = json.loads((tmp_path / "out.parquet.summary.json").read_text())
     assert summary["turns"] == 1 + 2 * 2 + 1 + 1 + 2 + 1
     assert summary["turn_reruns"] == 0 and summary["carried_tokens"] > 0
+    # completion tokens: every turn's of a conversation
+    assert summary["completion_tokens"] == sum(sum(r["turn_completion_tokens"] or [r["completion_tokens"]]) for r in rows)
     # n = 2: each sample its own branch, from its first turn on (greedy: the same text)
     assert rows[1]["turns"] == rows[2]["turns"]
 
