@@ -107,6 +107,11 @@ def test_every_turn_equals_generate_on_the_conversation_so_far(tmp_path, model_d
     assert summary["completion_tokens"] == sum(sum(r["turn_completion_tokens"] or [r["completion_tokens"]]) for r in rows)
     # n = 2: each sample its own branch, from its first turn on (greedy: the same text)
     assert rows[1]["turns"] == rows[2]["turns"]
+    if template == "plain":  # turns that end by a stop string (its text cut: the next prompt parts from the
+        # generated ids), by EOS and by their length limit; one-token turns
+        assert rows[4]["turn_finish_reasons"][0] == "stop" and rows[4]["turn_completion_tokens"][0] < 5
+        assert "stop" in rows[1]["turn_finish_reasons"] and "length" in rows[1]["turn_finish_reasons"]
+        assert rows[3]["turn_completion_tokens"] == [1, 1]
 
 
 def test_the_python_api_gives_the_same_columns(tmp_path, model_dir):
