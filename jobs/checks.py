@@ -127,7 +127,9 @@ class Checker:
             raise self.fail(name, f"must be a non-empty string, got {show(value)}")
         return value
 
-    def messages(self, value: Any, name: str = "messages") -> list[dict[str, str]]:
+    def messages(self, value: Any, name: str = "messages", turns: bool = False) -> list[dict[str, Any]]:
+        """A chat's messages; with `turns`, an assistant message's content may be null: a turn to
+        generate (a conversation: pipeline/text/turns.py), else null content is refused."""
         if not isinstance(value, (list, tuple)) or not value:
             raise self.fail(name, f"must be a non-empty list of {{role, content}} objects, got {show(value)}")
         out: list[dict[str, str]] = []
@@ -139,7 +141,11 @@ class Checker:
             if role not in MESSAGE_ROLES:
                 roles = ", ".join(sorted(MESSAGE_ROLES))
                 raise self.fail(f"{where}.role", f"must be one of {roles}, got {show(role)}")
-            clean = {"role": role, "content": self._content(f"{where}.content", msg.get("content"))}
+            content = msg.get("content")
+            if content is None and "content" in msg:
+                self._null_content(f"{where}.content", role, name, turns)
+            clean = {"role": role, "content": None if content is None and "content" in msg
+                     else self._content(f"{where}.content", content)}
             for key, extra in msg.items():
                 # Parquet structs fill absent members with null; drop those rather than fail.
                 if key in ("role", "content") or extra is None:
@@ -149,6 +155,14 @@ class Checker:
                 clean[key] = extra
             out.append(clean)
         return out
+
+    def _null_content(self, name: str, role: str, field: str, turns: bool) -> None:
+        if not turns:  # an OpenAI Batch request: one request is one turn
+            raise self.fail(name, "is null: a Batch API request generates one reply, after all its messages; "
+                                  "write a conversation whose assistant turns are generated as a batchgen job "
+                                  "(messages with \"content\": null for each turn to generate)")
+        if role != "assistant":
+            raise self.fail(name, "is null, but only an assistant message's content may be null (a turn to generate)")
 
     def _content(self, name: str, value: Any) -> str:
         if isinstance(value, str):

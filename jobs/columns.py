@@ -38,6 +38,10 @@ OUTPUT_FIELDS: dict[str, tuple[pa.Field, ...]] = {
         pa.field("continuation", pa.string()), pa.field("logprob", pa.float64()), pa.field("tokens", pa.int64()),
         pa.field("is_greedy", pa.bool_())]))), pa.field("best_continuation", pa.string())),
     "adapter": (pa.field("adapter", pa.string()),),
+    # a conversation's every generated turn (its text as written, cut before a stop string), why
+    # each ended and its tokens; `completion` and its counts are the last turn's
+    "turns": (pa.field("turns", pa.list_(pa.string())), pa.field("turn_finish_reasons", pa.list_(pa.string())),
+              pa.field("turn_completion_tokens", pa.list_(pa.int64()))),
 }
 OUTPUT_COLUMNS = tuple(f.name for fields in OUTPUT_FIELDS.values() for f in fields)
 ORDER = "_batchgen_order"  # a row's position in the input (the runner's parts and the shard outputs carry it)

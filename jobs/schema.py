@@ -13,6 +13,7 @@ from typing import Any
 
 from .checks import MESSAGE_ROLES, TOO_DEEP, Checker, show, too_deep_field
 from .columns import CREATED, ORDER
+from .conversations import check_conversation, check_then, split_messages, then_with_chat
 from .errors import JobError, JobValidationError, Location, option
 from . import openai_limits
 from .params import (CONSTRAINTS, PARAMS, RESERVED, Constraint, choice_min_tokens, completions_logprobs, constraint,
@@ -25,7 +26,7 @@ COMPLETIONS_ENDPOINT = "/v1/completions"
 OPENAI_ENDPOINTS = (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT)
 
 # Keys that Job.from_row consumes (with every name in params.RESERVED); the rest go to `extra`.
-JOB_KEYS = ("id", "prompt", "messages", "continuations", "adapter") + PARAMS
+JOB_KEYS = ("id", "prompt", "messages", "continuations", "adapter", "then") + PARAMS
 _OPENAI_TOP_KEYS = ("custom_id", "method", "url", "body")
 # Body fields that describe a request without changing its output: accepted, not used.
 _OPENAI_INFO_KEYS = ("model", "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
@@ -33,7 +34,8 @@ _OPENAI_INFO_KEYS = ("model", "user", "metadata", "store", "service_tier", "prom
 # with them (the result columns, the input position that parts and shard outputs carry, and the
 # completion time that OpenAI output reports).
 RESERVED_COLUMNS = ("sample_index", "completion", "finish_reason", "prompt_tokens", "cached_tokens",
-                    "completion_tokens", "scores", "best_continuation", "prompt_index", "adapter", ORDER, CREATED)
+                    "completion_tokens", "scores", "best_continuation", "prompt_index", "adapter", "turns",
+                    "turn_finish_reasons", "turn_completion_tokens", ORDER, CREATED)
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -176,6 +178,14 @@ class Job:
     # an OpenAI request's body.model naming a registered adapter, else the run's default) and
     # the output's `adapter` column reports what ran
     adapter: str | None = None
+    # a conversation (jobs/conversations.py): what follows each generated turn but the last, the
+    # text of a prompt job's rounds or the messages of a chat job's; None: one turn
+    then: tuple[Any, ...] | None = None
+
+    @property
+    def turns(self) -> int:
+        """Turns generated: one, or one more than `then` has."""
+        return 1 + len(self.then or ())
 
     @property
     def is_chat(self) -> bool:
@@ -237,8 +247,8 @@ class Job:
         check.job_id = job_id
         # a generation parameter is used or refused, never carried through as a plain column
         params, spelled = split_fields(check, row, keys=[k for k in row if k in RESERVED])
-        extra = {k: v for k, v in row.items() if k not in ("id", "prompt", "messages", "continuations", "adapter")
-                 and k not in RESERVED}
+        extra = {k: v for k, v in row.items() if k not in ("id", "prompt", "messages", "continuations", "adapter",
+                                                             "then") and k not in RESERVED}
         _check_columns(check, extra)
         continuations = continuations_field(check, row.get("continuations"), params, spelled)
 
@@ -252,9 +262,12 @@ class Job:
             prompt = _fill_template(check, prompt_template, row)
         if continuations is not None:
             defaults = _SCORING_DEFAULTS
-        job = cls._build(check, job_id, prompt, messages, params, spelled, defaults, extra, system)
+        then = check_then(check, row.get("then"))
+        job = cls._build(check, job_id, prompt, messages, params, spelled, defaults, extra, system, then=then)
         job.continuations = continuations
         job.adapter = _check_adapter(check, row.get("adapter"))
+        if job.then is not None:
+            check_conversation(check, job, "then" if then is not None else "messages")
         return [job]
 
     @classmethod
@@ -324,14 +337,17 @@ class Job:
     def _build(cls, check: Checker, job_id: str | int, prompt: Any, messages: Any,
                params: Mapping[str, Any], spelled: Mapping[str, str], defaults: GenerationDefaults,
                extra: dict[str, Any], system: str | None, field_prefix: str = "",
-               prompt_field: str | None = None) -> Job:
+               prompt_field: str | None = None, then: tuple[str, ...] | None = None) -> Job:
         if (prompt is None) == (messages is None):
             which = "both" if prompt is not None else "neither"
             raise check.fail(None, f"row has {which} of 'prompt' and 'messages'; exactly one is required")
         if prompt is not None:
             prompt = check.prompt(prompt, prompt_field or field_prefix + "prompt")
-        else:
-            messages = check.messages(messages, field_prefix + "messages")
+        else:  # null contents (turns to generate) in batchgen's own rows only: a Batch request is one turn
+            messages = check.messages(messages, field_prefix + "messages", turns=not field_prefix)
+            if then is not None:
+                raise then_with_chat(check, system=False)
+            messages, then = split_messages(check, messages, field_prefix + "messages")
 
         # Per-row None means "use the default", same as leaving the key out.
         # the default seed is the run's seed, not each job's: a job without one derives its own from it
@@ -356,12 +372,14 @@ class Job:
 
         if system is not None:
             if messages is None:
+                if then is not None:
+                    raise then_with_chat(check, system=True)
                 messages = [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
                 prompt = None
             elif messages[0]["role"] not in ("system", "developer"):
                 messages = [{"role": "system", "content": system}, *messages]
         return cls(id=job_id, prompt=prompt, messages=messages, extra=extra,
-                   location=check.location, constraint=rule, **norm)
+                   location=check.location, constraint=rule, then=then, **norm)
 
 
 # The defaults a scoring job takes: the CLI's generation defaults (--logprobs, --n, a default

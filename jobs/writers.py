@@ -25,7 +25,7 @@ def outputs_of(job: Job) -> set[str]:
     """The optional result columns a job fills (OUTPUT_FIELDS' keys)."""
     return {name for name, on in (("prompt_index", job.prompt_index is not None), ("logprobs", job.logprobs),
                                   ("prompt_logprobs", job.prompt_logprobs), ("scores", job.is_scoring),
-                                  ("adapter", job.adapter is not None)) if on}
+                                  ("adapter", job.adapter is not None), ("turns", job.then is not None)) if on}
 
 
 def result_schema(extra_schema: pa.Schema | None, id_type: pa.DataType, created: bool = False,

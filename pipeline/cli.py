@@ -302,6 +302,11 @@ def plan(inputs, model, trust_remote_code, adapters, dataset, split, prompt_temp
     click.echo(f"prompt tokens: {report['prompt_tokens']}   prefill tokens: {report['prefill_tokens']}   "
                f"cached tokens: {report['cached_tokens']}   saving: {report['prefill_saving']:.1%}   "
                f"(radix-tree bound: {report['lower_bound']})")
+    if report.get("conversations"):
+        click.echo(f"conversations: {report['conversations']}   turns: {report['turns']}   later turns prefill at "
+                   f"least: {report['later_turn_prefill_tokens']}   expected prefill tokens: "
+                   f"{report['expected_prefill_tokens']} (the first turns' above, plus that; replies are decoded, "
+                   "never prefilled again)")
     for a in report.get("adapters", []):  # groups never span adapters: each has its own
         click.echo(f"adapter {a['adapter'] if a['adapter'] is not None else '(base model)'}: {a['jobs']} jobs   "
                    f"groups: {a['groups']}   prompt tokens: {a['prompt_tokens']}")

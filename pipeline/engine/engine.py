@@ -10,6 +10,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 import torch
 
 from batchgen.pipeline.engine.loop import Pass
+from batchgen.pipeline.engine.turns import Conversations
 from batchgen.pipeline.model.forward import EngineError, Forward  # noqa: F401  (EngineError: part of the engine's API)
 from batchgen.pipeline.model.hf import as_forward
 from batchgen.pipeline.model.kernels import warm_vector_math
@@ -55,7 +56,7 @@ class Engine:
 
     def plan(self, requests: Sequence[Request]) -> Plan:
         tree, shapes = tree_of((r.key, r.prompt_ids[: r.shared_len], r.fed_len, r.params.max_new_tokens,
-                                r.params.n, r.adapter) for r in requests)
+                                r.params.n, r.adapter, r.reserve) for r in requests)
         return plan(tree, shapes, min_shared_tokens=self.min_shared_tokens, max_batch_tokens=self.max_batch_tokens,
                     cascade=self.cascade)
 
@@ -64,8 +65,18 @@ class Engine:
         """Yield every sample of every request as it finishes (prefix order, not input order).
 
         Returns early, between steps, once `should_stop()` is true (preemption): rows in flight are
-        dropped, everything yielded so far is complete. The run's state is its own (`loop.Pass`)."""
-        yield from Pass(self, requests, self.plan(requests)).run(should_stop)
+        dropped, everything yielded so far is complete. The run's state is its own (`loop.Pass`).
+
+        A conversation (`Request.next_turn`) is yielded once per sample, with all its turns; a turn
+        that outgrew its row's slot reruns from its prompt in a later pass (`turns.py`)."""
+        conversations = Conversations()
+        pending, first = list(requests), True
+        while pending:
+            one = Pass(self, pending, self.plan(pending), conversations, first)
+            yield from one.run(should_stop)
+            if should_stop():
+                return
+            pending, first = one.later, False
 
     def forward(self, step: Step, keep: list[int]) -> torch.Tensor:
         """One forward over the step's flat tokens: the logits (N, V) at the token indices `keep`."""

@@ -37,7 +37,8 @@ from batchgen.pipeline.engine.rows import Fill, Live, Wanted, record_logprobs, t
 from batchgen.pipeline.engine.sampling import row_state, sample
 from batchgen.pipeline.engine.schedule import Plan, Prefix, Row
 from batchgen.pipeline.model.step import Decode, Segment, StaticDecode, Step, build
-from batchgen.pipeline.engine.types import Completion, Request, RunStats
+from batchgen.pipeline.engine.turns import Conversations, Turn, carry_point, root_of
+from batchgen.pipeline.engine.types import Completion, Request, RunStats, TurnError
 
 SCORED_ROWS = 512  # scored prompt positions per forward: their logits (rows x vocabulary) are held together
 
@@ -70,20 +71,26 @@ class Pass:
     """One `Engine.run`: its requests, its plan, its prefixes and its step size (halved on
     out-of-memory for the rest of this run only)."""
 
-    def __init__(self, engine: EngineView, requests: Sequence[Request], plan: Plan) -> None:
+    def __init__(self, engine: EngineView, requests: Sequence[Request], plan: Plan,
+                 conversations: Conversations | None = None, first: bool = True) -> None:
         self.engine, self.stats = engine, engine.stats
         self.device, self.dtype, self.layers = engine.device, engine.dtype, engine.layers
         self.eos, self.join, self.static_decode = engine.eos, engine.join, engine.static_decode
         self.default_seed = engine.default_seed
         self.step_tokens = engine.step_tokens  # tokens per forward; halves on out-of-memory
         self.requests = {r.key: r for r in requests}
+        # a conversation's later turn rerun in this pass (`turns.py`) is its sample's, as seeded
+        plan.rows = [replace(r, samples=range(r.key.sample, r.key.sample + 1)) if isinstance(r.key, Turn) else r
+                     for r in plan.rows]
         self.plan = plan
+        self.conversations = conversations or Conversations()
+        self.later: list[Request] = []  # conversations' turns that did not fit their slots: the next pass's
         self.prefixes: PrefixCache[Cached] = PrefixCache(plan.prefixes, self._new_prefix)
         self.scores = PrefixScores(plan, self.requests, self.prefixes)  # prompt logprobs kept on prefixes
         for r in requests:
-            self.stats.jobs += 1
-            self.stats.rows += r.params.n
-            self.stats.prompt_tokens += len(r.prompt_ids)
+            self.stats.jobs += first
+            self.stats.rows += r.params.n if first else 0
+            self.stats.prompt_tokens += len(r.prompt_ids) if first else 0  # (a later turn: counted as it was made)
 
     def run(self, should_stop: Callable[[], bool]) -> Iterator[Completion]:
         """Yield every sample of every request as it finishes; return early once `should_stop()`."""
@@ -131,7 +138,7 @@ class Pass:
             # a fill's samples share its last logits
             index = list(range(want.decode)) + [want.decode + i for i, f in enumerate(first) for _ in f.slots]
             running += self._fork(first, kv)
-            yield from self._sample(logits[index], running, kv)
+            yield from self._sample(logits[index], running, kv, filling)
         return False
 
     def _admit(self, queue: deque, kv: RowKV, filling: list[Fill], limit: int) -> int:
@@ -156,7 +163,7 @@ class Pass:
             queue.popleft()
         # neighbouring slots get rows of similar length: each decode attention call reads only as
         # far as the longest row of its run of slots
-        for row in sorted(rows, key=self.plan.extent):
+        for row in sorted(rows, key=self._extent):
             slots = kv.take(len(row.samples))
             if row.cached > row.anchored:  # a short nested prefix: its keys/values join the row's own
                 kv.copy_in(slots[0], self.prefixes[row.prefix].kv, row.anchored, row.cached)
@@ -164,6 +171,13 @@ class Pass:
             scores, greedy = self.scores.read(row, request)  # of its prompt tokens its prefixes hold
             filling.append(Fill(row, request, slots, scores=scores, greedy=greedy))
         return sum(len(r.samples) for r in rows)
+
+    def _extent(self, row: Row) -> int:
+        """Own tokens a row holds at most (`Plan.extent`; a conversation's later turn: its own)."""
+        if row.key in self.plan.shapes:
+            return self.plan.extent(row)
+        q = self.requests[row.key]
+        return len(q.prompt_ids) - row.anchored + q.params.max_new_tokens + q.reserve
 
     def _layout(self, running: list[Live], filling: list[Fill], kv: RowKV,
                 static: StaticDecode | None) -> tuple[Step, Wanted]:
@@ -248,8 +262,9 @@ class Pass:
                                 f if q.score_from is not None else None))
         return out
 
-    def _sample(self, logits: torch.Tensor, running: list[Live], kv: RowKV) -> Iterator[Completion]:
-        """The next token of every running row (logits (len(running), V), in order); finished rows leave."""
+    def _sample(self, logits: torch.Tensor, running: list[Live], kv: RowKV, filling: list[Fill]) -> Iterator[Completion]:
+        """The next token of every running row (logits (len(running), V), in order); finished rows
+        leave (a conversation's sample goes on in its slot with its next turn: `filling`)."""
         # one pass: each row's argmax, and whether a NaN or inf shows (a float16 sum overflows)
         fast = native.greedy(logits)
         if fast is None:
@@ -273,7 +288,11 @@ class Pass:
                 yield self._finish(r, kv, "error", r.state.error)
                 continue
             reason = self._finish_reason(r, tok)
-            if reason:
+            if reason and r.request.next_turn is not None:
+                done = self._next_turn(r, kv, reason, filling)
+                if done is not None:
+                    yield done
+            elif reason:
                 yield self._finish(r, kv, reason)
             else:
                 keep.append(r)
@@ -293,12 +312,55 @@ class Pass:
         if kv is not None:
             kv.free(r.slot)
         self._release(r.row, 1)
+        return self.conversations.last(r.request, self._completion(r, reason, error))
+
+    def _completion(self, r: Live, reason: str, error: str | None = None) -> Completion:
+        """A sample's turn as it ends (under its request's own key and sample index), counted."""
         self.stats.completion_tokens += len(r.tokens)
-        if r.sample == 0:  # once per job, and not again if an out-of-memory retry reruns it
-            self.stats.cached_tokens += r.row.cached
-        return Completion(r.request.key, r.sample, r.tokens, reason, len(r.request.prompt_ids), r.row.cached, error,
+        if r.sample == 0 and not isinstance(r.request.key, Turn):  # once per job, and not again if an
+            self.stats.cached_tokens += r.row.cached  # out-of-memory retry reruns it; a later turn is not a job
+        key, sample = root_of(r.request.key, r.sample)
+        return Completion(key, sample, r.tokens, reason, len(r.request.prompt_ids), r.row.cached, error,
                           logprobs=r.logprobs, prompt_logprobs=r.prompt.scores if r.prompt else None,
                           prompt_greedy=r.prompt.greedy if r.prompt else None)
+
+    def _next_turn(self, r: Live, kv: RowKV, reason: str, filling: list[Fill]) -> Completion | None:
+        """A conversation's sample ended a turn: its next turn keeps the slot's keys and values up to
+        where its prompt parts from them and prefills the rest there (`turns.py`), or, where it does
+        not fit the slot, reruns in the next pass. Returns the sample's completion, with all its
+        turns, when this was its last (or the next could not be made)."""
+        q = r.request
+        done = self._completion(r, reason)
+        root = (done.key, done.sample_index)
+        try:
+            nxt = q.next_turn(done.sample_index, list(r.tokens), reason)
+        except TurnError as e:
+            nxt, done.finish_reason, done.error = None, "error", str(e)
+        if nxt is None:
+            kv.free(r.slot)
+            self._release(r.row, 1)
+            return self.conversations.last(q, done)
+        self.conversations.record(root, done)
+        nxt = self.conversations.keyed(root, nxt)
+        self.requests[nxt.key] = nxt
+        self.stats.turns += 1
+        self.stats.prompt_tokens += len(nxt.prompt_ids)
+        row = Row(nxt.key, range(r.sample, r.sample + 1), r.row.prefix, r.row.cached, r.row.anchor, r.row.anchored)
+        held = q.prompt_ids[: q.fed_len] + r.tokens[:-1]  # what the slot holds (the last token was never fed)
+        if kv.lens[r.slot] != len(held) - row.anchored:
+            raise AssertionError(f"slot {r.slot} holds {kv.lens[r.slot]} tokens, its row {len(held) - row.anchored}")
+        keep = carry_point(held, nxt.prompt_ids)
+        own = len(nxt.prompt_ids) - row.anchored + nxt.params.max_new_tokens  # its slot's tokens at most this turn
+        if keep < row.cached or own > kv.capacity:  # it parts in its shared prefix, or outgrows the slot
+            kv.free(r.slot)
+            self._release(r.row, 1)
+            self.stats.turn_reruns += 1
+            self.later.append(nxt)
+            return None
+        kv.cut(r.slot, keep - row.anchored)
+        self.stats.carried_tokens += keep
+        filling.append(Fill(row, nxt, [r.slot], fed=keep - row.cached))
+        return None
 
     def _release(self, row: Row, count: int) -> None:
         if row.prefix is not None:

@@ -32,6 +32,7 @@ class JobShape:
     prompt_len: int
     max_new_tokens: int
     n: int = 1
+    reserve: int = 0  # own tokens beyond these: a conversation's later turns (`Request.reserve`)
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ class Plan:
     def extent(self, row: Row) -> int:
         """Own tokens a row holds at most: copied, suffix and generated."""
         shape = self.shapes[row.key]
-        return shape.prompt_len - row.anchored + shape.max_new_tokens
+        return shape.prompt_len - row.anchored + shape.max_new_tokens + shape.reserve
 
     def prefill_tokens(self) -> int:
         """Tokens the engine runs through the model in prefill: each prefix once, each row's suffix."""
@@ -94,15 +95,15 @@ class Plan:
 
 def tree_of(jobs: Iterable[tuple]) -> tuple[PrefixTree, dict[Hashable, JobShape]]:
     """The tree the engine plans over, from (key, shareable ids, prompt length, max new tokens, n
-    [, adapter]) per job: the ids a shared prefix may hold are the prompt minus its last token
+    [, adapter [, reserve]]) per job: the ids a shared prefix may hold are the prompt minus its last token
     (whose logits start generation), or less for a request that runs less (`types.shared_length`);
     weighted by the job's samples; under its adapter's root (0, the default: the base model)."""
     tree, shapes = PrefixTree(), {}
-    for key, shared, prompt_len, max_new, n, *adapter in jobs:
+    for key, shared, prompt_len, max_new, n, *rest in jobs:
         if not prompt_len:
             raise ValueError(f"request {key!r} has an empty prompt")
-        tree.insert(key, shared, weight=n, adapter=adapter[0] if adapter else 0)
-        shapes[key] = JobShape(prompt_len, max_new, n)
+        tree.insert(key, shared, weight=n, adapter=rest[0] if rest else 0)
+        shapes[key] = JobShape(prompt_len, max_new, n, rest[1] if len(rest) > 1 else 0)
     return tree, shapes
 
 

@@ -14,6 +14,17 @@ if TYPE_CHECKING:
 StopCheck = Callable[[list[int]], bool]
 # Makes a fresh grammar matcher for one sample of a constrained request (each sample has its own).
 MatcherFactory = Callable[[], "Matcher"]
+# A conversation's next turn, called as a sample's turn ends with (its sample index, the turn's
+# generated ids, its finish reason "stop" or "length"): the next turn's request, whose prompt is
+# the whole conversation so far as the caller renders it (the engine cuts the row's keys and
+# values at their longest common prefix with it and prefills only the rest), or None when the
+# conversation is over. It raises `TurnError` when no next turn can be made (the sample fails).
+NextTurn = Callable[[int, list[int], str], "Request | None"]
+
+
+class TurnError(Exception):
+    """A conversation's next turn cannot be made (its prompt outgrows the context window, say):
+    that sample fails alone, with this message."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,11 @@ class Request:
     # 0 the base model. A prefix's keys and values depend on it: requests share prefixes only
     # with requests of the same adapter
     adapter: int = 0
+    # a conversation: its next turn, made when a sample's turn ends (`NextTurn`); None: one turn
+    next_turn: NextTurn | None = None
+    # own tokens a row may need beyond its prompt and max_new_tokens: a conversation's later turns,
+    # which continue in its slot (a turn that outgrows it reruns its prompt in a later pass)
+    reserve: int = 0
 
     @property
     def fed_len(self) -> int:
@@ -125,6 +141,8 @@ class Completion:
     logprobs: list[TokenLogprob] | None = None  # per generated token, when the request asked
     prompt_logprobs: list[float] | None = None  # per scored prompt token (score_from on)
     prompt_greedy: list[bool] | None = None  # whether each scored prompt token was the argmax there
+    # a conversation's sample: each of its turns' completions, in order, this one (its last) included
+    turns: list["Completion"] | None = None
 
 
 @dataclass
@@ -147,6 +165,9 @@ class RunStats:
     pytorch_attention_layers: int = 0  # ... and through PyTorch's
     own_decoder_forwards: int = 0  # forwards through batchgen's own decoder (pipeline/model/decoder.py) ...
     transformers_forwards: int = 0  # ... and through transformers' model code
+    turns: int = 0  # conversations' turns after their first, each from the conversation so far
+    carried_tokens: int = 0  # of their prompts, tokens whose keys and values the row kept from its last turn
+    turn_reruns: int = 0  # turns that did not fit their row's slot: prefilled again in a later pass
 
     def add(self, other: "RunStats") -> None:
         for name in self.__dataclass_fields__:

@@ -115,6 +115,13 @@ class RowKV:
         """A forward wrote `n` more of the slot's tokens: they count from now on."""
         self.lens[slot] += n
 
+    def cut(self, slot: int, n: int) -> None:
+        """The slot keeps only its first `n` tokens (a conversation's next turn parts from it
+        there): the rest are masked from now on and overwritten as it goes on."""
+        if not 0 <= n <= self.lens[slot]:
+            raise ValueError(f"cannot cut a slot of {self.lens[slot]} tokens to {n}")
+        self.lens[slot] = n
+
     def copy_in(self, slot: int, prefix: PrefixKV, start: int, end: int) -> None:
         """Tokens [start, end) of a cached prefix (it holds them: start >= prefix.base) become the
         slot's first own tokens."""

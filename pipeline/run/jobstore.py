@@ -75,8 +75,8 @@ class JobSpool:
         # the text goes; the endpoint it implies stays (the OpenAI writer reports it). A scoring
         # job keeps it (its pairs are split again from the text), and so does a job that scores
         # its prompt (echo writes the prompt back; scored alone, the index holds less than its
-        # prompt: `expand.whole_key`)
-        blobs = [pickle.dumps(j if j.is_scoring or j.prompt_logprobs else
+        # prompt: `expand.whole_key`), and so does a conversation (its later turns are rendered from it)
+        blobs = [pickle.dumps(j if j.is_scoring or j.prompt_logprobs or j.then is not None else
                               replace(j, prompt=None, messages=None, endpoint=j.openai_endpoint),
                               protocol=pickle.HIGHEST_PROTOCOL) for j in jobs]
         for b in blobs:

@@ -46,10 +46,17 @@ def describe(inputs: Sequence[str], defaults: GenerationDefaults, *, model: str 
     # `workers` processes tokenize a big input, then plan its windows
     with Workers(workers) if workers else nullcontext() as pool:
         checked = check_inputs(list(inputs), options, purpose="plan", workers=pool)
-        return summarize(checked.index, invalid=len(checked.invalid), min_shared_tokens=min_shared_tokens,
-                         max_batch_tokens=max_batch_tokens, top=top, decode=checked.tokenizer.decode,
-                         window_jobs=window_jobs, window_tokens=window_tokens, labels=checked.adapters.labels(),
-                         workers=pool)
+        report = summarize(checked.index, invalid=len(checked.invalid), min_shared_tokens=min_shared_tokens,
+                           max_batch_tokens=max_batch_tokens, top=top, decode=checked.tokenizer.decode,
+                           window_jobs=window_jobs, window_tokens=window_tokens, labels=checked.adapters.labels(),
+                           workers=pool)
+    talks = checked.conversations
+    if talks is not None and talks.conversations:
+        # the index holds each conversation's first turn (the tree shares it); its later turns
+        # prefill at least what each later prompt adds besides the replies (`ConversationCounts`)
+        report.update(talks.report())
+        report["expected_prefill_tokens"] = report["prefill_tokens"] + talks.later_prefill_tokens
+    return report
 
 
 def summarize(index: PrefixIndex, *, invalid: int = 0, min_shared_tokens: int = MIN_SHARED_TOKENS,

@@ -69,6 +69,7 @@ class Checked:
     custom_ids: dict[int, tuple[str, int]]
     window: int | None = None  # the model's context window: a long prompt is scored in windows of it
     adapters: Adapters | None = None  # the run's adapters: each job's is resolved and checked
+    conversations: ConversationCounts | None = None  # the conversations among the jobs (`plan` reports them)
 
     def close(self) -> None:
         if self.spool is not None:
@@ -199,7 +200,8 @@ def check_inputs(inputs: list[str], options: RunOptions, purpose: str = "process
     index, digest = keep.index, keep.digest
     return Checked(rows.total, keep.invalid, np.frombuffer(keep.orders, dtype=np.int64),
                    index.build() if index is not None else None, keep.spool, rows.schema(), tokenizer,
-                   digest.hexdigest() if digest is not None else None, keep.custom_ids, window, adapters)
+                   digest.hexdigest() if digest is not None else None, keep.custom_ids, window, adapters,
+                   keep.conversations)
 
 
 class _Keep:
@@ -213,6 +215,7 @@ class _Keep:
         self.adapters = adapters
         self.plain_adapter = adapters.index_of(plain.template)  # plain rows run the default
         self.index, self.spool, self.digest = index, spool, digest
+        self.conversations = ConversationCounts()
         self.invalid = Problems()
         self.orders = array.array("q")
         self.custom_ids: dict[int, tuple[str, int]] = {}
@@ -238,7 +241,8 @@ class _Keep:
             if self.digest is not None:  # the job set: every job that may run, tokenizable or not
                 self.digest.add(order, job)
             problem = InvalidRow(job.location, job.id, str(tokens)) if isinstance(tokens, TokenizerError) \
-                else token_problem(job, tokens, self.window) or generation_error(job, self.tokenizer, self.vocab)
+                else token_problem(job, tokens, self.window) or generation_error(job, self.tokenizer, self.vocab,
+                                                                             self.window)
             if problem is None:
                 kept.append((order, job, tokens))
                 continue
@@ -274,6 +278,33 @@ class _Keep:
                 self.index.add_entries(e)
         if self.spool is not None:
             self.spool.add([j for _, j, _ in kept])
+        if self.index is not None:  # (`plan`, `process`)
+            for _, job, tokens in kept:
+                if job.then is not None:
+                    self.conversations.add(job, len(tokens.ids), self.tokenizer)
+
+
+@dataclass
+class ConversationCounts:
+    """The conversations among a run's jobs (pipeline/text/turns.py): how many, their samples'
+    turns, and the prefill their later turns need at least: what each later prompt adds besides
+    the replies, and each reply's last token (fed again: its logits start the next turn). The
+    replies' other tokens were fed as they were generated, and are not prefilled again."""
+
+    conversations: int = 0
+    turns: int = 0  # generated turns, every sample's
+    later_prefill_tokens: int = 0
+
+    def add(self, job: Job, first: int, tokenizer: Tokenizer) -> None:
+        from batchgen.pipeline.text.turns import full_length
+
+        self.conversations += 1
+        self.turns += job.turns * job.n
+        self.later_prefill_tokens += job.n * (full_length(tokenizer, job) - first + job.turns - 1)
+
+    def report(self) -> dict[str, int]:
+        return {"conversations": self.conversations, "turns": self.turns,
+                "later_turn_prefill_tokens": self.later_prefill_tokens}
 
 
 @dataclass
@@ -296,6 +327,8 @@ class JobDigest:
         item = [order, job.id, job.prompt, job.messages, job.extra, job.generation(), job.custom_id, job.prompt_index]
         if job.adapter is not None:  # (the digests of job sets without adapters stay what they were)
             item.append(job.adapter)
+        if job.then is not None:  # (likewise those without conversations)
+            item.append(["then", job.then])
         self._hash.update(json.dumps(item, sort_keys=True, default=str).encode() + b"\n")
 
     def hexdigest(self) -> str:
@@ -337,7 +370,7 @@ def vocab_size(config: Any) -> int | None:
 def make_requests(order: int, job: Job, tokens: JobTokens, tokenizer: Tokenizer, window: int | None,
                   run_seed: int | None, vocab: int | None = None, adapter: int = 0) -> list[Request] | InvalidRow:
     """A job's requests (pipeline/text/expand.py), with its adapter's index, or why it cannot run."""
-    problem = token_problem(job, tokens, window) or generation_error(job, tokenizer, vocab)
+    problem = token_problem(job, tokens, window) or generation_error(job, tokenizer, vocab, window)
     if problem is not None:
         return problem
     return job_requests(order, job, tokens, tokenizer, window, job_seed(run_seed, job), adapter)
@@ -355,15 +388,23 @@ def check_default_constraint(tokenizer: Tokenizer, options: RunOptions) -> None:
             raise OptionError(default.source or default.kind, f"cannot be used: {e}") from None
 
 
-def generation_error(job: Job, tokenizer: Tokenizer, vocab: int | None = None) -> InvalidRow | None:
+def generation_error(job: Job, tokenizer: Tokenizer, vocab: int | None = None,
+                     window: int | None = None) -> InvalidRow | None:
     """What the tokenizer refuses of a job's generation parameters: token ids (logit_bias,
-    stop_token_ids) outside the model's vocabulary, a constraint that does not compile for it."""
+    stop_token_ids) outside the model's vocabulary, a constraint that does not compile for it; a
+    conversation whose later turns do not render, or may outgrow the context `window`."""
     vocab = min(tokenizer.vocab_size, vocab or tokenizer.vocab_size)
     for name, ids in (("logit_bias", [t for t, _ in job.logit_bias]), ("stop_token_ids", job.stop_token_ids)):
         outside = [t for t in ids if t >= vocab]
         if outside:
             return InvalidRow(job.location, job.id, f"field '{name}' names token id {outside[0]}, outside the "
                                                     f"model's vocabulary of {vocab} tokens")
+    if job.then is not None:
+        from batchgen.pipeline.text.turns import conversation_problem
+
+        problem = conversation_problem(tokenizer, job, window)
+        if problem is not None:
+            return InvalidRow(job.location, job.id, problem)
     if job.constraint is not None:
         from batchgen.pipeline.text.grammar import GrammarError
 

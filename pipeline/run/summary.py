@@ -25,7 +25,9 @@ from batchgen.pipeline.engine.types import RunStats
 # summary name -> RunStats field
 WORK_COUNTERS = {"prefill_tokens": "prefill_tokens", "decode_steps": "decode_steps", "batches": "batches",
                  "shared_prefixes": "prefix_nodes", "oom_splits": "oom_splits",
-                 "cascade_batches": "cascade_batches", "admitted_rows": "admitted_rows"}
+                 "cascade_batches": "cascade_batches", "admitted_rows": "admitted_rows",
+                 # conversations: turns after the first, prompt tokens kept in rows across turns, turns rerun
+                 "turns": "turns", "carried_tokens": "carried_tokens", "turn_reruns": "turn_reruns"}
 
 
 @dataclass
@@ -64,6 +66,9 @@ class JobCounts:
         self.rows += results.num_rows
         self.prompt_tokens += total(first, "prompt_tokens")
         self.cached_tokens += total(first, "cached_tokens")
+        if "turn_completion_tokens" in results.column_names:  # a conversation's row: every turn's tokens
+            self.completion_tokens += int(pc.sum(pc.list_flatten(results["turn_completion_tokens"])).as_py() or 0)
+            results = results.filter(pc.is_null(results["turn_completion_tokens"]))
         self.completion_tokens += total(results, "completion_tokens")
         if "adapter" in results.column_names and first.num_rows:
             for label, n in zip(*_value_counts(first["adapter"])):

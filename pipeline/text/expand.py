@@ -28,6 +28,7 @@ import numpy as np
 from batchgen.jobs import InvalidRow, Job
 from batchgen.pipeline.text.scoring import continuation_requests, prompt_requests
 from batchgen.pipeline.text.tokenize import Tokenizer, TokenizerError
+from batchgen.pipeline.text.turns import first_request
 from batchgen.pipeline.engine.types import Completion, Request, RequestShape, SamplingParams, fed_length
 
 
@@ -124,6 +125,9 @@ def job_requests(order: int, job: Job, tokens: JobTokens, tokenizer: Tokenizer, 
         request.stop = tokenizer.stop_check(job.stop)
         # compiled once per distinct constraint (the generation checks just did)
         request.grammar = tokenizer.grammars.factory(job.constraint) if job.constraint is not None else None
+        if job.then is not None:  # a conversation: each turn's request makes the next (pipeline/text/turns.py)
+            requests[0] = first_request(order, job, request.prompt_ids, tokenizer, window, request.params, adapter,
+                                        request.stop, request.grammar)
     return requests
 
 

@@ -48,7 +48,18 @@ def result_rows(job: Job, completions: list[Completion], tokenizer: Tokenizer) -
             "prompt_logprobs": [None, *c.prompt_logprobs] if job.prompt_logprobs else None,
             "logprobs": token_logprobs(c.logprobs, tokenizer) if job.logprobs else None,
         })
+        if job.then is not None:
+            rows[-1].update(turn_columns(job, c, tokenizer))
     return rows
+
+
+def turn_columns(job: Job, completion: Completion, tokenizer: Tokenizer) -> dict[str, Any]:
+    """A conversation's sample: each turn's text as written (as the next turn read it), why it
+    ended, and its tokens; the row's `completion` is the last turn's."""
+    texts = [tokenizer.completion_text(t.token_ids, job.stop) for t in completion.turns]
+    return {"turns": [text for text, _ in texts],
+            "turn_finish_reasons": ["stop" if stopped else t.finish_reason for (_, stopped), t in zip(texts, completion.turns)],
+            "turn_completion_tokens": [len(t.token_ids) for t in completion.turns]}
 
 
 def token_logprobs(logprobs: list[TokenLogprob], tokenizer: Tokenizer) -> list[dict[str, Any]]:

@@ -1,0 +1,159 @@
+"""Conversations: every turn in one batchgen run, against one batchgen run per turn.
+
+The user's recipe before conversations: run batchgen on turn 1, fill its answers in, run again on
+turn 2 with the whole history, and so on, so every run prefills each conversation's whole history
+again. `one run` gives batchgen the conversations with `"content": null` turns and generates every
+turn in one process, each row keeping its keys and values across its turns. Both are whole
+processes (`python -m batchgen process`), taking turns (one run, per turn, one run, ...) `--turns`
+times, since this machine's speed drifts; a table gives each system's medians and the ratio turn
+by turn. Greedy, float32: the per-turn runs' answers must equal the one run's turns (the check is
+printed).
+
+Workloads (real English text, bench/corpus.py; `--conversations` and `--max-new-tokens` scale them):
+  mtbench   two-turn questions under one system prompt (MT-bench's shape: FastChat's
+            gen_model_answer answers turn 1, appends it, asks turn 2)
+  turns8    8-turn conversations, a user message of 20-60 tokens a turn
+
+Columns: wall seconds (exec to exit, summed over a system's processes), prefill tokens (the
+summaries' `prefill_tokens`, summed), and prefill over the sum of each conversation's final
+context (its last turn's prompt tokens): 1.0 would be every context token prefilled once.
+
+    python -m bench.bench_conversations --workloads mtbench,turns8 --turns 3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench import corpus
+
+SYSTEM = ("You are a helpful assistant. Answer the user's questions accurately and briefly, in plain "
+          "English, and say so when you are not sure.")
+
+
+def mtbench(conversations: int, max_new_tokens: int, seed: int = 0) -> list[dict]:
+    text = corpus._Text(seed + 7)
+    rows = []
+    for i in range(conversations):
+        first = text.about(text.log_uniform(25, 90)) + " Explain this briefly."
+        second = "Now " + text.about(text.log_uniform(15, 40)).lower() + " How does that change your answer?"
+        rows.append({"id": f"mt{i}", "max_new_tokens": max_new_tokens, "messages": [
+            {"role": "system", "content": SYSTEM}, {"role": "user", "content": first},
+            {"role": "assistant", "content": None}, {"role": "user", "content": second},
+            {"role": "assistant", "content": None}]})
+    return rows
+
+
+def turns8(conversations: int, max_new_tokens: int, seed: int = 0, turns: int = 8) -> list[dict]:
+    text = corpus._Text(seed + 8)
+    rows = []
+    for i in range(conversations):
+        messages = [{"role": "system", "content": SYSTEM}]
+        for _ in range(turns):
+            messages += [{"role": "user", "content": text.about(text.log_uniform(20, 60))},
+                         {"role": "assistant", "content": None}]
+        rows.append({"id": f"c{i}", "max_new_tokens": max_new_tokens, "messages": messages})
+    return rows
+
+
+WORKLOADS = {"mtbench": (mtbench, 80), "turns8": (turns8, 8)}
+
+
+def write(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def batchgen(jobs: Path, out: Path, args: list[str]) -> tuple[float, dict, list[dict]]:
+    """One whole `batchgen process`: its wall seconds, summary and output rows."""
+    import pyarrow.parquet as pq
+
+    began = time.monotonic()
+    subprocess.run([sys.executable, "-m", "batchgen", "process", str(jobs), "-o", str(out), "--overwrite", *args],
+                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wall = time.monotonic() - began
+    return wall, json.loads(Path(str(out) + ".summary.json").read_text()), pq.read_table(out).to_pylist()
+
+
+def one_run(jobs: list[dict], work: Path, args: list[str]) -> dict:
+    wall, summary, rows = batchgen(write(work / "all.jsonl", jobs), work / "all.parquet", args)
+    return {"wall": wall, "prefill": summary["prefill_tokens"], "runs": 1,
+            "turns": {r["id"]: r["turns"] for r in rows},
+            "context": sum(r["prompt_tokens"] for r in rows)}
+
+
+def per_turn(jobs: list[dict], work: Path, args: list[str]) -> dict:
+    """Turn k's run: each conversation's messages up to its k-th turn to generate, the earlier
+    ones filled in with the answers the earlier runs wrote."""
+    answers: dict[str, list[str]] = {j["id"]: [] for j in jobs}
+    wall = prefill = runs = context = 0
+    turns = max(sum(m["content"] is None for m in j["messages"]) for j in jobs)
+    for k in range(turns):
+        batch = []
+        for j in jobs:
+            messages, seen = [], 0
+            for m in j["messages"]:
+                if m["content"] is None:
+                    if seen == k:
+                        break
+                    m = {"role": "assistant", "content": answers[j["id"]][seen]}
+                    seen += 1
+                messages.append(m)
+            batch.append({"id": j["id"], "max_new_tokens": j["max_new_tokens"], "messages": messages})
+        w, summary, rows = batchgen(write(work / f"turn{k}.jsonl", batch), work / f"turn{k}.parquet", args)
+        wall, prefill, runs = wall + w, prefill + summary["prefill_tokens"], runs + 1
+        for r in rows:
+            answers[r["id"]].append(r["completion"])
+        context = sum(r["prompt_tokens"] for r in rows)  # the last run's: each conversation's final context
+    return {"wall": wall, "prefill": prefill, "runs": runs, "turns": answers, "context": context}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default="mtbench,turns8")
+    parser.add_argument("--turns", type=int, default=2, help="alternations of the two systems")
+    parser.add_argument("--conversations", type=int, default=None, help="per workload (default: 80 and 8)")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--json", default=None, help="also write the results here")
+    opts = parser.parse_args()
+    args = ["--dtype", "float32", "--min-shared-tokens", "8"]
+    cpu = next((line.split(":", 1)[1].strip() for line in subprocess.run(
+        ["lscpu"], capture_output=True, text=True).stdout.splitlines() if line.startswith("Model name")), "?")
+    print(f"CPU: {cpu}; {os.cpu_count()} CPUs; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    results = {}
+    for name in opts.workloads.split(","):
+        build, count = WORKLOADS[name]
+        jobs = build(opts.conversations or count, opts.max_new_tokens)
+        runs: dict[str, list[dict]] = {"one run": [], "per turn": []}
+        with tempfile.TemporaryDirectory() as tmp:
+            for t in range(opts.turns):
+                order = [("one run", one_run), ("per turn", per_turn)]
+                for label, system in (order if t % 2 == 0 else order[::-1]):
+                    runs[label].append(system(jobs, Path(tmp), args))
+        one, per = runs["one run"], runs["per turn"]
+        same = sum(a == b for r1, r2 in zip(one, per) for a, b in zip(
+            (r1["turns"][j["id"]] for j in jobs), (r2["turns"][j["id"]] for j in jobs)))
+        ratio = statistics.median(p["wall"] / o["wall"] for o, p in zip(one, per))
+        print(f"\n{name}: {len(jobs)} conversations, {sum(len(x) for x in one[0]['turns'].values())} turns, "
+              f"max_new_tokens {opts.max_new_tokens}; conversations equal in both: {same} of {len(jobs) * len(one)}")
+        print("| system | processes | wall s (median) | prefill tokens | prefill / final contexts |")
+        print("|---|---:|---:|---:|---:|")
+        for label, got in runs.items():
+            print(f"| {label} | {got[0]['runs']} | {statistics.median(r['wall'] for r in got):.1f} | "
+                  f"{got[0]['prefill']:,} | {got[0]['prefill'] / got[0]['context']:.2f} |")
+        print(f"one run faster by {ratio:.2f}x (median of per-turn ratios over {len(one)} alternations)")
+        results[name] = {"cpu": cpu, "runs": {k: [{x: r[x] for x in ("wall", "prefill", "runs", "context")} for r in v]
+                                              for k, v in runs.items()}, "speedup": ratio, "equal": same}
+    if opts.json:
+        Path(opts.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
