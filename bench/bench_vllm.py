@@ -1,0 +1,177 @@
+"""batchgen with `--engine vllm` against vLLM's own offline paths, whole process against whole process.
+
+Systems, each its own process, in alternating turns (A B C, B C A, ...: this machine's speed drifts):
+  batchgen-vllm   `batchgen process --engine vllm --vllm bench/vllm_cpu_serve.sh`: batchgen reads, tokenizes,
+                  sorts by prefix, starts `vllm serve` and sends token ids in prefix order
+  vllm-generate   vLLM's own `LLM.generate` over all prompts in one call (bench/peers/vllm_run.py)
+  vllm-run-batch  `vllm run-batch` on an OpenAI batch file of the same token-id prompts in input order
+
+Workloads (bench/corpus.py, the default model SmolLM2-135M, float32, greedy, 16 new tokens):
+  fewshot       64 five-shot jobs in 4 subjects
+  fewshot_1k    1,024 five-shot jobs in 16 subjects
+  shuffled_1k   fewshot_1k shuffled as real files come (subjects interleaved), with every server's KV cache
+                limited to about 4 subjects' headers (`--kv-subjects`): a server keeps a prefix only
+                while it fits, so the order requests arrive in decides how much it recomputes
+
+Reported per system: wall seconds (exec to exit; medians over turns), and computed prompt tokens: the
+prompt tokens less the cached ones the server reports (batchgen's summary; run-batch's usage;
+LLM.generate's num_cached_tokens). The overhead ratio is batchgen-vllm's wall over vllm-generate's,
+taken turn by turn. vLLM runs once untimed first: its first start compiles the model.
+
+    python -m bench.bench_vllm --workloads fewshot,shuffled_1k --turns 2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from bench import corpus
+
+ROOT = Path(__file__).resolve().parent.parent
+WRAPPER = ROOT / "bench" / "vllm_cpu_serve.sh"
+MAX_NUM_SEQS = 64  # vllm_run.py's
+KV_BYTES = 2 << 30  # vllm_run.py's
+
+
+def cpu_model() -> str:
+    fields = {}
+    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    return f"{fields.get('Model name', '?')} (cpu family {fields.get('CPU family', '?')}, model {fields.get('Model', '?')})"
+
+
+def model_dir() -> str:
+    """The default model as vLLM loads it (the twin without the GGUF quantization_config)."""
+    from batchgen.pipeline.model.load import model_source
+    from batchgen.pipeline.run.served import _vllm_model_dir
+
+    return _vllm_model_dir(model_source(None)[1])
+
+
+def workload(name: str, limit: int | None) -> list[dict]:
+    if name == "fewshot":
+        rows = corpus.fewshot(subjects=4, questions=16, max_new_tokens=16)
+    else:
+        rows = corpus.fewshot(subjects=16, questions=64, max_new_tokens=16)
+        if name == "shuffled_1k":
+            random.Random(0).shuffle(rows)
+    return rows[:limit] if limit else rows
+
+
+def kv_bytes_for(rows: list[dict], model: str, subjects: int) -> int:
+    """About `subjects` subjects' headers of KV (float32), at least one longest request's."""
+    from tokenizers import Tokenizer
+
+    config = json.load(open(os.path.join(model, "config.json")))
+    heads = config.get("num_key_value_heads", config["num_attention_heads"])
+    per_token = config["num_hidden_layers"] * heads * (config["hidden_size"] // config["num_attention_heads"]) * 2 * 4
+    tok = Tokenizer.from_file(os.path.join(model, "tokenizer.json"))
+    headers = {}
+    for r in rows:
+        headers.setdefault(r["group"], r["prompt"][: r["prompt"].rindex("\n\n") + 2])
+    header = statistics.mean(len(tok.encode(h).ids) for h in headers.values())
+    longest = max(len(tok.encode(r["prompt"]).ids) for r in rows) + 16
+    return int(max(subjects * header, 2 * longest) * per_token)
+
+
+def run_system(system: str, jobs: Path, rows: list[dict], work: Path, model: str, threads: int,
+               kv: int) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_THREADS": str(threads)}
+    out = work / f"{system}.out"
+    server_args = f"--max-num-seqs {MAX_NUM_SEQS} --kv-cache-memory-bytes {kv}"
+    if system == "batchgen-vllm":
+        cmd = [sys.executable, "-m", "batchgen", "process", str(jobs), "-o", str(out) + ".parquet", "--overwrite",
+               "--engine", "vllm", "--vllm", str(WRAPPER), "--dtype", "float32", f"--vllm-arg={server_args}",
+               "--threads", str(threads)]
+    elif system == "vllm-generate":
+        cmd = [str(WRAPPER), "python", str(ROOT / "bench" / "peers" / "vllm_run.py"), model, str(jobs), str(out),
+               "1", "0", str(threads), "all"]
+    else:  # vllm-run-batch: the same token ids as an OpenAI batch file, in the file's order
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(os.path.join(model, "tokenizer.json"))
+        batch = work / "batch.jsonl"
+        if not batch.exists():
+            batch.write_text("".join(json.dumps({
+                "custom_id": r["id"], "method": "POST", "url": "/v1/completions",
+                "body": {"model": "m", "prompt": tok.encode(r["prompt"]).ids, "max_tokens": r["max_new_tokens"],
+                         "temperature": 0.0}}) + "\n" for r in rows))
+        cmd = [str(WRAPPER), "run-batch", "-i", str(batch), "-o", str(out), "--model", model,
+               "--served-model-name", "m", "--dtype", "float32", "--enable-prefix-caching",
+               "--enable-prompt-tokens-details", *server_args.split()]
+    began = time.monotonic()
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    wall = time.monotonic() - began
+    if p.returncode != 0:
+        raise RuntimeError(f"{system} failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    if system == "batchgen-vllm":
+        s = json.loads(Path(str(out) + ".summary.json").read_text())
+        return {"wall": wall, "prompt": s["prompt_tokens"], "cached": s["cached_tokens"],
+                "start": s.get("vllm_start_seconds")}
+    if system == "vllm-generate":
+        line = next(json.loads(t) for t in reversed(p.stdout.splitlines()) if t.startswith("{"))
+        return {"wall": wall, "cached": line["cached_tokens"], "prompt": None, "start": line["import_s"]}
+    prompt = cached = 0
+    for text in out.read_text().splitlines():
+        usage = json.loads(text)["response"]["body"]["usage"]
+        prompt += usage["prompt_tokens"]
+        cached += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return {"wall": wall, "prompt": prompt, "cached": cached, "start": None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", default="fewshot")
+    ap.add_argument("--systems", default="batchgen-vllm,vllm-generate,vllm-run-batch")
+    ap.add_argument("--turns", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kv-subjects", type=int, default=4)
+    ap.add_argument("--limit", type=int, default=None)
+    args = ap.parse_args()
+    model = model_dir()
+    print(f"# {cpu_model()}, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {args.threads} threads", flush=True)
+    for name in args.workloads.split(","):
+        rows = workload(name, args.limit)
+        kv = kv_bytes_for(rows, model, args.kv_subjects) if name == "shuffled_1k" else KV_BYTES
+        systems = args.systems.split(",")
+        if name == "shuffled_1k":  # vllm_run.py's KV is fixed at 2 GiB: not this shape's
+            systems = [s for s in systems if s != "vllm-generate"]
+        with tempfile.TemporaryDirectory(prefix=f"bench-vllm-{name}-") as d:
+            work = Path(d)
+            jobs = work / "jobs.jsonl"
+            jobs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            run_system(systems[0], jobs, rows, work, model, args.threads, kv)  # untimed: compiles on a cold cache
+            results: dict[str, list[dict]] = {s: [] for s in systems}
+            for turn in range(args.turns):
+                for s in systems[turn % len(systems):] + systems[: turn % len(systems)]:
+                    r = run_system(s, jobs, rows, work, model, args.threads, kv)
+                    results[s].append(r)
+                    print(json.dumps({"workload": name, "turn": turn, "system": s, **r}), flush=True)
+            print(f"\n{name}: {len(rows)} jobs, KV {kv / 2**20:.0f} MiB, medians of {args.turns} turns")
+            print("| system | wall s | vLLM start s | prompt tokens | cached | computed |")
+            print("|---|---:|---:|---:|---:|---:|")
+            for s, rs in results.items():
+                prompt = rs[-1]["prompt"] or results.get("batchgen-vllm", rs)[-1]["prompt"]
+                cached = statistics.median(r["cached"] for r in rs)
+                start = [r["start"] for r in rs if r["start"] is not None]
+                print(f"| {s} | {statistics.median(r['wall'] for r in rs):.1f} | "
+                      f"{statistics.median(start) if start else float('nan'):.1f} | {prompt} | {cached:.0f} | "
+                      f"{prompt - cached:.0f} |")
+            if "batchgen-vllm" in results and "vllm-generate" in results:
+                ratios = [a["wall"] / b["wall"] for a, b in zip(results["batchgen-vllm"], results["vllm-generate"])]
+                print(f"overhead batchgen-vllm / vllm-generate, per turn: {[round(x, 3) for x in ratios]}, "
+                      f"median {statistics.median(ratios):.3f}")
+
+
+if __name__ == "__main__":
+    main()
