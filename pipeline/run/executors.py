@@ -128,11 +128,12 @@ class ServedExecutor:
                     raise ServerAnswerError(f"{self.servers.urls[self.server_of(order_of(request.key))]} answered "
                                             f"in a shape batchgen cannot use: {e}") from None
             first = out[0]
-            stats.jobs += 1
-            stats.rows += len(out)
-            stats.prompt_tokens += first.prompt_tokens
-            stats.cached_tokens += first.cached_tokens
-            stats.prefill_tokens += first.prompt_tokens - first.cached_tokens
+            if first.error is None:  # a refused request computed nothing
+                stats.jobs += 1
+                stats.rows += len(out)
+                stats.prompt_tokens += first.prompt_tokens
+                stats.cached_tokens += first.cached_tokens
+                stats.prefill_tokens += first.prompt_tokens - first.cached_tokens
             for c in out:
                 stats.completion_tokens += len(c.token_ids)
                 if self.sample is not None:

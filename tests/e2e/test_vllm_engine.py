@@ -80,13 +80,16 @@ def _jobs() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """A tiny random Llama (heads of 64: a size vLLM's CPU attention takes) with its tokenizer."""
+    """A tiny random Llama (heads of 64: a size vLLM's CPU attention takes) with its tokenizer. Its
+    vocabulary is the tokenizer's: vLLM names every logprob's token, and an id the tokenizer lacks
+    crashes its server (0.32: `convert_ids_list_to_tokens` on None)."""
     d = tmp_path_factory.mktemp("tiny-llama")
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    tok = make_tokenizer()
+    config = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
                                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
     model_from_config(config, seed=3).save_pretrained(d)
-    make_tokenizer().save_pretrained(d)
+    tok.save_pretrained(d)
     return d
 
 
@@ -167,7 +170,7 @@ def test_served_completions_equal_llm_generate(tiny, server, reference, tmp_path
     r = _batchgen([*_common(tiny, jobs, out), "--server", server.url])
     assert r.returncode == 0, r.stderr
     assert _ids(out) == reference
-    summary = json.loads(Path(str(out).replace(".parquet", ".summary.json")).read_text())
+    summary = json.loads(Path(f"{out}.summary.json").read_text())
     assert summary["engine"] == "server" and summary["served_models"] == ["tiny"]
     # the server's own count: each subject's header is prefilled once, its other jobs reuse whole blocks
     assert summary["cached_tokens"] >= 27 * 128, summary["cached_tokens"]
@@ -193,7 +196,7 @@ def test_engine_vllm_killed_stopped_and_its_server_killed_then_resumed(tiny, ser
     assert r.returncode == -signal.SIGKILL, r.stderr
     assert _parts(out) >= 1
     _none_left(mark)
-    assert (tmp_path / "out.parquet.vllm.log").stat().st_size > 0
+    assert Path(f"{out}.vllm.log").stat().st_size > 0
 
     mark = str(uuid.uuid4())  # 2: SIGTERM mid-run: exit 75, finished jobs committed
     p = _batchgen([*args, "--concurrency", 1], mark, wait=False)
@@ -224,7 +227,7 @@ def test_engine_vllm_killed_stopped_and_its_server_killed_then_resumed(tiny, ser
     r = _batchgen([*_common(tiny, jobs, out), "--server", server.url])
     assert r.returncode == 0, r.stderr
     assert _ids(out) == reference
-    summary = json.loads((tmp_path / "out.summary.json").read_text())
+    summary = json.loads(Path(f"{out}.summary.json").read_text())
     assert summary["resumed_jobs"] >= 3
 
 
@@ -311,7 +314,7 @@ def test_a_400_fails_that_job_alone(tiny, server, tmp_path):
     r = _batchgen([*_common(tiny, jobs, out), "--server", server.url])
     assert r.returncode == 0, r.stderr
     assert sorted(x["id"] for x in pq.read_table(out).to_pylist()) == sorted(x["id"] for x in rows[:6])
-    errors = pq.read_table(tmp_path / "out.errors.parquet").to_pylist()
+    errors = pq.read_table(f"{out}.errors.parquet").to_pylist()
     assert [e["id"] for e in errors] == ["too-long"]
     assert errors[0]["location"].endswith(":7") and "the server answered 400" in errors[0]["reason"], errors
 
@@ -321,7 +324,7 @@ def test_verify_compares_with_batchgens_own_engine(tiny, server, tmp_path):
     out = tmp_path / "out.parquet"
     r = _batchgen([*_common(tiny, jobs, out), "--server", server.url, "--verify", 6])
     assert r.returncode == 0, r.stderr
-    v = json.loads((tmp_path / "out.summary.json").read_text())["verify"]
+    v = json.loads(Path(f"{out}.summary.json").read_text())["verify"]
     assert v["jobs"] == 6 and v["agree"] + len(v["differ"]) == 6
     # float32 on a tiny model with wide weights: no near-ties; the two engines agree token for token
     assert v["agree"] == 6, v
