@@ -23,7 +23,6 @@ from batchgen.pipeline.text.expand import order_of
 if TYPE_CHECKING:
     from batchgen.pipeline.model.forward import Forward
     from batchgen.pipeline.run.options import RunOptions
-    from batchgen.pipeline.run.verify import Sample
     from batchgen.pipeline.serve.client import Servers
 
 ShouldStop = Callable[[], bool]
@@ -96,9 +95,9 @@ class ServedExecutor:
 
     def __init__(self, name: str, servers: Servers, model_names: Sequence[str], server_of: Callable[[int], int],
                  about: dict[str, Any], model_name: str, adapter_names: Sequence[str | None] = (),
-                 sample: Sample | None = None) -> None:
+                 sample: Any = None) -> None:
         self.name, self.servers, self.model_names, self.server_of = name, servers, list(model_names), server_of
-        self.sample = sample  # --verify: greedy jobs kept with the server's token ids
+        self.sample = sample  # --verify: greedy jobs kept with the server's token ids (verify.Sample)
         self._about, self.model_name = about, model_name
         self.adapter_names = list(adapter_names)  # served name of adapter index i + 1 (`Request.adapter`)
         self.stats = RunStats()

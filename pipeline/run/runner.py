@@ -48,7 +48,7 @@ def process(inputs: Sequence[str], output: str, options: RunOptions,
     if options.served:  # completions servers compute (--server, --engine vllm): no model here
         from batchgen.pipeline.run.served import process_served
 
-        return process_served(inputs, output, options, progress)
+        return process_served(inputs, output, options, progress, mine_of=_mine, run_jobs=run_jobs)
     from batchgen.pipeline.model.prepack import Prepack
 
     started = time.monotonic()

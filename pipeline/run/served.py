@@ -30,10 +30,12 @@ from batchgen.pipeline.serve.client import Servers, served_models
 
 
 def process_served(inputs: Sequence[str], output: str, options: RunOptions,
-                   progress: Callable[[Progress], None] | None = None) -> dict[str, Any]:
+                   progress: Callable[[Progress], None] | None, *, mine_of: Callable, run_jobs: Callable
+                   ) -> dict[str, Any]:
+    """`runner.process` on servers; the runner hands its own pieces: which jobs this run generates
+    (`mine_of`) and its writing half (`run_jobs`), the same as on batchgen's engine."""
     from batchgen.pipeline.model.load import model_source
     from batchgen.pipeline.run.parts import job_set_key, may_resume, read_manifest
-    from batchgen.pipeline.run.runner import _mine, run_jobs
     from batchgen.pipeline.run.sharding import parse_shard
 
     started = time.monotonic()
@@ -48,7 +50,7 @@ def process_served(inputs: Sequence[str], output: str, options: RunOptions,
             server.spawn()
         checked = check_inputs(list(inputs), options)
         cleanup.callback(checked.close)
-        mine = _mine(checked, options, shard)
+        mine = mine_of(checked, options, shard)
         report_invalid = shard is None or shard[0] == 0  # rows that cannot run: shard 0 reports them
         settings = run_settings(options, label, {"device_type": "served", "dtype": options.dtype},
                                 checked.adapters.digests())
