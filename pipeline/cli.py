@@ -65,19 +65,17 @@ _engine_option = click.option("--engine", type=click.Choice(["local", "ray", "vl
 
 def _served_options(f):
     opts = [
-        click.option("--server", "servers", multiple=True, metavar="URL", envvar="BATCHGEN_SERVER",
+        click.option("--server", "servers", multiple=True, metavar="URL",
                      help="A running OpenAI-compatible completions server that returns token ids (vLLM) to run the "
-                          "jobs on, e.g. http://gpu1:8000 (repeatable: whole prefix groups go to one server each; "
-                          "BATCHGEN_SERVER holds them space-separated)."),
+                          "jobs on, e.g. http://gpu1:8000 (repeatable: whole prefix groups go to one server each)."),
         click.option("--vllm", "vllm", default=None, metavar="PATH",
                      help="The vllm executable --engine vllm starts [default: BATCHGEN_VLLM, else `vllm` on PATH]."),
         click.option("--vllm-arg", "vllm_args", multiple=True, metavar="ARGS",
                      help="More `vllm serve` arguments, split as a shell would (repeatable), e.g. "
                           "--vllm-arg='--max-model-len 4096'."),
         click.option("--concurrency", type=click.IntRange(min=1), default=256, show_default=True,
-                     envvar="BATCHGEN_CONCURRENCY", help="Requests in flight per server (sent in prefix order)."),
+                     help="Requests in flight per server (sent in prefix order)."),
         click.option("--retry-seconds", type=click.FloatRange(min=0), default=120.0, show_default=True,
-                     envvar="BATCHGEN_RETRY_SECONDS",
                      help="How long a server may stay unreachable (connection errors, 429, 5xx, timeouts; retried "
                           "with backoff) before the run stops, resumable (exit 75)."),
         click.option("--verify", type=click.IntRange(min=0), default=0, show_default=True, metavar="K",
