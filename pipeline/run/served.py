@@ -26,7 +26,7 @@ from batchgen.pipeline.run.preflight import check_inputs, check_options, check_o
 from batchgen.pipeline.run.progress import Progress
 from batchgen.pipeline.run.signals import Preempted, StopOnSignal
 from batchgen.pipeline.run.verify import Sample, verify
-from batchgen.pipeline.serve.client import Servers, served_models
+from batchgen.pipeline.serve.client import Servers, ServerUnreachable, served_models
 
 
 def process_served(inputs: Sequence[str], output: str, options: RunOptions,
@@ -67,7 +67,7 @@ def process_served(inputs: Sequence[str], output: str, options: RunOptions,
             about.update(vllm_log=server.log_path, vllm_start_seconds=server.started_seconds)
         else:
             urls, alive = list(options.servers), None
-            names = [_model_name(url, label) for url in urls]
+            names = [_model_name(url, label, options.retry_seconds, stop.requested) for url in urls]
         servers = Servers(urls, options.concurrency, retry_seconds=options.retry_seconds, alive=alive)
         cleanup.callback(servers.close)
         about.update(servers=None if server is not None else urls, served_models=names)
@@ -86,9 +86,20 @@ def process_served(inputs: Sequence[str], output: str, options: RunOptions,
         return summary
 
 
-def _model_name(url: str, label: str) -> str:
-    """The name a running server serves the model under: its only one, or the one named as --model."""
-    names = served_models(url)
+def _model_name(url: str, label: str, retry_seconds: float, should_stop: Callable[[], bool]) -> str:
+    """The name a running server serves the model under: its only one, or the one named as --model.
+    A server that stays unreachable for `retry_seconds` stops the run as one that goes away later
+    does: resumable, exit 75."""
+    began, delay = time.monotonic(), 0.5
+    while True:
+        try:
+            names = served_models(url)
+            break
+        except ServerUnreachable as e:
+            if time.monotonic() - began >= retry_seconds or should_stop():
+                raise Preempted(f"{e}; nothing was generated; rerun the same command") from None
+            time.sleep(delay)
+            delay = min(delay * 2, 8.0)
     if len(names) == 1:
         return names[0]
     if label in names:

@@ -245,6 +245,7 @@ class _Proxy:
     def __init__(self, target: str, fail: int, status: int = 500) -> None:
         proxy = self
         self.failed = 0
+        self.prompts: list[list[int]] = []  # every completions request's prompt
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *a):
@@ -252,6 +253,8 @@ class _Proxy:
 
             def _relay(self, method: str) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if method == "POST":
+                    proxy.prompts.append(json.loads(body)["prompt"])
                 if method == "POST" and proxy.failed < fail:
                     proxy.failed += 1
                     self.send_response(status)
@@ -295,6 +298,26 @@ def test_a_server_answering_500_then_recovering(tiny, server, reference, tmp_pat
     assert r.returncode == 0, r.stderr
     assert proxy.failed == 5
     assert _ids(out) == reference
+
+
+def test_several_servers_get_whole_prefix_groups(tiny, server, reference, tmp_path):
+    """Two servers (two proxies in front of the module's one): each subject's jobs all go to one."""
+    jobs = _write(tmp_path / "jobs.jsonl", _jobs())
+    out = tmp_path / "out.parquet"
+    proxies = [_Proxy(server.url, fail=0), _Proxy(server.url, fail=0)]
+    try:
+        r = _batchgen([*_common(tiny, jobs, out), "--server", proxies[0].url, "--server", proxies[1].url])
+    finally:
+        for p in proxies:
+            p.close()
+    assert r.returncode == 0, r.stderr
+    assert _ids(out) == reference
+    tok = make_tokenizer()
+    for subject in ("astronomy", "botany", "chemistry"):
+        header = tok(f"The following are questions about {subject}. " * 7).input_ids[:-3]
+        counts = [sum(p[: len(header)] == header for p in proxy.prompts) for proxy in proxies]
+        assert sorted(counts) == [0, 10], (subject, counts)
+    assert all(proxy.prompts for proxy in proxies)
 
 
 def test_a_server_that_stays_down_ends_the_run_resumable(tiny, server, reference, tmp_path):

@@ -185,3 +185,39 @@ def test_a_started_server_never_outlives_batchgen(tmp_path, how):
         time.sleep(0.1)
     assert _marked(mark) == []
     assert "batchgen: " in (tmp_path / "log").read_text()
+
+
+BROKEN_VLLM = """#!/bin/sh
+echo "loading $2"
+echo "RuntimeError: no accelerator here" >&2
+exit 3
+"""
+
+
+@pytest.mark.slow
+def test_a_server_that_does_not_start_is_one_error_quoting_its_log(tmp_path):
+    import transformers
+
+    from tests.helpers.tiny_models import model_from_config
+    from tests.helpers.tiny_tokenizer import make_tokenizer
+
+    tok = make_tokenizer()
+    model_from_config(transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=64,
+                                               num_hidden_layers=1, num_attention_heads=2, bos_token_id=1,
+                                               eos_token_id=2)).save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    exe = tmp_path / "vllm"
+    exe.write_text(BROKEN_VLLM)
+    exe.chmod(0o755)
+    (tmp_path / "jobs.jsonl").write_text('{"id": 1, "prompt": "hi"}\n')
+    out = tmp_path / "out.parquet"
+    r = subprocess.run([sys.executable, "-m", "batchgen", "process", str(tmp_path / "jobs.jsonl"), "-o", str(out),
+                        "--model", str(tmp_path / "m"), "--engine", "vllm", "--vllm", str(exe)],
+                       capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert r.returncode == 1, r.stderr
+    assert "vLLM did not start (it exited with code 3)" in r.stderr and "no accelerator here" in r.stderr
+    assert "Traceback" not in r.stderr and not out.exists()
+    missing = subprocess.run([sys.executable, "-m", "batchgen", "process", str(tmp_path / "jobs.jsonl"), "-o",
+                              str(out), "--model", str(tmp_path / "m"), "--engine", "vllm", "--vllm",
+                              str(tmp_path / "nope")], capture_output=True, text=True, timeout=300)
+    assert missing.returncode == 1 and "not found or not executable" in missing.stderr
