@@ -115,7 +115,7 @@ def run_system(system: str, jobs: Path, rows: list[dict], work: Path, model: str
     if p.returncode != 0:
         raise RuntimeError(f"{system} failed ({p.returncode}):\n{p.stderr[-3000:]}")
     if system == "batchgen-vllm":
-        s = json.loads(Path(str(out) + ".summary.json").read_text())
+        s = json.loads(Path(str(out) + ".parquet.summary.json").read_text())
         return {"wall": wall, "prompt": s["prompt_tokens"], "cached": s["cached_tokens"],
                 "start": s.get("vllm_start_seconds")}
     if system == "vllm-generate":

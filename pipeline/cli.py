@@ -265,6 +265,11 @@ def process(inputs, output, model, trust_remote_code, adapters, device, dtype, m
         f"{summary['wall_seconds']:.1f}s -> {output}", err=True)
     if summary["failed"]:
         click.echo(f"errors: {summary['errors_file']}", err=True)
+    if summary.get("verify"):
+        v = summary["verify"]
+        firsts = ", ".join(str(d["first_difference"]) for d in v["differ"][:10])
+        click.echo(f"verify: {v['agree']}/{v['jobs']} greedy jobs agree token for token with batchgen's own engine"
+                   + (f"; the others first differ at token {firsts}" if v["differ"] else ""), err=True)
     if summary.get("kernels_build_error"):
         why = summary["kernels_build_error"].splitlines()[0][:200]  # its first line (stripped: never empty)
         click.echo(f"batchgen: note: the compiled CPU kernels could not be built ({why}); the work ran on "
