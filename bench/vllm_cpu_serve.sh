@@ -14,7 +14,7 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${BATCHGEN_VLLM_VENV:-$here/.venv-vllm}"
 threads="${VLLM_THREADS:-$(nproc)}"
-tcmalloc="$(ldconfig -p | awk '/libtcmalloc_minimal\.so\.4 /{print $NF; exit}')"
+tcmalloc="$(ldconfig -p | awk '/libtcmalloc_minimal\.so\.4 /{p = $NF} END {print p}')"  # all read: no SIGPIPE
 preload="${tcmalloc:+$tcmalloc:}$venv/lib/libiomp5.so"
 export LD_PRELOAD="$preload${LD_PRELOAD:+:$LD_PRELOAD}"
 export VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-0-$((threads - 1))}"
