@@ -58,11 +58,11 @@ def model_dir() -> str:
     return _vllm_model_dir(model_source(None)[1])
 
 
-def workload(name: str, limit: int | None) -> list[dict]:
+def workload(name: str, limit: int | None, questions: int = 64) -> list[dict]:
     if name == "fewshot":
         rows = corpus.fewshot(subjects=4, questions=16, max_new_tokens=16)
     else:
-        rows = corpus.fewshot(subjects=16, questions=64, max_new_tokens=16)
+        rows = corpus.fewshot(subjects=16, questions=questions, max_new_tokens=16)
         if name == "shuffled_1k":
             random.Random(0).shuffle(rows)
     return rows[:limit] if limit else rows
@@ -76,19 +76,22 @@ def kv_bytes_for(rows: list[dict], model: str, subjects: int) -> int:
     heads = config.get("num_key_value_heads", config["num_attention_heads"])
     per_token = config["num_hidden_layers"] * heads * (config["hidden_size"] // config["num_attention_heads"]) * 2 * 4
     tok = Tokenizer.from_file(os.path.join(model, "tokenizer.json"))
-    headers = {}
+    by_group: dict[str, list[str]] = {}
     for r in rows:
-        headers.setdefault(r["group"], r["prompt"][: r["prompt"].rindex("\n\n") + 2])
+        by_group.setdefault(r["group"], []).append(r["prompt"])
+    headers = {g: os.path.commonprefix(prompts) for g, prompts in by_group.items()}
     header = statistics.mean(len(tok.encode(h).ids) for h in headers.values())
     longest = max(len(tok.encode(r["prompt"]).ids) for r in rows) + 16
-    return int(max(subjects * header, 2 * longest) * per_token)
+    return int(max(subjects * header, 2 * longest) * per_token), -(-longest // 128) * 128
 
 
 def run_system(system: str, jobs: Path, rows: list[dict], work: Path, model: str, threads: int,
-               kv: int) -> dict:
+               kv: int, seqs: int = MAX_NUM_SEQS, max_len: int | None = None) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_THREADS": str(threads)}
     out = work / f"{system}.out"
-    server_args = f"--max-num-seqs {MAX_NUM_SEQS} --kv-cache-memory-bytes {kv}"
+    server_args = f"--max-num-seqs {seqs} --kv-cache-memory-bytes {kv}"
+    if max_len:
+        server_args += f" --max-model-len {max_len}"
     if system == "batchgen-vllm":
         cmd = [sys.executable, "-m", "batchgen", "process", str(jobs), "-o", str(out) + ".parquet", "--overwrite",
                "--engine", "vllm", "--vllm", str(WRAPPER), "--dtype", "float32", f"--vllm-arg={server_args}",
@@ -137,12 +140,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-subjects", type=int, default=4)
     ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--questions", type=int, default=64, help="questions per subject of the 1k shapes")
+    ap.add_argument("--max-num-seqs", type=int, default=MAX_NUM_SEQS, help="the servers' (vllm_run.py: 64)")
     args = ap.parse_args()
     model = model_dir()
     print(f"# {cpu_model()}, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {args.threads} threads", flush=True)
     for name in args.workloads.split(","):
-        rows = workload(name, args.limit)
-        kv = kv_bytes_for(rows, model, args.kv_subjects) if name == "shuffled_1k" else KV_BYTES
+        rows = workload(name, args.limit, args.questions)
+        kv, max_len = kv_bytes_for(rows, model, args.kv_subjects) if name == "shuffled_1k" else (KV_BYTES, None)
         systems = args.systems.split(",")
         if name == "shuffled_1k":  # vllm_run.py's KV is fixed at 2 GiB: not this shape's
             systems = [s for s in systems if s != "vllm-generate"]
@@ -150,14 +155,16 @@ def main() -> None:
             work = Path(d)
             jobs = work / "jobs.jsonl"
             jobs.write_text("".join(json.dumps(r) + "\n" for r in rows))
-            run_system(systems[0], jobs, rows, work, model, args.threads, kv)  # untimed: compiles on a cold cache
+            seqs = args.max_num_seqs
+            run_system(systems[0], jobs, rows, work, model, args.threads, kv, seqs, max_len)  # untimed: compiles on a cold cache
             results: dict[str, list[dict]] = {s: [] for s in systems}
             for turn in range(args.turns):
                 for s in systems[turn % len(systems):] + systems[: turn % len(systems)]:
-                    r = run_system(s, jobs, rows, work, model, args.threads, kv)
+                    r = run_system(s, jobs, rows, work, model, args.threads, kv, seqs, max_len)
                     results[s].append(r)
                     print(json.dumps({"workload": name, "turn": turn, "system": s, **r}), flush=True)
-            print(f"\n{name}: {len(rows)} jobs, KV {kv / 2**20:.0f} MiB, medians of {args.turns} turns")
+            print(f"\n{name}: {len(rows)} jobs, KV {kv / 2**20:.0f} MiB, max-num-seqs {seqs}, medians of "
+                  f"{args.turns} turns")
             print("| system | wall s | vLLM start s | prompt tokens | cached | computed |")
             print("|---|---:|---:|---:|---:|---:|")
             for s, rs in results.items():

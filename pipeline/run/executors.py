@@ -63,7 +63,8 @@ class LocalExecutor:
         return Engine.for_model(self.model, self.eos, min_shared_tokens=self.options.min_shared_tokens,
                                 max_batch_tokens=self.options.max_batch_tokens)
 
-    def run(self, jobs: Mapping[int, Job], requests: Sequence[Request], should_stop: ShouldStop) -> Iterator[Completion]:
+    def run(self, jobs: Mapping[int, Job], requests: Sequence[Request], should_stop: ShouldStop
+            ) -> Iterator[Completion]:
         # an engine per window: nothing of the last window stays referenced while this one is built
         self._engine = self.new_engine()
         self.stats = self._engine.stats
@@ -105,7 +106,8 @@ class ServedExecutor:
     def _served_model(self, request: Request, server: int) -> str:
         return self.adapter_names[request.adapter - 1] if request.adapter else self.model_names[server]
 
-    def run(self, jobs: Mapping[int, Job], requests: Sequence[Request], should_stop: ShouldStop) -> Iterator[Completion]:
+    def run(self, jobs: Mapping[int, Job], requests: Sequence[Request], should_stop: ShouldStop
+            ) -> Iterator[Completion]:
         from batchgen.pipeline.serve.client import Failed, ServerAnswerError
         from batchgen.pipeline.serve.mapping import AnswerError, completions, request_body
 

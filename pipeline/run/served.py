@@ -71,9 +71,9 @@ def process_served(inputs: Sequence[str], output: str, options: RunOptions,
         servers = Servers(urls, options.concurrency, retry_seconds=options.retry_seconds, alive=alive)
         cleanup.callback(servers.close)
         about.update(servers=None if server is not None else urls, served_models=names)
-        executor = ServedExecutor("vllm" if server is not None else "server", servers, names,
-                                  groups_to_servers(checked.index, checked.orders, len(urls), options.min_shared_tokens),
-                                  about, label, sample=Sample(options.verify) if options.verify else None)
+        server_of = groups_to_servers(checked.index, checked.orders, len(urls), options.min_shared_tokens)
+        executor = ServedExecutor("vllm" if server is not None else "server", servers, names, server_of, about, label,
+                                  sample=Sample(options.verify) if options.verify else None)
         stop.defer()  # writing starts: a signal now stops between steps, after committing
         summary = run_jobs(output, options, checked, executor, settings, key, job_set, shard, mine, report_invalid,
                            started, stop, progress)
