@@ -9,7 +9,7 @@
 #    every start recompiled: VLLM_USE_AOT_COMPILE=0 lets inductor's own cache (under the repo's .cache/vllm)
 #    serve later starts.
 # Environment: BATCHGEN_VLLM_VENV (default: the repo's .venv-vllm), VLLM_THREADS (default: all CPUs this
-# process may use), VLLM_CPU_KVCACHE_SPACE (default 1).
+# process may use), VLLM_CPU_KVCACHE_SPACE (default 1, unless --kv-cache-memory-bytes is given).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${BATCHGEN_VLLM_VENV:-$here/.venv-vllm}"
@@ -18,7 +18,8 @@ tcmalloc="$(ldconfig -p | awk '/libtcmalloc_minimal\.so\.4 /{p = $NF} END {print
 preload="${tcmalloc:+$tcmalloc:}$venv/lib/libiomp5.so"
 export LD_PRELOAD="$preload${LD_PRELOAD:+:$LD_PRELOAD}"
 export VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-0-$((threads - 1))}"
-export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
+# (the variable wins over --kv-cache-memory-bytes in 0.32: set only when that is not given)
+case " $* " in *" --kv-cache-memory-bytes"*) ;; *) export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" ;; esac
 export VLLM_USE_AOT_COMPILE="${VLLM_USE_AOT_COMPILE:-0}"
 export VLLM_CACHE_ROOT="${VLLM_CACHE_ROOT:-$here/.cache/vllm}"
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$VLLM_CACHE_ROOT/inductor}"
