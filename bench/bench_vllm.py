@@ -88,6 +88,8 @@ def kv_bytes_for(rows: list[dict], model: str, subjects: int) -> int:
 def run_system(system: str, jobs: Path, rows: list[dict], work: Path, model: str, threads: int,
                kv: int, seqs: int = MAX_NUM_SEQS, max_len: int | None = None) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_THREADS": str(threads)}
+    if kv % (1 << 30) == 0:  # the same KV everywhere: vllm_run.py's LLM() takes VLLM_CPU_KVCACHE_SPACE's over its own
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(kv >> 30)
     out = work / f"{system}.out"
     server_args = f"--max-num-seqs {seqs} --kv-cache-memory-bytes {kv}"
     if max_len:
