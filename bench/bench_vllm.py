@@ -4,12 +4,13 @@ Systems, each its own process, in alternating turns (A B C, B C A, ...: this mac
   batchgen-vllm   `batchgen process --engine vllm --vllm bench/vllm_cpu_serve.sh`: batchgen reads, tokenizes,
                   sorts by prefix, starts `vllm serve` and sends token ids in prefix order
   vllm-generate   vLLM's own `LLM.generate` over all prompts in one call (bench/peers/vllm_run.py)
-  vllm-run-batch  `vllm run-batch` on an OpenAI batch file of the same token-id prompts in input order
+  vllm-run-batch  `vllm run-batch` on an OpenAI batch file of the same jobs in input order (0.32's run-batch takes
+                  chat requests only: it runs on the chat-job shape, shuffled_1k)
 
 Workloads (bench/corpus.py, the default model SmolLM2-135M, float32, greedy, 16 new tokens):
   fewshot       64 five-shot jobs in 4 subjects
   fewshot_1k    1,024 five-shot jobs in 16 subjects
-  shuffled_1k   fewshot_1k shuffled as real files come (subjects interleaved), with every server's KV cache
+  shuffled_1k   fewshot_1k as chat jobs, shuffled as real files come (subjects interleaved), with every server's KV cache
                 limited to about 4 subjects' headers (`--kv-subjects`): a server keeps a prefix only
                 while it fits, so the order requests arrive in decides how much it recomputes
 
@@ -101,13 +102,13 @@ def run_system(system: str, jobs: Path, rows: list[dict], work: Path, model: str
     elif system == "vllm-generate":
         cmd = [str(WRAPPER), "python", str(ROOT / "bench" / "peers" / "vllm_run.py"), model, str(jobs), str(out),
                "1", "0", str(threads), "all"]
-    else:  # vllm-run-batch: the same prompts as an OpenAI batch file, in the file's order (as text: 0.32's
-        # run-batch refuses token-id prompts; SmolLM2's tokenizer adds no special tokens, so the ids are the same)
+    else:  # vllm-run-batch: the same chat jobs as an OpenAI batch file, in the file's order (0.32's run-batch
+        # takes /v1/chat/completions only; both render the model's own chat template)
         batch = work / "batch.jsonl"
         if not batch.exists():
             batch.write_text("".join(json.dumps({
-                "custom_id": r["id"], "method": "POST", "url": "/v1/completions",
-                "body": {"model": "m", "prompt": r["prompt"], "max_tokens": r["max_new_tokens"],
+                "custom_id": r["id"], "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": "m", "messages": r["messages"], "max_tokens": r["max_new_tokens"],
                          "temperature": 0.0}}) + "\n" for r in rows))
         cmd = [str(WRAPPER), "run-batch", "-i", str(batch), "-o", str(out), "--model", model,
                "--served-model-name", "m", "--dtype", "float32", "--enable-prefix-caching",
@@ -149,9 +150,15 @@ def main() -> None:
     for name in args.workloads.split(","):
         rows = workload(name, args.limit, args.questions)
         kv, max_len = kv_bytes_for(rows, model, args.kv_subjects) if name == "shuffled_1k" else (KV_BYTES, None)
+        if name == "shuffled_1k":  # chat jobs, as run-batch takes them (max-model-len: room for the template)
+            rows = [{"id": r["id"], "group": r["group"], "max_new_tokens": r["max_new_tokens"],
+                     "messages": [{"role": "user", "content": r["prompt"]}]} for r in rows]
+            max_len += 128
         systems = args.systems.split(",")
-        if name == "shuffled_1k":  # vllm_run.py's KV is fixed at 2 GiB: not this shape's
+        if name == "shuffled_1k":  # vllm_run.py takes plain prompts, run-batch (0.32) chat jobs only
             systems = [s for s in systems if s != "vllm-generate"]
+        else:
+            systems = [s for s in systems if s != "vllm-run-batch"]
         with tempfile.TemporaryDirectory(prefix=f"bench-vllm-{name}-") as d:
             work = Path(d)
             jobs = work / "jobs.jsonl"
