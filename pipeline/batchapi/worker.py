@@ -27,6 +27,7 @@ import time
 import traceback
 from dataclasses import replace
 
+from batchgen.jobs.errors import BatchgenError
 from batchgen.jobs.openai_batch import not_run_reason
 from batchgen.pipeline.run.options import RunOptions
 from batchgen.pipeline.batchapi.batches import Committed, check_input, custom_ids, lines_in, read_outcome
@@ -41,7 +42,7 @@ PREEMPTED = 75
 POLL_SECONDS = 0.2
 
 
-class StatusChanged(Exception):
+class StatusChanged(BatchgenError):
     """A batch's status moved under the worker (a cancel): its step is looked at again."""
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Hashable, NamedTuple
 
+from batchgen.pipeline.errors import BatchgenError
+
 if TYPE_CHECKING:
     from batchgen.pipeline.engine.constrain import Matcher
 
@@ -22,7 +24,7 @@ MatcherFactory = Callable[[], "Matcher"]
 NextTurn = Callable[[int, list[int], str], "Request | None"]
 
 
-class TurnError(Exception):
+class TurnError(BatchgenError):
     """A conversation's next turn cannot be made (its prompt outgrows the context window, say):
     that sample fails alone, with this message."""
 

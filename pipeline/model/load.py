@@ -99,9 +99,12 @@ def model_source(name_or_path: str | None) -> tuple[str, str]:
     return name_or_path, name_or_path
 
 
-def load_config(name_or_path: str | None, trust_remote_code: bool = False):
+def load_config(name_or_path: str | None, trust_remote_code: bool = False, runs_here: bool = True):
     """The model's config alone (no weights): what the checks before a run need of the model. A
-    process that never loads a model calls it inside `batchgen.pipeline.text.tokenize.torch_hidden`."""
+    process that never loads a model calls it inside `batchgen.pipeline.text.tokenize.torch_hidden`.
+    `runs_here`: batchgen's engine will run it, so a model neither of its model codes reproduces
+    is refused; False where a server computes (--engine vllm, --server), which only needs the
+    config's context window and vocabulary."""
     label, source = model_source(name_or_path)
     own, _ = _own_decoder_config(source, label)
     if own is not None:  # what batchgen's decoder runs: read from the files, no config class imported
@@ -117,7 +120,8 @@ def load_config(name_or_path: str | None, trust_remote_code: bool = False):
         raise ModelLoadError(f"model {label!r}: cannot read its config: {_flat(e, 300)}; {hint}") from e
     except Exception as e:  # noqa: BLE001 - a config class failing on this config.json: no traceback (issue 48)
         raise ModelLoadError(f"model {label!r}: transformers cannot read its config ({_named(e)})") from e
-    _check_runnable(config, label)
+    if runs_here:
+        _check_runnable(config, label)
     return config
 
 

@@ -135,6 +135,9 @@ def refusal(options: RunOptions) -> Callable[[Job], InvalidRow | None] | None:
     nothing): `process` refuses those rows, and so do `validate` and the Python API."""
     if options.engine == "ray":
         return _ray_refuses
+    if options.served:
+        return _served_refuses if options.output_format != "openai" else \
+            (lambda job: _served_refuses(job) or _openai_refuses(job))
     if options.output_format == "openai":
         return _openai_refuses
     return None
@@ -159,6 +162,15 @@ def _ray_refuses(job: Job) -> InvalidRow | None:
         return InvalidRow(job.location, job.id, "a scoring job (continuations, or prompt_logprobs with "
                                                 f"max_new_tokens 0) does not run with {option('engine', 'ray')} "
                                                 f"yet; run it without {option('engine', 'ray')}")
+    return None
+
+
+def _served_refuses(job: Job) -> InvalidRow | None:
+    """What a completions server (--server, --engine vllm) cannot run: a job's own LoRA adapter
+    (a server loads its adapters when it starts)."""
+    if job.adapter is not None:
+        return InvalidRow(job.location, job.id, f"field 'adapter': adapters do not run with {option('engine', 'vllm')} "
+                                                f"or {option('server')} yet; run it on batchgen's own engine")
     return None
 
 

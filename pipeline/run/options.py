@@ -34,7 +34,9 @@ class RunOptions:
     split: str = "train"
     trust_remote_code: bool = False
     on_error: str = "skip"  # or "fail": stop before any generation if a job cannot run
-    engine: str = "local"  # or "ray" (pipeline/run/ray_runner.py), which refuses some jobs (inputrows.refusal)
+    # or "ray" (pipeline/run/ray_runner.py), which refuses some jobs (inputrows.refusal), or "vllm": a
+    # `vllm serve` that the run starts (pipeline/run/served.py)
+    engine: str = "local"
     shard: str | None = None  # "I/N"
     commit_every: int = COMMIT_EVERY
     commit_seconds: float = COMMIT_SECONDS
@@ -52,6 +54,20 @@ class RunOptions:
     # message), and the output is written from what is committed. Not a setting: the committed work
     # it finishes is the same run's
     finish_now: str | None = None
+    # completions servers instead of batchgen's engine (pipeline/run/served.py): running servers' URLs
+    # (--server), or the vLLM that --engine vllm starts: its executable (None: BATCHGEN_VLLM, else
+    # `vllm` on PATH) and extra `vllm serve` arguments
+    servers: tuple[str, ...] = ()
+    vllm: str | None = None
+    vllm_args: tuple[str, ...] = ()
+    concurrency: int = 256  # requests in flight per server
+    retry_seconds: float = 120.0  # a server unreachable this long ends the run, resumable (exit 75)
+    verify: int = 0  # greedy jobs run again on batchgen's own engine, compared token for token
+
+    @property
+    def served(self) -> bool:
+        """Whether completions servers compute the jobs (--server, --engine vllm)."""
+        return self.engine == "vllm" or bool(self.servers)
 
 
 def run_settings(options: RunOptions, model_name: str, precision: dict[str, str],
@@ -68,4 +84,6 @@ def run_settings(options: RunOptions, model_name: str, precision: dict[str, str]
                 "output_format": options.output_format}
     if adapters:  # (the settings of runs without adapters stay what they were)
         settings["adapters"] = dict(sorted(adapters.items()))
+    if options.served:  # another engine's output (a vLLM's, wherever it runs); local runs' settings as before
+        settings["engine"] = "served"
     return settings

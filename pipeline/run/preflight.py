@@ -103,6 +103,15 @@ def check_options(options: RunOptions) -> None:
         raise OptionError("output_format", f"is not supported with {option('engine', 'ray')}, which writes a "
                                            "directory of Parquet parts; drop it, or run without "
                                            f"{option('engine', 'ray')}", fmt)
+    if options.servers and options.engine != "local":
+        raise OptionError("server", f"uses running servers, {option('engine', options.engine)} another engine; "
+                                    "pick one")
+    if options.served and options.adapters:
+        raise OptionError("adapter", f"does not run with {option('engine', 'vllm')} or {option('server')} yet; "
+                                     "run adapters on batchgen's own engine")
+    if options.verify and not options.served:
+        raise OptionError("verify", f"compares a server's output with batchgen's own engine: it needs "
+                                    f"{option('engine', 'vllm')} or {option('server')}")
     if options.shard is not None and fmt != "parquet":
         raise OptionError("output_format", f"is not supported with {option('shard')}, which writes Parquet shard "
                                            "outputs for `batchgen merge`; drop it", fmt)
@@ -154,7 +163,7 @@ def check_inputs(inputs: list[str], options: RunOptions, purpose: str = "process
     light = purpose != "process"
     _, source = model_source(options.model)
     with torch_hidden(light):
-        config = load_config(options.model, options.trust_remote_code)
+        config = load_config(options.model, options.trust_remote_code, runs_here=not options.served)
     window, vocab = context_window(config), vocab_size(config)
     tokenizer = Tokenizer.load(source, trust_remote_code=options.trust_remote_code, without_torch=light)
     check_default_constraint(tokenizer, options)

@@ -17,7 +17,7 @@ import os
 import signal
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -32,21 +32,23 @@ from batchgen.pipeline.run.preflight import Checked, check_inputs, check_options
 from batchgen.pipeline.run.progress import Progress
 from batchgen.pipeline.text.results import add_openai_fields, job_rows
 from batchgen.pipeline.run.signals import Preempted, StopOnSignal
-from batchgen.pipeline.run.summary import JobCounts, ThisRun, add_work, run_summary, used, work_of
+from batchgen.pipeline.run.summary import JobCounts, ThisRun, add_work, run_summary, work_of
 from batchgen.pipeline.text.tokenize import Tokenizer
 from batchgen.pipeline.text.expand import (JobCompletions, JobTokens, completions_expected, job_requests, tokenize_jobs,
                                   whole_key)
 from batchgen.pipeline.engine.types import Completion, Request, RunStats
 from batchgen.pipeline.run.options import RunOptions, run_settings
 from batchgen.pipeline.run.windows import COLLECT_JOBS
-
-if TYPE_CHECKING:
-    from batchgen.pipeline.model.forward import Forward
-
+from batchgen.pipeline.run.executors import Executor, LocalExecutor, fingerprint  # noqa: F401 (the API's)
+from batchgen.pipeline.serve.errors import ServerUnreachable
 
 def process(inputs: Sequence[str], output: str, options: RunOptions,
             progress: Callable[[Progress], None] | None = None) -> dict[str, Any]:
     """Run every valid job of `inputs`; write `output`, its errors file and its summary."""
+    if options.served:  # completions servers compute (--server, --engine vllm): no model here
+        from batchgen.pipeline.run.served import process_served
+
+        return process_served(inputs, output, options, progress, mine_of=_mine, run_jobs=run_jobs)
     from batchgen.pipeline.model.prepack import Prepack
 
     started = time.monotonic()
@@ -58,7 +60,7 @@ def process(inputs: Sequence[str], output: str, options: RunOptions,
         from batchgen.pipeline.model.identity import model_identity
         from batchgen.pipeline.model.kernels import set_threads
         from batchgen.pipeline.model.load import DEFAULT_MODEL, resolve_precision
-        from batchgen.pipeline.run.parts import PartStore, job_set_key, may_resume, read_manifest
+        from batchgen.pipeline.run.parts import job_set_key, may_resume, read_manifest
         from batchgen.pipeline.run.sharding import parse_shard
     except BaseException:
         prepack.discard()
@@ -106,26 +108,38 @@ def process(inputs: Sequence[str], output: str, options: RunOptions,
                 model.set_adapters(checked.adapters.infos)
 
             stop.defer()  # writing starts: a signal now stops between steps, after committing
-            store = None
-            try:
-                store = PartStore(output, key, settings, checked.schema, discard_mismatch=options.overwrite)
-                run = _Run(output, options, checked, store, model, model_name, stop)
-                counts, work, about, share = run.generate(mine, report_invalid, progress)
-                summary = run_summary(counts, work, started=started, model=model_name, options=options, run=share)
-                summary.update(about, job_set=job_set, model_files=settings["model_files"],
-                               shard=list(shard) if shard else None, jobs_total=checked.total,
-                               device_type=settings["device_type"], dtype=settings["dtype"])
-                write_summary(summary_path(output), summary)
-                store.remove()
-                return summary
-            except OSError as e:
-                raise _write_error(e, output, store) from e
-            finally:
-                if store is not None:
-                    store.close()
+            executor = LocalExecutor(model, model_name, checked.tokenizer.eos_token_ids, options)
+            return run_jobs(output, options, checked, executor, settings, key, job_set, shard, mine, report_invalid,
+                            started, stop, progress)
         finally:
             model_ahead.discard()  # a run refused before it took the model: no loading thread left
             checked.close()
+
+
+def run_jobs(output: str, options: RunOptions, checked: Checked, executor: Executor, settings: dict[str, Any],
+             key: str, job_set: str, shard: tuple[int, int] | None, mine: np.ndarray, report_invalid: bool,
+             started: float, stop: StopOnSignal, progress: Callable[[Progress], None] | None) -> dict[str, Any]:
+    """The writing half of `process`, on any executor: the parts store under the output's lock,
+    the jobs generated window by window, the output, errors file and summary written."""
+    from batchgen.pipeline.run.parts import PartStore
+
+    store = None
+    try:
+        store = PartStore(output, key, settings, checked.schema, discard_mismatch=options.overwrite)
+        run = _Run(output, options, checked, store, executor, executor.model_name, stop)
+        counts, work, about, share = run.generate(mine, report_invalid, progress)
+        summary = run_summary(counts, work, started=started, model=executor.model_name, options=options, run=share)
+        summary.update(about, job_set=job_set, model_files=settings.get("model_files"),
+                       shard=list(shard) if shard else None, jobs_total=checked.total,
+                       device_type=settings["device_type"], dtype=settings["dtype"])
+        write_summary(summary_path(output), summary)
+        store.remove()
+        return summary
+    except OSError as e:
+        raise _write_error(e, output, store) from e
+    finally:
+        if store is not None:
+            store.close()
 
 
 def _mine(checked: Checked, options: RunOptions, shard: tuple[int, int] | None) -> np.ndarray:
@@ -147,18 +161,16 @@ class _Run:
     """The writing half of a run: generate the jobs not yet committed, window by window, commit
     them as they finish, then write the output, the errors file and the summary's counts."""
 
-    def __init__(self, output: str, options: RunOptions, checked: Checked, store, model, model_name: str,
-                 stop: StopOnSignal) -> None:
+    def __init__(self, output: str, options: RunOptions, checked: Checked, store, executor: Executor,
+                 model_name: str, stop: StopOnSignal) -> None:
         self.output, self.options, self.checked, self.store, self.stop = output, options, checked, store, stop
-        self.model, self.model_name = model, model_name
+        self.executor, self.model_name = executor, model_name
 
     def generate(self, mine: np.ndarray, report_invalid: bool,
                  progress: Callable[[Progress], None] | None) -> tuple[JobCounts, dict[str, int], dict[str, Any],
                                                                        ThisRun]:
         """The output's job counts, the work of all runs, what else the summary reports, and this
         run's share of it."""
-        from batchgen.pipeline.engine.engine import Engine
-
         checked, store, options = self.checked, self.store, self.options
         done = store.done(checked.total)
         fmt = options.output_format
@@ -174,54 +186,48 @@ class _Run:
         pace = Progress(total - int(todo.sum()), total, total - int(todo.sum()), 0, 0, 0, 0.0)
         began = time.monotonic()
 
-        def new_engine() -> Engine:
-            return Engine.for_model(self.model, checked.tokenizer.eos_token_ids,
-                                    min_shared_tokens=options.min_shared_tokens,
-                                    max_batch_tokens=options.max_batch_tokens)
-
-        engine = None
-        for jobs, requests, want, reuse in self._windows(todo):
-            # an engine per window: nothing of the last window stays referenced while this one is built
-            engine = committer.engine = new_engine()
-            samples = JobCompletions(want)
-            # the window's requests live until it ends: collections need not walk them meanwhile
-            gc.freeze()
-            for c in engine.run(requests, should_stop=self.stop.requested):
-                pace.completion_tokens += len(c.token_ids)
-                whole = samples.add(c)
-                if whole is not None:  # its samples, continuations or windows all in
-                    order, completions = whole
-                    # what it reuses in the tree of all jobs, not in this window's (see windows.reused)
-                    finished = [replace(s, cached_tokens=reuse[order]) for s in completions]
-                    committer.add(order, jobs[order], finished)
-                    pace.jobs_done += 1
-                    pace.prompt_tokens += sum(s.prompt_tokens for s in finished if s.sample_index == 0)
-                    pace.cached_tokens += sum(s.cached_tokens for s in finished if s.sample_index == 0)
-                if progress is not None:
-                    pace.elapsed = time.monotonic() - began
-                    progress(replace(pace))  # a snapshot: the reporter may keep it
+        executor = self.executor
+        try:
+            for jobs, requests, want, reuse in self._windows(todo):
+                committer.engine = executor
+                samples = JobCompletions(want)
+                # the window's requests live until it ends: collections need not walk them meanwhile
+                gc.freeze()
+                for c in executor.run(jobs, requests, self.stop.requested):
+                    pace.completion_tokens += len(c.token_ids)
+                    whole = samples.add(c)
+                    if whole is not None:  # its samples, continuations or windows all in
+                        order, completions = whole
+                        # batchgen's engine: what it reuses in the tree of all jobs, not in this window's
+                        # (see windows.reused); a server: what it reports it served from its cache
+                        finished = completions if executor.reports_cached else \
+                            [replace(s, cached_tokens=reuse[order]) for s in completions]
+                        committer.add(order, jobs[order], finished)
+                        pace.jobs_done += 1
+                        pace.prompt_tokens += sum(s.prompt_tokens for s in finished if s.sample_index == 0)
+                        pace.cached_tokens += sum(s.cached_tokens for s in finished if s.sample_index == 0)
+                    if progress is not None:
+                        pace.elapsed = time.monotonic() - began
+                        progress(replace(pace))  # a snapshot: the reporter may keep it
+                gc.unfreeze()
+                committer.engine = None
+                committer.finished.add(executor.stats)
+                if len(requests) >= COLLECT_JOBS:
+                    del jobs, requests, samples, want, reuse
+                    gc.collect()  # the window's tree (its nodes point at each other) goes before the next is built
+                if self.stop.requested():
+                    break
+        except ServerUnreachable as e:  # a server is gone: keep what is finished, stop resumable (exit 75)
             gc.unfreeze()
-            committer.engine = None
-            committer.finished.add(engine.stats)
-            if len(requests) >= COLLECT_JOBS:
-                del jobs, requests, samples, want, reuse
-                gc.collect()  # the window's tree (its nodes point at each other) goes before the next is built
-            if self.stop.requested():
-                break
+            committer.flush()
+            raise Preempted(f"{e}; finished jobs are committed in {store.dir}; rerun the same command to "
+                            "resume") from None
         committer.flush()
         if self.stop.requested():
             raise Preempted(f"stopped by a signal; finished jobs are committed in {store.dir}; "
                             "rerun the same command to resume")
         counts = self._write_output()
-        stats = committer.finished
-        from batchgen.pipeline.model.native_build import build_error  # torch-free; loaded already by the prepack
-        about = {"attention_path": (engine or new_engine()).attention_path,
-                 "attention_kernels": used(compiled=stats.compiled_attention_layers,
-                                           pytorch=stats.pytorch_attention_layers),
-                 "model_code": used(batchgen=stats.own_decoder_forwards, transformers=stats.transformers_forwards),
-                 "decoder_declined": self.model.decoder_declined,
-                 "kernels_build_error": build_error(),
-                 "packed_weights": self.model.packed_weights,
+        about = {**executor.about(committer.finished),
                  "output": self.output,
                  "errors_file": errors_path(self.output, fmt) if counts.failed else None,
                  "resumed_jobs": int(done.sum())}
@@ -284,7 +290,7 @@ class _Run:
         # shard outputs keep the input position: `batchgen merge` restores input order with it
         schema = store.schema if sharded else checked.schema
         with open_result_writer(self.output, schema, fmt, overwrite=True, model=self.model_name,
-                                fingerprint=fingerprint(self.model, self.model_name)) as w:
+                                fingerprint=self.executor.fingerprint()) as w:
             for table in in_order(store.files("part"), store.schema, checked.total, store.dir):
                 if fmt == "openai":  # counted as written: a failed request's answered elements failed too
                     rows = self._openai_rows(table)
@@ -393,14 +399,6 @@ def write_results(output: str, fmt: str, schema, rows: list[dict[str, Any]], err
         w.write(rows)
     with open_error_writer(errors_path(output, fmt), fmt, overwrite=True) as ew:
         ew.write(errors)
-
-
-def fingerprint(model: Forward, model_name: str) -> str:
-    """OpenAI's system_fingerprint: what produced the output (engine version, model, precision)."""
-    from batchgen.pipeline import __version__
-
-    dtype = str(model.dtype).replace("torch.", "")
-    return f"batchgen-{__version__}:{model_name}:{dtype}"
 
 
 def bound_kernel_caches(entries: int = 128) -> None:

@@ -1,0 +1,156 @@
+"""`batchgen process` on completions servers: `--server URL` (running servers: vLLM, or any
+OpenAI-compatible server that returns token ids) or `--engine vllm` (a `vllm serve` that the run
+starts, on a free loopback port, and stops when it ends, on an error and on SIGTERM/SIGINT).
+
+Everything around the engine is the runner's, as on batchgen's own engine: reading and checks,
+tokenization (the server gets token ids), prefix-sorted windows, committed parts and exactly-once
+resume, shards, every output format and the summary (which names the engine and holds the cached
+tokens the server reports). No model loads here; `--verify K` loads batchgen's own afterwards.
+
+A server that stays unreachable ends the run with exit 75, finished jobs committed (rerun the same
+command to resume); a server that refuses one request (4xx) fails that job alone.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from contextlib import ExitStack
+from typing import Any, Callable, Sequence
+
+from batchgen.jobs import summary_path, write_summary
+from batchgen.jobs.errors import BatchgenError, option
+from batchgen.pipeline.run.executors import ServedExecutor, groups_to_servers
+from batchgen.pipeline.run.options import RunOptions, run_settings
+from batchgen.pipeline.run.preflight import check_inputs, check_options, check_output
+from batchgen.pipeline.run.progress import Progress
+from batchgen.pipeline.run.signals import Preempted, StopOnSignal
+from batchgen.pipeline.run.verify import Sample, verify
+from batchgen.pipeline.serve.client import Servers, ServerUnreachable, served_models
+
+
+def process_served(inputs: Sequence[str], output: str, options: RunOptions,
+                   progress: Callable[[Progress], None] | None, *, mine_of: Callable, run_jobs: Callable
+                   ) -> dict[str, Any]:
+    """`runner.process` on servers; the runner hands its own pieces: which jobs this run generates
+    (`mine_of`) and its writing half (`run_jobs`), the same as on batchgen's engine."""
+    from batchgen.pipeline.model.identity import model_identity
+    from batchgen.pipeline.model.load import load_config, model_source
+    from batchgen.pipeline.run.parts import job_set_key, may_resume, read_manifest
+    from batchgen.pipeline.run.sharding import parse_shard
+
+    started = time.monotonic()
+    with StopOnSignal() as stop, ExitStack() as cleanup:
+        shard = parse_shard(options.shard)
+        check_options(options)
+        check_output(output, options.output_format, options.overwrite, inputs)
+        label, source = model_source(options.model)
+        if options.verify:  # batchgen's engine reruns a sample: a model it does not reproduce is refused now
+            load_config(options.model, options.trust_remote_code)
+        server = None
+        if options.engine == "vllm":  # it starts while the jobs are read and tokenized
+            server = cleanup.enter_context(_vllm_server(options, label, source, output))
+            server.spawn()
+        checked = check_inputs(list(inputs), options)
+        cleanup.callback(checked.close)
+        mine = mine_of(checked, options, shard)
+        report_invalid = shard is None or shard[0] == 0  # rows that cannot run: shard 0 reports them
+        # the checkpoint vLLM loads is fingerprinted as batchgen's own runs fingerprint theirs: a
+        # rewrite in place between a crash and the rerun is refused (a --server's model is its name)
+        files = model_identity(options.model) if server is not None else None
+        settings = run_settings(options, label, {"device_type": "served", "dtype": options.dtype},
+                                checked.adapters.digests(), files)
+        job_set = job_set_key(checked.digest, settings)
+        key = f"{job_set}:{options.shard}"
+        may_resume(output + ".parts", read_manifest(output + ".parts"), key, options.overwrite,
+                   settings if files is not None else None)
+        about: dict[str, Any] = {}
+        if server is not None:
+            server.wait(stop.requested)
+            if stop.requested():
+                raise Preempted("stopped by a signal before generation started; nothing was written; rerun the "
+                                "same command")
+            urls, names, alive = [server.url], [server.served_name], server.down
+            about.update(vllm_log=server.log_path, vllm_start_seconds=server.started_seconds)
+        else:
+            urls, alive = list(options.servers), None
+            names = [_model_name(url, label, options.retry_seconds, stop.requested) for url in urls]
+        servers = Servers(urls, options.concurrency, retry_seconds=options.retry_seconds, alive=alive)
+        cleanup.callback(servers.close)
+        about.update(servers=None if server is not None else urls, served_models=names)
+        server_of = groups_to_servers(checked.index, checked.orders, len(urls), options.min_shared_tokens)
+        executor = ServedExecutor("vllm" if server is not None else "server", servers, names, server_of, about, label,
+                                  sample=Sample(options.verify) if options.verify else None)
+        stop.defer()  # writing starts: a signal now stops between steps, after committing
+        summary = run_jobs(output, options, checked, executor, settings, key, job_set, shard, mine, report_invalid,
+                           started, stop, progress)
+        if options.verify:  # the server is no longer needed: its memory goes before batchgen's model loads
+            servers.close()
+            if server is not None:
+                server.stop()
+            summary["verify"] = verify(executor.sample, options, checked.tokenizer.eos_token_ids, stop)
+            write_summary(summary_path(output), summary)
+        return summary
+
+
+def _model_name(url: str, label: str, retry_seconds: float, should_stop: Callable[[], bool]) -> str:
+    """The name a running server serves the model under: its only one, or the one named as --model.
+    A server that stays unreachable for `retry_seconds` stops the run as one that goes away later
+    does: resumable, exit 75."""
+    began, delay = time.monotonic(), 0.5
+    while True:
+        try:
+            names = served_models(url)
+            break
+        except ServerUnreachable as e:
+            if time.monotonic() - began >= retry_seconds or should_stop():
+                raise Preempted(f"{e}; nothing was generated; rerun the same command") from None
+            time.sleep(delay)
+            delay = min(delay * 2, 8.0)
+    if len(names) == 1:
+        return names[0]
+    if label in names:
+        return label
+    raise BatchgenError(f"{url} serves {names or 'no models'}; name the one to use with {option('model')} "
+                        "(its tokenizer must be batchgen's too)")
+
+
+def _vllm_server(options: RunOptions, label: str, source: str, output: str):
+    from batchgen.pipeline.serve.vllm_server import VllmServer, vllm_executable
+
+    args = list(options.vllm_args)
+    if options.dtype != "auto" and not any(a == "--dtype" or a.startswith("--dtype=") for a in args):
+        args += ["--dtype", options.dtype]
+    if options.trust_remote_code:
+        args.append("--trust-remote-code")
+    return VllmServer(vllm_executable(options.vllm), _vllm_model_dir(source), label, output + ".vllm.log", args,
+                      seed=options.defaults.seed)
+
+
+def _vllm_model_dir(source: str) -> str:
+    """The directory (or hub id) vLLM loads. A checkpoint converted from a GGUF keeps a
+    `quantization_config` (quant_method gguf) over weights that are plain floats, which vLLM
+    refuses ("Unknown quantization method"): it loads a twin directory of links without that key,
+    in batchgen's cache (the default model is one)."""
+    config_path = os.path.join(source, "config.json")
+    if not os.path.isfile(config_path):
+        return source  # a hub id: vLLM resolves it itself
+    with open(config_path, encoding="utf-8") as f:
+        config = json.load(f)
+    if (config.get("quantization_config") or {}).get("quant_method") != "gguf":
+        return source
+    from batchgen.pipeline.paths import cache_dir
+
+    source = os.path.abspath(source)
+    twin = os.path.join(cache_dir(), "vllm-models", source.strip(os.sep).replace(os.sep, "_"))
+    os.makedirs(twin, exist_ok=True)
+    for name in os.listdir(source):
+        link = os.path.join(twin, name)
+        if name != "config.json" and not os.path.lexists(link):
+            os.symlink(os.path.join(source, name), link)
+    config.pop("quantization_config")
+    tmp = os.path.join(twin, f".config.json.{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    os.replace(tmp, os.path.join(twin, "config.json"))
+    return twin
