@@ -148,7 +148,8 @@ def main() -> None:
         for label, got in runs.items():
             print(f"| {label} | {got[0]['runs']} | {statistics.median(r['wall'] for r in got):.1f} | "
                   f"{got[0]['prefill']:,} | {got[0]['prefill'] / got[0]['context']:.2f} |")
-        print(f"one run faster by {ratio:.2f}x (median of per-turn ratios over {len(one)} alternations)")
+        print(f"one run faster by {ratio:.2f}x (median of per-turn ratios over {len(one)} alternations); walls: "
+              + ", ".join(f"{o['wall']:.1f} vs {p['wall']:.1f}" for o, p in zip(one, per)))
         results[name] = {"cpu": cpu, "runs": {k: [{x: r[x] for x in ("wall", "prefill", "runs", "context")} for r in v]
                                               for k, v in runs.items()}, "speedup": ratio, "equal": same}
     if opts.json:
