@@ -34,7 +34,6 @@ def process_served(inputs: Sequence[str], output: str, options: RunOptions,
                    ) -> dict[str, Any]:
     """`runner.process` on servers; the runner hands its own pieces: which jobs this run generates
     (`mine_of`) and its writing half (`run_jobs`), the same as on batchgen's engine."""
-    from batchgen.pipeline.model.identity import model_identity
     from batchgen.pipeline.model.load import load_config, model_source
     from batchgen.pipeline.run.parts import job_set_key, may_resume, read_manifest
     from batchgen.pipeline.run.sharding import parse_shard
@@ -55,15 +54,13 @@ def process_served(inputs: Sequence[str], output: str, options: RunOptions,
         cleanup.callback(checked.close)
         mine = mine_of(checked, options, shard)
         report_invalid = shard is None or shard[0] == 0  # rows that cannot run: shard 0 reports them
-        # the checkpoint vLLM loads is fingerprinted as batchgen's own runs fingerprint theirs: a
-        # rewrite in place between a crash and the rerun is refused (a --server's model is its name)
-        files = model_identity(options.model) if server is not None else None
+        # the served model is its name: a run started with --engine vllm resumes on a --server
+        # running the same model (whose files batchgen cannot see)
         settings = run_settings(options, label, {"device_type": "served", "dtype": options.dtype},
-                                checked.adapters.digests(), files)
+                                checked.adapters.digests())
         job_set = job_set_key(checked.digest, settings)
         key = f"{job_set}:{options.shard}"
-        may_resume(output + ".parts", read_manifest(output + ".parts"), key, options.overwrite,
-                   settings if files is not None else None)
+        may_resume(output + ".parts", read_manifest(output + ".parts"), key, options.overwrite)
         about: dict[str, Any] = {}
         if server is not None:
             server.wait(stop.requested)
