@@ -151,6 +151,22 @@ def test_bad_conversations_are_refused_with_their_location(tmp_path, model_dir):
     assert len(pq.read_table(str(out) + ".errors.parquet")) == 6
 
 
+def test_a_served_run_refuses_conversations_with_their_location(tmp_path, model_dir):
+    """A completions server answers one turn: batchgen makes a conversation's later turns as each
+    ends, so --server and --engine vllm refuse conversations (validate as process), never answering
+    the first turn alone."""
+    rows = [{"id": 1, "prompt": "x", "then": [" y"]},
+            {"id": 2, "messages": chat("a") + [{"role": "user", "content": "b"}, {"role": "assistant", "content": None}]},
+            {"id": 3, "prompt": "one turn"}]
+    src = write_jsonl(tmp_path / "turns.jsonl", rows)
+    res = run(["validate", str(src), "--max-new-tokens", "3", "--engine", "vllm"], model_dir, ok=False)
+    lines = [line for line in res.output.splitlines() if "turns.jsonl:" in line]
+    assert len(lines) == 2, res.output
+    assert "turns.jsonl:1" in lines[0] and "field 'then'" in lines[0] and "conversation of 2 turns" in lines[0]
+    assert "turns.jsonl:2" in lines[1] and "field 'messages'" in lines[1]
+    assert run(["validate", str(src), "--max-new-tokens", "3"], model_dir).exit_code == 0  # batchgen's engine runs them
+
+
 def test_plan_reports_conversations_turns_and_the_expected_prefill(tmp_path, model_dir):
     jobs = conversation_jobs()
     src = write_jsonl(tmp_path / "jobs.jsonl", jobs)
