@@ -101,9 +101,12 @@ def process(inputs: Sequence[str], output: str, options: RunOptions,
                 # refused before the run takes the model; checked again under the output's lock
                 may_resume(output + ".parts", read_manifest(output + ".parts"), key, options.overwrite, settings)
             model = as_forward(model_ahead.result()[0])
-            loaded = model_identity(options.model)
-            if loaded != files:  # a hub id's snapshot the load downloaded or moved on to: what ran
-                settings, job_set, key = keyed(loaded)
+            # a hub id's snapshot the load downloaded or moved on to is what ran; a local directory's
+            # files were read before the load (its content sampled), and are not read a second time
+            if files is None or files.startswith("revision "):
+                loaded = model_identity(options.model)
+                if loaded != files:
+                    settings, job_set, key = keyed(loaded)
             if checked.adapters.infos:  # every adapter the jobs use, loaded once (index i + 1: infos[i])
                 model.set_adapters(checked.adapters.infos)
 
