@@ -4,8 +4,10 @@ Systems, each its own process, in alternating turns (A B C, B C A, ...: this mac
   batchgen-vllm   `batchgen process --engine vllm --vllm bench/vllm_cpu_serve.sh`: batchgen reads, tokenizes,
                   sorts by prefix, starts `vllm serve` and sends token ids in prefix order
   vllm-generate   vLLM's own `LLM.generate` over all prompts in one call (bench/peers/vllm_run.py)
-  vllm-run-batch  `vllm run-batch` on an OpenAI batch file of the same jobs in input order (0.32's run-batch takes
-                  chat requests only: it runs on the chat-job shape, shuffled_1k)
+  vllm-run-batch  `vllm run-batch` on an OpenAI batch file of the same jobs in input order. 0.32's run-batch takes
+                  chat requests only: a plain prompt goes as one user message under an identity chat template
+                  (`--chat-template`: the message's text, nothing around it), so it computes the same prompt
+                  tokens as the others (the table shows the counts; they must agree)
 
 Workloads (bench/corpus.py, the default model SmolLM2-135M, float32, greedy, 16 new tokens):
   fewshot       64 five-shot jobs in 4 subjects
@@ -102,17 +104,24 @@ def run_system(system: str, jobs: Path, rows: list[dict], work: Path, model: str
     elif system == "vllm-generate":
         cmd = [str(WRAPPER), "python", str(ROOT / "bench" / "peers" / "vllm_run.py"), model, str(jobs), str(out),
                "1", "0", str(threads), "all"]
-    else:  # vllm-run-batch: the same chat jobs as an OpenAI batch file, in the file's order (0.32's run-batch
-        # takes /v1/chat/completions only; both render the model's own chat template)
+    else:  # vllm-run-batch: the same jobs as an OpenAI batch file, in the file's order (0.32's run-batch takes
+        # /v1/chat/completions only: chat jobs render the model's own chat template, as batchgen does; a plain
+        # prompt is one user message under a template that is its text alone)
         batch = work / "batch.jsonl"
+        plain = "messages" not in rows[0]
         if not batch.exists():
             batch.write_text("".join(json.dumps({
                 "custom_id": r["id"], "method": "POST", "url": "/v1/chat/completions",
-                "body": {"model": "m", "messages": r["messages"], "max_tokens": r["max_new_tokens"],
-                         "temperature": 0.0}}) + "\n" for r in rows))
+                "body": {"model": "m", "max_tokens": r["max_new_tokens"], "temperature": 0.0,
+                         "messages": [{"role": "user", "content": r["prompt"]}] if plain else r["messages"]}})
+                + "\n" for r in rows))
         cmd = [str(WRAPPER), "run-batch", "-i", str(batch), "-o", str(out), "--model", model,
                "--served-model-name", "m", "--dtype", "float32", "--enable-prefix-caching",
                "--enable-prompt-tokens-details", *server_args.split()]
+        if plain:
+            template = work / "identity.jinja"
+            template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+            cmd += ["--chat-template", str(template), "--chat-template-content-format", "string"]
     began = time.monotonic()
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     wall = time.monotonic() - began
@@ -155,10 +164,8 @@ def main() -> None:
                      "messages": [{"role": "user", "content": r["prompt"]}]} for r in rows]
             max_len += 128
         systems = args.systems.split(",")
-        if name == "shuffled_1k":  # vllm_run.py takes plain prompts, run-batch (0.32) chat jobs only
+        if name == "shuffled_1k":  # vllm_run.py takes plain prompts
             systems = [s for s in systems if s != "vllm-generate"]
-        else:
-            systems = [s for s in systems if s != "vllm-run-batch"]
         with tempfile.TemporaryDirectory(prefix=f"bench-vllm-{name}-") as d:
             work = Path(d)
             jobs = work / "jobs.jsonl"
@@ -183,10 +190,11 @@ def main() -> None:
                 print(f"| {s} | {statistics.median(r['wall'] for r in rs):.1f} | "
                       f"{statistics.median(start) if start else float('nan'):.1f} | {prompt} | {cached:.0f} | "
                       f"{prompt - cached:.0f} |")
-            if "batchgen-vllm" in results and "vllm-generate" in results:
-                ratios = [a["wall"] / b["wall"] for a, b in zip(results["batchgen-vllm"], results["vllm-generate"])]
-                print(f"overhead batchgen-vllm / vllm-generate, per turn: {[round(x, 3) for x in ratios]}, "
-                      f"median {statistics.median(ratios):.3f}")
+            for peer in ("vllm-generate", "vllm-run-batch"):
+                if "batchgen-vllm" in results and peer in results:
+                    ratios = [a["wall"] / b["wall"] for a, b in zip(results["batchgen-vllm"], results[peer])]
+                    print(f"wall batchgen-vllm / {peer}, per turn: {[round(x, 3) for x in ratios]}, "
+                          f"median {statistics.median(ratios):.3f}")
 
 
 if __name__ == "__main__":

@@ -75,8 +75,9 @@ def _served_options(f):
         click.option("--vllm-arg", "vllm_args", multiple=True, metavar="ARGS",
                      help="More `vllm serve` arguments, split as a shell would (repeatable), e.g. "
                           "--vllm-arg='--max-model-len 4096'."),
-        click.option("--concurrency", type=click.IntRange(min=1), default=256, show_default=True,
-                     help="Requests in flight per server (sent in prefix order)."),
+        click.option("--concurrency", type=click.IntRange(min=1), default=None,
+                     help="Requests in flight per server, sent in prefix order [default: twice the max-num-seqs of "
+                          "the vLLM that --engine vllm starts; 256 per --server]."),
         click.option("--retry-seconds", type=click.FloatRange(min=0), default=120.0, show_default=True,
                      help="How long a server may stay unreachable (connection errors, 429, 5xx, timeouts; retried "
                           "with backoff) before the run stops, resumable (exit 75)."),

@@ -60,7 +60,7 @@ class RunOptions:
     servers: tuple[str, ...] = ()
     vllm: str | None = None
     vllm_args: tuple[str, ...] = ()
-    concurrency: int = 256  # requests in flight per server
+    concurrency: int | None = None  # requests in flight per server; None: serve/batching.py's choice
     retry_seconds: float = 120.0  # a server unreachable this long ends the run, resumable (exit 75)
     verify: int = 0  # greedy jobs run again on batchgen's own engine, compared token for token
 

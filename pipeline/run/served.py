@@ -26,6 +26,7 @@ from batchgen.pipeline.run.preflight import check_inputs, check_options, check_o
 from batchgen.pipeline.run.progress import Progress
 from batchgen.pipeline.run.signals import Preempted, StopOnSignal
 from batchgen.pipeline.run.verify import Sample, verify
+from batchgen.pipeline.serve.batching import SERVERS_IN_FLIGHT, in_flight
 from batchgen.pipeline.serve.client import Servers, ServerUnreachable, served_models
 
 
@@ -72,9 +73,10 @@ def process_served(inputs: Sequence[str], output: str, options: RunOptions,
         else:
             urls, alive = list(options.servers), None
             names = [_model_name(url, label, options.retry_seconds, stop.requested) for url in urls]
-        servers = Servers(urls, options.concurrency, retry_seconds=options.retry_seconds, alive=alive)
+        concurrency = options.concurrency or (in_flight(server.command) if server is not None else SERVERS_IN_FLIGHT)
+        servers = Servers(urls, concurrency, retry_seconds=options.retry_seconds, alive=alive)
         cleanup.callback(servers.close)
-        about.update(servers=None if server is not None else urls, served_models=names)
+        about.update(servers=None if server is not None else urls, served_models=names, concurrency=concurrency)
         server_of = groups_to_servers(checked.index, checked.orders, len(urls), options.min_shared_tokens)
         executor = ServedExecutor("vllm" if server is not None else "server", servers, names, server_of, about, label,
                                   sample=Sample(options.verify) if options.verify else None)

@@ -2,8 +2,8 @@
 
 vLLM cannot share batchgen's virtualenv (its transformers and llguidance pins exclude batchgen's),
 so it runs as the user's own install: `--vllm PATH`, else `BATCHGEN_VLLM`, else `vllm` on PATH.
-It listens on a free loopback port with prefix caching on and per-request cached-token counts
-(`--enable-prompt-tokens-details`); its log goes to a side file next to the output, whose last
+It listens on a free loopback port with prefix caching on, per-request cached-token counts
+(`--enable-prompt-tokens-details`) and the batch limits of vLLM's offline `LLM` (batching.py); its log goes to a side file next to the output, whose last
 lines a failure quotes.
 
 It never outlives batchgen: it runs under watchdog.py, which holds the read end of a pipe that
@@ -25,6 +25,7 @@ from collections import deque
 from typing import Callable, Sequence
 
 from batchgen.jobs.errors import BatchgenError
+from batchgen.pipeline.serve.batching import batch_args, detect
 from batchgen.pipeline.serve.client import health
 
 START_SECONDS = 900.0  # a first start compiles the model (1-2 min on a CPU), a big model loads for minutes
@@ -83,7 +84,7 @@ class VllmServer:
                         "--max-logprobs", "20"]
         if lora_modules:
             self.command += ["--enable-lora", "--lora-modules", *lora_modules]
-        self.command += list(args)
+        self.command += batch_args(args, detect()) + list(args)
         self.process: subprocess.Popen | None = None
         self.started_seconds: float | None = None
         self.began = 0.0
