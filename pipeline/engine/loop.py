@@ -23,24 +23,25 @@ Everything here lives for one run (`Pass`): the engine keeps its configuration a
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from itertools import islice
 from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 
 from batchgen.pipeline.model import native
-from batchgen.pipeline.model.kv import LayerShape, PrefixKV, RowKV
+from batchgen.pipeline.model.kv import LayerShape, RowKV
+from batchgen.pipeline.engine import prefix_fill
 from batchgen.pipeline.engine.prefix_cache import PrefixCache
-from batchgen.pipeline.engine.prefix_scores import Kept, PrefixScores
+from batchgen.pipeline.engine.prefix_fill import Cached, PrefixFill
+from batchgen.pipeline.engine.prefix_scores import PrefixScores
+from batchgen.pipeline.engine.pressure import MemoryPressure
 from batchgen.pipeline.engine.rows import Fill, Live, Wanted, record_logprobs, token_scores
 from batchgen.pipeline.engine.sampling import row_state, sample
-from batchgen.pipeline.engine.schedule import Plan, Prefix, Row
+from batchgen.pipeline.engine.schedule import Plan, Row
 from batchgen.pipeline.model.step import Decode, Segment, StaticDecode, Step, build
 from batchgen.pipeline.engine.turns import Conversations, Turn, carry_point, root_of
 from batchgen.pipeline.engine.types import Completion, Request, RunStats, TurnError
-
-SCORED_ROWS = 512  # scored prompt positions per forward: their logits (rows x vocabulary) are held together
 
 
 class EngineView(Protocol):
@@ -59,15 +60,7 @@ class EngineView(Protocol):
     def forward(self, step: Step, keep: list[int]) -> torch.Tensor: ...
 
 
-@dataclass
-class Cached:
-    """What a cached prefix holds while rows read it (the run's `PrefixCache` makes and frees it)."""
-
-    kv: PrefixKV
-    kept: Kept | None  # the prompt scores it keeps for rows below, if any row reads them
-
-
-class Pass:
+class Pass(PrefixFill, MemoryPressure):
     """One `Engine.run`: its requests, its plan, its prefixes and its step size (halved on
     out-of-memory for the rest of this run only)."""
 
@@ -188,7 +181,7 @@ class Pass:
         if static is not None and not filling:  # a decode step: token i is slot i's
             step = static.build(decode, [r.tokens[-1] for r in running])
             return step, Wanted(len(running), keep=[r.slot for r in running])
-        budget, room = max(1, self.step_tokens - len(running)), SCORED_ROWS
+        budget, room = max(1, self.step_tokens - len(running)), prefix_fill.SCORED_ROWS
         chunks, want, scoring = [], Wanted(len(running)), []
         for f in filling:
             start = f.row.cached + f.fed
@@ -365,111 +358,3 @@ class Pass:
     def _release(self, row: Row, count: int) -> None:
         if row.prefix is not None:
             self.prefixes.unlock(row.prefix, count)  # frees the prefixes no unfinished row reads
-
-    # -- prefixes -------------------------------------------------------------------------
-
-    def _prefill_prefixes(self, needed: set[int]) -> None:
-        """Compute the cached prefixes these rows read, and any above them not yet computed: one
-        tree level per round (a child copies what it holds of its parent's keys), all of a level
-        packed in one forward per step_tokens tokens."""
-        for level in self.prefixes.missing(needed):
-            for pid in level:
-                self.prefixes.make(pid)
-            self._prefill_level(level)
-            self.stats.prefix_nodes += len(level)
-
-    def _new_prefix(self, p: Prefix, parent: Cached | None) -> Cached:
-        """What prefix `p` holds (the cache's factory): its keys and values, from its parent's first
-        tokens, and the prompt scores it keeps for rows below."""
-        kv = PrefixKV(self.layers, p.end, self.dtype, self.device, p.base)
-        if parent is not None and p.start > p.base:  # its parent's tokens it holds
-            low = p.base
-            if parent.kv.base > low:  # the parent holds only its tail: the rest is its anchor's, from 0
-                kv.copy_from(self.prefixes[self.plan.prefixes[p.parent].anchor].kv, low, parent.kv.base)
-                low = parent.kv.base
-            kv.copy_from(parent.kv, low, p.start)
-        return Cached(kv, self.scores.open(p, parent.kept if parent else None))
-
-    def _prefill_level(self, level: list[int]) -> None:
-        """Prefill these prefixes, chunks of several packed in each forward of up to step_tokens
-        tokens; the logits of positions rows below score with, up to SCORED_ROWS per forward."""
-        at = {pid: self.plan.prefixes[pid].start for pid in level}  # next position of each prefix
-        while at:
-            chunks, budget, room = [], self.step_tokens, SCORED_ROWS
-            for pid in list(at)[: self.step_tokens]:
-                if budget <= 0:
-                    break
-                p, kv = self.plan.prefixes[pid], self.prefixes[pid].kv
-                n = min(p.end - at[pid], budget)
-                scored = self.scores.positions(pid, at[pid], at[pid] + n)
-                if len(scored) > room:  # their logits would not fit: this forward scores only what does
-                    n = scored.start - at[pid] + room
-                    scored = range(scored.start, scored.start + room)
-                if n <= 0:
-                    break
-                owner = self.requests[p.key]  # a request below it: its tokens, and its adapter (the tree's key)
-                ids = owner.prompt_ids[at[pid] : at[pid] + n]
-                anchor = self.prefixes[p.anchor].kv if p.anchor is not None else None  # (p.base: its length)
-                chunks.append((pid, Segment(0, 0, kv.k, kv.v, 0, at[pid] - p.base, p.base, anchor, owner.adapter), ids,
-                               scored))
-                budget, room = budget - n, room - len(scored)
-            step = build([], [], [(seg, ids) for _, seg, ids, _ in chunks], None, self.device)
-            keep = [seg.t0 + q - seg.base - seg.offset for _, seg, _, scored in chunks for q in scored]
-            try:
-                logits = self.engine.forward(step, keep)
-            except torch.OutOfMemoryError:
-                if step.tokens <= 16:
-                    raise
-                self.stats.oom_splits += 1
-                _release_memory(self.device)
-                self.step_tokens = max(16, min(self.step_tokens, step.tokens) // 2)
-                continue
-            self.stats.prefill_tokens += step.tokens
-            self.scores.keep([(pid, q) for pid, _, _, scored in chunks for q in scored], logits)
-            for pid, seg, ids, _ in chunks:
-                at[pid] += len(ids)
-                if at[pid] == self.plan.prefixes[pid].end:
-                    del at[pid]
-
-    # -- out of memory ----------------------------------------------------------------------
-
-    def _shrink(self, queue: deque, kv: RowKV, filling: list[Fill], running: list[Live], limit: int, fed: int):
-        """The step did not fit: smaller suffix chunks first; then the newest half of the samples in
-        flight go back to the front of the queue, each to rerun alone from its start (its generator
-        restarts with it), and fewer slots are used. A lone sample that still does not fit fails
-        alone. Returns the new limit on slots in use."""
-        _release_memory(self.device)
-        if fed > 16:  # prefill tokens beside the decoding rows
-            self.step_tokens = max(16, min(self.step_tokens, len(running) + fed) // 2)
-            return limit
-        # oldest first: rows decoding, then fills in admission order; a fill stands for its samples
-        flight = [(r.row, [r.sample], [r.slot]) for r in running] + [(f.row, list(f.row.samples), f.slots)
-                                                                     for f in filling]
-        in_use = kv.in_use()
-        if in_use <= 1:
-            row, samples, slots = flight[0]
-            filling.clear()
-            running.clear()
-            request = self.requests[row.key]
-            state = row_state(request.params, 0, samples[0], self.device)
-            yield self._finish(Live(row, request, samples[0], slots[0], state), kv, "error", "out of memory")
-            return 1
-        kept, used = 0, 0
-        while kept < len(flight) and used + len(flight[kept][2]) <= in_use // 2:
-            used += len(flight[kept][2])
-            kept += 1
-        evicted = flight[kept:]
-        for _, _, slots in evicted:
-            for slot in slots:
-                kv.free(slot)
-        queue.extendleft(reversed([Row(row.key, range(s, s + 1), row.prefix, row.cached, row.anchor, row.anchored)
-                                   for row, samples, _ in evicted for s in samples]))
-        gone = {slot for _, _, slots in evicted for slot in slots}
-        running[:] = [r for r in running if r.slot not in gone]
-        filling[:] = [f for f in filling if f.slots[0] not in gone]
-        return max(1, used)
-
-
-def _release_memory(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()

@@ -67,7 +67,7 @@ def test_without_adapters_the_same_requests_share_one_head(setup):
 
 def test_a_prefix_is_prefilled_with_its_adapter(setup, monkeypatch):
     """A cached prefix's segment carries its rows' adapter (its keys and values are that adapter's)."""
-    from batchgen.pipeline.engine import loop
+    from batchgen.pipeline.engine import loop, prefix_fill
 
     base, dirs = setup
     forward = as_forward(make_model("llama"))
@@ -79,7 +79,8 @@ def test_a_prefix_is_prefilled_with_its_adapter(setup, monkeypatch):
         segments.extend((seg.adapter, kv is None) for seg, _ in chunks)
         return real(decode, ids, chunks, kv, device)
 
-    monkeypatch.setattr(loop, "build", build)
+    monkeypatch.setattr(loop, "build", build)  # the rows' steps
+    monkeypatch.setattr(prefix_fill, "build", build)  # the prefixes'
     engine = Engine(forward, eos_token_ids=[2], min_shared_tokens=4)
     requests = [Request(i, HEAD + [50 + i], SamplingParams(max_new_tokens=2), adapter=1) for i in range(3)]
     list(engine.run(requests))

@@ -76,7 +76,7 @@ def test_scoring_rows_beside_generating_rows_leave_them_unchanged(tok):
 
 def test_long_texts_are_scored_across_many_steps(tok):
     """More scored positions than one forward keeps logits for: scored chunk by chunk."""
-    from batchgen.pipeline.engine import loop as engine_mod
+    from batchgen.pipeline.engine import prefix_fill as engine_mod
 
     model = make_model("qwen2", seed=2)
     text = tok.encode_prompt(" ".join(["the river runs long and cold by the town"] * 12))
@@ -139,7 +139,7 @@ def prompt_scoring_requests(tok):
                                           ("qwen2", {"step_tokens": 24, "scored_rows": 5}), ("decoder", {})])
 def test_prompt_logprobs_under_shared_prefixes_are_scored_once_and_equal_a_full_forward(arch, options, tok,
                                                                                          monkeypatch, tmp_path):
-    from batchgen.pipeline.engine import loop as engine_mod
+    from batchgen.pipeline.engine import prefix_fill as engine_mod
 
     if arch == "decoder":  # batchgen's own decoder runs the engine, transformers' model is the reference
         model, runner = make_decoder("llama", tmp_path, seed=3)
