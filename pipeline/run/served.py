@@ -110,8 +110,9 @@ def process_served(inputs: Sequence[str], output: str, options: RunOptions,
         return summary
 
 
-def _listed(url: str, retry_seconds: float, should_stop: Callable[[], bool]) -> list[str]:
-    """The model names a running server serves (`/v1/models`: the model, and its LoRA modules).
+def _listed(url: str, retry_seconds: float, should_stop: Callable[[], bool]) -> dict[str, str | None]:
+    """The model names a running server serves (`/v1/models`: its models, and its LoRA modules
+    with their base model as parent).
     A server that stays unreachable for `retry_seconds` stops the run as one that goes away later
     does: resumable, exit 75."""
     began, delay = time.monotonic(), 0.5
@@ -125,8 +126,10 @@ def _listed(url: str, retry_seconds: float, should_stop: Callable[[], bool]) -> 
             delay = min(delay * 2, 8.0)
 
 
-def _model_name(url: str, label: str, names: Sequence[str]) -> str:
-    """The name a running server serves the model under: its only one, or the one named as --model."""
+def _model_name(url: str, label: str, served: dict[str, str | None]) -> str:
+    """The name a running server serves the model under: its only one, or the one named as --model
+    (its LoRA modules are not models)."""
+    names = [name for name, parent in served.items() if parent is None]
     if len(names) == 1:
         return names[0]
     if label in names:

@@ -23,18 +23,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Collection, Iterable, Sequence
 
 from batchgen.jobs.errors import BatchgenError, OptionError, option
 from batchgen.pipeline.run.adapters import parse_specs
 
 # the --max-lora-rank values vLLM 0.32 accepts (vllm/config/lora.py MaxLoRARanks): an adapter's rank rounds up
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-# LoRA slots in one batch: each is preallocated at the max rank in every layer (memory the KV cache
-# loses); batchgen's prefix groups never span adapters, so a window holds few at once
-MAX_LORAS = 4
-# the flags batchgen sets from the adapters; a user's own --vllm-arg of one of them wins
-_OWN = ("--max-lora-rank", "--max-loras", "--max-cpu-loras")
 
 
 @dataclass(frozen=True)
@@ -121,8 +116,16 @@ def _given(args: Sequence[str], flag: str) -> bool:
 def lora_arguments(modules: Sequence[Module], user_args: Sequence[str]) -> list[str]:
     """The `vllm serve` flags that serve `modules` (none without modules): `--enable-lora`,
     `--lora-modules NAME=PATH ...`, `--max-lora-rank` (the largest rank, rounded up to a value
-    vLLM takes), `--max-loras` (one per adapter, at most MAX_LORAS) and `--max-cpu-loras` (every
-    adapter stays loaded), each unless the user's own `--vllm-arg` gives it."""
+    vLLM takes) and `--max-loras`, each unless the user's own `--vllm-arg` gives it.
+
+    `--max-loras` is one slot per adapter and one more, kept empty. Every adapter stays in a slot
+    (none is swapped in and out as windows move between adapters). The empty last slot is for
+    vLLM's CPU build: its LoRA ops (vllm/lora/ops/torch_ops) pick a token's slot by indexing
+    with the token's LoRA index, which is -1 for a base-model token, so a base-model job batched
+    with adapter jobs gets the last slot's adapter applied (seen in 0.32: base jobs differed from
+    LLM.generate without LoRA); an empty last slot adds nothing. A slot costs memory at the max
+    rank in every layer (taken from the KV cache): a user with many big adapters passes their own
+    `--vllm-arg='--max-loras K'` (on the CPU build K above the adapters' count)."""
     if not modules:
         return []
     if _given(user_args, "--lora-modules"):
@@ -132,16 +135,12 @@ def lora_arguments(modules: Sequence[Module], user_args: Sequence[str]) -> list[
     out += ["--lora-modules", *(f"{m.name}={m.path}" for m in modules)]
     if not _given(user_args, "--max-lora-rank"):
         out += ["--max-lora-rank", str(max_rank(max(m.rank for m in modules)))]
-    loras = min(len(modules), MAX_LORAS)
     if not _given(user_args, "--max-loras"):
-        out += ["--max-loras", str(loras)]
-    # (vLLM requires max_cpu_loras >= max_loras: a user's own --max-loras leaves its default, equal)
-    if len(modules) > loras and not _given(user_args, "--max-loras") and not _given(user_args, "--max-cpu-loras"):
-        out += ["--max-cpu-loras", str(len(modules))]
+        out += ["--max-loras", str(len(modules) + 1)]
     return out
 
 
-def check_served(url: str, served: Sequence[str], names: Iterable[str]) -> None:
+def check_served(url: str, served: Collection[str], names: Iterable[str]) -> None:
     """Every registered adapter name a run on a running server uses must be one it serves."""
     for name in names:
         if name not in served:

@@ -16,7 +16,7 @@ from batchgen.jobs import GenerationDefaults, Job
 from batchgen.jobs import Location
 from batchgen.jobs.errors import OptionError
 from batchgen.pipeline.run.adapters import Adapters
-from batchgen.pipeline.run.served_adapters import (Module, directory_refusal, lora_arguments, max_rank, missing,
+from batchgen.pipeline.run.served_adapters import (directory_refusal, lora_arguments, max_rank, missing,
                                                     option_modules, registered_names, served_names)
 from tests.helpers.tiny_adapters import make_adapter
 from tests.helpers.tiny_models import model_from_config
@@ -57,7 +57,7 @@ def test_server_flags_from_the_adapters(base):
                                                            ("adapter-3", paths[4], 4)]
     args = lora_arguments(modules, [])
     assert args == ["--enable-lora", "--lora-modules", f"a={paths[8]}", f"b={paths[20]}", f"adapter-3={paths[4]}",
-                    "--max-lora-rank", "32", "--max-loras", "3"]
+                    "--max-lora-rank", "32", "--max-loras", "4"]
     assert lora_arguments([], ["--max-lora-rank", "8"]) == []  # no adapters: no LoRA at all
 
 
@@ -68,13 +68,6 @@ def test_a_users_own_flags_win_and_are_never_given_twice(base):
     assert args == ["--lora-modules", f"a={paths[8]}"]
     with pytest.raises(OptionError, match="--adapter NAME=PATH"):
         lora_arguments(modules, ["--lora-modules", "x=/y"])
-
-
-def test_many_adapters_stay_loaded_beyond_the_batch_slots():
-    modules = [Module(f"m{i}", f"/a/{i}", 16) for i in range(6)]
-    assert lora_arguments(modules, [])[-6:] == ["--max-lora-rank", "16", "--max-loras", "4", "--max-cpu-loras", "6"]
-    # a user's --max-loras: vLLM's max_cpu_loras defaults to it (it may not be lower)
-    assert "--max-cpu-loras" not in lora_arguments(modules, ["--max-loras", "2"])
 
 
 def test_one_directory_once_under_its_first_name_and_a_broken_one_left_out(base, tmp_path):
