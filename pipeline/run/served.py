@@ -88,8 +88,8 @@ def process_served(inputs: Sequence[str], output: str, options: RunOptions,
             listed = [_listed(url, options.retry_seconds, stop.requested) for url in urls]
             names = [_model_name(url, label, served) for url, served in zip(urls, listed)]
             adapter_names = registered_names(checked.adapters)
-            for url, served in zip(urls, listed):
-                check_served(url, served, adapter_names)
+            for url, name, served in zip(urls, names, listed):
+                check_served(url, served, adapter_names, name)
         if adapter_names:
             about["served_adapters"] = adapter_names
         servers = Servers(urls, options.concurrency, retry_seconds=options.retry_seconds, alive=alive)

@@ -49,6 +49,8 @@ def option_modules(specs: Sequence[str], base: Any, taken: Iterable[str] = ()) -
     from batchgen.pipeline.model.adapter_files import AdapterError, inspect_adapter
 
     names, default = parse_specs(specs)
+    for name in names:
+        clash(name, taken)
     found: dict[str, Module] = {}
     unnamed = [default] if default is not None else []
     for label, path in [*names.items(), *((None, p) for p in unnamed)]:
@@ -61,6 +63,12 @@ def option_modules(specs: Sequence[str], base: Any, taken: Iterable[str] = ()) -
             continue
         found[where] = Module(label or "", info.path, info.rank)
     return _named(list(found.values()), [*names, *taken])
+
+
+def clash(name: str, models: Iterable[str]) -> None:
+    """A registered name that is the served model's own name would select the base model."""
+    if name in models:
+        raise OptionError("adapter", "is the served model's own name; give the adapter another name", name)
 
 
 def _named(modules: list[Module], taken: Iterable[str]) -> list[Module]:
@@ -140,9 +148,11 @@ def lora_arguments(modules: Sequence[Module], user_args: Sequence[str]) -> list[
     return out
 
 
-def check_served(url: str, served: Collection[str], names: Iterable[str]) -> None:
-    """Every registered adapter name a run on a running server uses must be one it serves."""
+def check_served(url: str, served: Collection[str], names: Iterable[str], model: str | None = None) -> None:
+    """Every registered adapter name a run on a running server uses must be one it serves (and
+    not the model it serves under that name)."""
     for name in names:
+        clash(name, [model])
         if name not in served:
             raise OptionError("adapter", f"is not served by {url} (it serves {', '.join(served) or 'nothing'}); "
                                          f"start that server with --enable-lora --lora-modules {name}=PATH", name)

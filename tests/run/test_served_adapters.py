@@ -59,6 +59,8 @@ def test_server_flags_from_the_adapters(base):
     assert args == ["--enable-lora", "--lora-modules", f"a={paths[8]}", f"b={paths[20]}", f"adapter-3={paths[4]}",
                     "--max-lora-rank", "32", "--max-loras", "4"]
     assert lora_arguments([], ["--max-lora-rank", "8"]) == []  # no adapters: no LoRA at all
+    with pytest.raises(OptionError, match="the served model's own name"):
+        option_modules([f"tiny={paths[8]}"], config, taken=["tiny"])
 
 
 def test_a_users_own_flags_win_and_are_never_given_twice(base):
