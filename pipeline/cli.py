@@ -360,12 +360,16 @@ def plan(inputs, model, trust_remote_code, adapters, dataset, split, prompt_temp
 @_generation_options
 @_output_format_option
 @_engine_option
+@click.option("--server", "servers", multiple=True, metavar="URL",
+              help="The running server(s) `process --server` will use: the adapters the jobs name must be "
+                   "among the models it lists.")
 def validate(inputs, model, trust_remote_code, adapters, dataset, split, prompt_template, system, output_format,
-             engine, **gen):
+             engine, servers, **gen):
     """Check every job in INPUTS exactly as `process` does before it generates (rows, carried
     columns, tokenization and the model's context window, LoRA adapters; the tokenizer, the
-    config and the adapters' headers only, no weights) and report every problem with its file:line. Pass the --output-format and --engine
-    that `process` will run with: they refuse jobs of their own (a scoring job under openai or ray)."""
+    config and the adapters' headers only, no weights) and report every problem with its file:line. Pass the --output-format, --engine
+    and --server that `process` will run with: they refuse jobs of their own (a scoring job under openai or ray;
+    on a --server, an adapter it does not serve)."""
     from batchgen.pipeline.run.preflight import check_inputs
     from batchgen.pipeline.run.options import RunOptions
     from batchgen.pipeline.run.workers import worker_count
@@ -373,8 +377,12 @@ def validate(inputs, model, trust_remote_code, adapters, dataset, split, prompt_
     options = RunOptions(model=model, defaults=_guard(_defaults, gen), prompt_template=prompt_template, system=system,
                          dataset=dataset, split=split, trust_remote_code=trust_remote_code,
                          output_format=output_format, engine=engine, adapters=tuple(adapters),
-                         workers=worker_count())
+                         servers=tuple(servers), workers=worker_count())
     checked = _guard(check_inputs, list(inputs), options, purpose="validate")
+    if servers:  # as `process --server` does at its start
+        from batchgen.pipeline.run.served_adapters import check_servers
+
+        _guard(check_servers, servers, checked.adapters)
     for line in checked.invalid.lines():
         click.echo(line)
     click.echo(f"{checked.total} jobs checked, {len(checked.invalid)} with problems", err=True)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from batchgen.jobs import InvalidRow, Job
 from batchgen.jobs.errors import OptionError, option
@@ -69,13 +69,17 @@ class Adapters:
     infos: list[Any] = field(default_factory=list)  # AdapterInfo of index i + 1
     _found: dict[str, int | str] = field(default_factory=dict)  # absolute path -> index, or why it cannot run
     _of_label: dict[str, int | str] = field(default_factory=dict)  # label -> index, or why it cannot run
+    # why a directory label (no registered name) cannot run here, or None: a running server
+    # (--server) knows adapters by name only (pipeline/run/served_adapters.py)
+    refuse_directory: Callable[[str], str | None] | None = None
 
     @classmethod
-    def of(cls, specs: Sequence[str], base: Any) -> "Adapters":
+    def of(cls, specs: Sequence[str], base: Any,
+           refuse_directory: Callable[[str], str | None] | None = None) -> "Adapters":
         """From `--adapter` values (the API's {name: path} as NAME=PATH); a bad default fails here,
         as a bad option."""
         names, default = parse_specs(specs)
-        out = cls(base, names, default)
+        out = cls(base, names, default, refuse_directory=refuse_directory)
         if default is not None:
             found = out.index(default)
             if isinstance(found, str):
@@ -126,6 +130,10 @@ class Adapters:
             known = ", ".join(sorted(self.names)) or "none"
             return (f"{label!r} is neither a registered adapter name (registered: {known}; register one with "
                     f"{option('adapter', 'NAME=PATH')}) nor an adapter directory")
+        if path is None and self.refuse_directory is not None:
+            why = self.refuse_directory(label)
+            if why is not None:
+                return why
         where = os.path.abspath(path or label)
         if where not in self._found:
             try:

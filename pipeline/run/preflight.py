@@ -31,7 +31,8 @@ import pyarrow as pa
 from batchgen.jobs import InvalidRow, Job, JobError
 from batchgen.jobs.errors import OptionError, option
 from batchgen.jobs.chunks import PlainRows
-from batchgen.pipeline.run.adapters import Adapters
+from batchgen.pipeline.run.adapters import Adapters, parse_specs
+from batchgen.pipeline.run.served_adapters import directory_refusal
 from batchgen.pipeline.run.inputrows import CHUNK_ROWS, PlainCheck, Rows, tokenize_in_worker, tokenize_plain
 from batchgen.pipeline.run.jobstore import JobSpool, Problems
 from batchgen.pipeline.run.overlap import check_apart
@@ -106,9 +107,6 @@ def check_options(options: RunOptions) -> None:
     if options.servers and options.engine != "local":
         raise OptionError("server", f"uses running servers, {option('engine', options.engine)} another engine; "
                                     "pick one")
-    if options.served and options.adapters:
-        raise OptionError("adapter", f"does not run with {option('engine', 'vllm')} or {option('server')} yet; "
-                                     "run adapters on batchgen's own engine")
     if options.verify and not options.served:
         raise OptionError("verify", f"compares a server's output with batchgen's own engine: it needs "
                                     f"{option('engine', 'vllm')} or {option('server')}")
@@ -168,7 +166,9 @@ def check_inputs(inputs: list[str], options: RunOptions, purpose: str = "process
     tokenizer = Tokenizer.load(source, trust_remote_code=options.trust_remote_code, without_torch=light)
     check_default_constraint(tokenizer, options)
     # `process` keeps every job (on disk, for the engine): its rows all become Jobs here
-    adapters = Adapters.of(options.adapters, config)  # a bad default or --adapter value fails here
+    # a bad default or --adapter value fails here; a running server knows adapters by name only
+    adapters = Adapters.of(options.adapters, config,
+                           directory_refusal(parse_specs(options.adapters)[0]) if options.servers else None)
     rows = Rows(list(inputs), options, columnar=purpose != "process", adapters=adapters)
     refused = rows.refusal(rows.template) if rows.refusal is not None else None
     plain = PlainCheck(rows.template, window, generation_error(rows.template, tokenizer, vocab), refused)

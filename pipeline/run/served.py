@@ -24,6 +24,8 @@ from batchgen.pipeline.run.executors import ServedExecutor, groups_to_servers
 from batchgen.pipeline.run.options import RunOptions, run_settings
 from batchgen.pipeline.run.preflight import check_inputs, check_options, check_output
 from batchgen.pipeline.run.progress import Progress
+from batchgen.pipeline.run.served_adapters import (Module, check_served, lora_arguments, missing, option_modules,
+                                                    registered_names, served_names)
 from batchgen.pipeline.run.signals import Preempted, StopOnSignal
 from batchgen.pipeline.run.verify import Sample, verify
 from batchgen.pipeline.serve.batching import SERVERS_IN_FLIGHT, in_flight
@@ -47,12 +49,23 @@ def process_served(inputs: Sequence[str], output: str, options: RunOptions,
         label, source = model_source(options.model)
         if options.verify:  # batchgen's engine reruns a sample: a model it does not reproduce is refused now
             load_config(options.model, options.trust_remote_code)
-        server = None
+        server, modules = None, []
         if options.engine == "vllm":  # it starts while the jobs are read and tokenized
-            server = cleanup.enter_context(_vllm_server(options, label, source, output))
+            if options.adapters:  # with the adapters the options name (served_adapters.py)
+                modules = option_modules(options.adapters, load_config(options.model, options.trust_remote_code,
+                                                                       runs_here=False), taken=[label])
+            server = cleanup.enter_context(_vllm_server(options, label, source, output, modules))
             server.spawn()
         checked = check_inputs(list(inputs), options)
         cleanup.callback(checked.close)
+        infos = checked.adapters.infos  # every adapter the jobs run with (index i + 1: infos[i])
+        if server is not None and len(wanted := missing(modules, infos, taken=[label])) > len(modules):
+            # jobs name adapter directories the options do not: the server starts again serving them
+            # all (why not vLLM's runtime loading: served_adapters.py)
+            server.stop()
+            modules = wanted
+            server = cleanup.enter_context(_vllm_server(options, label, source, output, modules))
+            server.spawn()
         mine = mine_of(checked, options, shard)
         report_invalid = shard is None or shard[0] == 0  # rows that cannot run: shard 0 reports them
         # the served model is its name: a run started with --engine vllm resumes on a --server
@@ -69,17 +82,24 @@ def process_served(inputs: Sequence[str], output: str, options: RunOptions,
                 raise Preempted("stopped by a signal before generation started; nothing was written; rerun the "
                                 "same command")
             urls, names, alive = [server.url], [server.served_name], server.down
+            adapter_names = served_names(modules, infos)
             about.update(vllm_log=server.log_path, vllm_start_seconds=server.started_seconds)
         else:
             urls, alive = list(options.servers), None
-            names = [_model_name(url, label, options.retry_seconds, stop.requested) for url in urls]
+            listed = [_listed(url, options.retry_seconds, stop.requested) for url in urls]
+            names = [_model_name(url, label, served) for url, served in zip(urls, listed)]
+            adapter_names = registered_names(checked.adapters)
+            for url, name, served in zip(urls, names, listed):
+                check_served(url, served, adapter_names, name)
+        if adapter_names:
+            about["served_adapters"] = adapter_names
         concurrency = options.concurrency or (in_flight(server.command) if server is not None else SERVERS_IN_FLIGHT)
         servers = Servers(urls, concurrency, retry_seconds=options.retry_seconds, alive=alive)
         cleanup.callback(servers.close)
         about.update(servers=None if server is not None else urls, served_models=names, concurrency=concurrency)
         server_of = groups_to_servers(checked.index, checked.orders, len(urls), options.min_shared_tokens)
         executor = ServedExecutor("vllm" if server is not None else "server", servers, names, server_of, about, label,
-                                  sample=Sample(options.verify) if options.verify else None)
+                                  adapter_names, sample=Sample(options.verify) if options.verify else None)
         stop.defer()  # writing starts: a signal now stops between steps, after committing
         summary = run_jobs(output, options, checked, executor, settings, key, job_set, shard, mine, report_invalid,
                            started, stop, progress)
@@ -87,25 +107,31 @@ def process_served(inputs: Sequence[str], output: str, options: RunOptions,
             servers.close()
             if server is not None:
                 server.stop()
-            summary["verify"] = verify(executor.sample, options, checked.tokenizer.eos_token_ids, stop)
+            summary["verify"] = verify(executor.sample, options, checked.tokenizer.eos_token_ids, stop, infos)
             write_summary(summary_path(output), summary)
         return summary
 
 
-def _model_name(url: str, label: str, retry_seconds: float, should_stop: Callable[[], bool]) -> str:
-    """The name a running server serves the model under: its only one, or the one named as --model.
+def _listed(url: str, retry_seconds: float, should_stop: Callable[[], bool]) -> dict[str, str | None]:
+    """The model names a running server serves (`/v1/models`: its models, and its LoRA modules
+    with their base model as parent).
     A server that stays unreachable for `retry_seconds` stops the run as one that goes away later
     does: resumable, exit 75."""
     began, delay = time.monotonic(), 0.5
     while True:
         try:
-            names = served_models(url)
-            break
+            return served_models(url)
         except ServerUnreachable as e:
             if time.monotonic() - began >= retry_seconds or should_stop():
                 raise Preempted(f"{e}; nothing was generated; rerun the same command") from None
             time.sleep(delay)
             delay = min(delay * 2, 8.0)
+
+
+def _model_name(url: str, label: str, served: dict[str, str | None]) -> str:
+    """The name a running server serves the model under: its only one, or the one named as --model
+    (its LoRA modules are not models)."""
+    names = [name for name, parent in served.items() if parent is None]
     if len(names) == 1:
         return names[0]
     if label in names:
@@ -114,7 +140,7 @@ def _model_name(url: str, label: str, retry_seconds: float, should_stop: Callabl
                         "(its tokenizer must be batchgen's too)")
 
 
-def _vllm_server(options: RunOptions, label: str, source: str, output: str):
+def _vllm_server(options: RunOptions, label: str, source: str, output: str, modules: Sequence[Module] = ()):
     from batchgen.pipeline.serve.vllm_server import VllmServer, vllm_executable
 
     args = list(options.vllm_args)
@@ -122,8 +148,9 @@ def _vllm_server(options: RunOptions, label: str, source: str, output: str):
         args += ["--dtype", options.dtype]
     if options.trust_remote_code:
         args.append("--trust-remote-code")
-    return VllmServer(vllm_executable(options.vllm), _vllm_model_dir(source), label, output + ".vllm.log", args,
-                      seed=options.defaults.seed)
+    # the user's own --vllm-arg come last in the command; lora_arguments leaves out the flags they give
+    return VllmServer(vllm_executable(options.vllm), _vllm_model_dir(source), label, output + ".vllm.log",
+                      lora_arguments(modules, options.vllm_args) + args, seed=options.defaults.seed)
 
 
 def _vllm_model_dir(source: str) -> str:

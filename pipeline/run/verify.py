@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-from typing import Any
+from typing import Any, Sequence
 
 from batchgen.pipeline.engine.types import Completion, Request
 from batchgen.pipeline.text.expand import order_of
@@ -42,8 +42,10 @@ class Sample:
         return sorted((order, r, ids) for _, order, r, ids in self._heap)
 
 
-def verify(sample: Sample, options, eos_token_ids, stop) -> dict[str, Any]:
-    """Run the sampled requests on batchgen's own engine; agreement with the server's token ids."""
+def verify(sample: Sample, options, eos_token_ids, stop, adapters: Sequence[Any] = ()) -> dict[str, Any]:
+    """Run the sampled requests on batchgen's own engine; agreement with the server's token ids.
+    `adapters`: the run's LoRA adapters (`Adapters.infos`, a request's `adapter` index i + 1 is
+    infos[i]): a sampled job runs with the adapter it ran with on the server."""
     from batchgen.pipeline.model.hf import as_forward
     from batchgen.pipeline.model.load import load_model
     from batchgen.pipeline.run.executors import LocalExecutor
@@ -52,6 +54,8 @@ def verify(sample: Sample, options, eos_token_ids, stop) -> dict[str, Any]:
     if not items:
         return {"jobs": 0, "agree": 0, "differ": []}
     model = as_forward(load_model(options.model, options.device, options.dtype, options.trust_remote_code)[0])
+    if adapters:
+        model.set_adapters(list(adapters))
     executor = LocalExecutor(model, "", eos_token_ids, options)
     ours = {c.key: list(c.token_ids) for c in executor.run({}, [r for _, r, _ in items], stop.requested)}
     differ = []

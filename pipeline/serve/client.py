@@ -135,12 +135,13 @@ def health(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
-def served_models(url: str, timeout: float = 10.0) -> list[str]:
-    """The model names a server serves (`/v1/models`), or raise ServerUnreachable."""
+def served_models(url: str, timeout: float = 10.0) -> dict[str, str | None]:
+    """The model names a server serves (`/v1/models`), each with its parent (vLLM lists a LoRA
+    module with its base model's name as `parent`; a model itself has none), or raise ServerUnreachable."""
     try:
         r = httpx.get(url.rstrip("/") + "/v1/models", timeout=timeout)
         r.raise_for_status()
-        return [m["id"] for m in r.json().get("data", [])]
+        return {m["id"]: m.get("parent") for m in r.json().get("data", [])}
     except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
         raise ServerUnreachable(f"{url}: cannot list its models ({type(e).__name__}: {e})") from None
 
