@@ -14,7 +14,6 @@ from __future__ import annotations
 import errno
 import gc
 import os
-import signal
 import time
 from dataclasses import replace
 from typing import Any, Callable, Sequence
@@ -22,23 +21,23 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import pyarrow as pa
 
-from batchgen.jobs import (InvalidRow, Job, JobError, errors_path, open_result_writer, summary_path,
-                  write_summary)
+from batchgen.jobs import Job, JobError, errors_path, open_result_writer, summary_path, write_summary
 from batchgen.jobs.columns import ORDER
 from batchgen.jobs.openai_batch import request_key, whole_requests
 from batchgen.jobs.writers import open_error_writer
 from batchgen.jobs.atomic import remove_stale_temps
 from batchgen.pipeline.run.preflight import Checked, check_inputs, check_options, check_output, job_seed
 from batchgen.pipeline.run.progress import Progress
-from batchgen.pipeline.text.results import add_openai_fields, job_rows
+from batchgen.pipeline.text.results import add_openai_fields
 from batchgen.pipeline.run.signals import Preempted, StopOnSignal
-from batchgen.pipeline.run.summary import JobCounts, ThisRun, add_work, run_summary, work_of
+from batchgen.pipeline.run.summary import JobCounts, ThisRun, run_summary
 from batchgen.pipeline.text.tokenize import Tokenizer
 from batchgen.pipeline.text.expand import (JobCompletions, JobTokens, completions_expected, job_requests, tokenize_jobs,
                                   whole_key)
-from batchgen.pipeline.engine.types import Completion, Request, RunStats
+from batchgen.pipeline.engine.types import Request
 from batchgen.pipeline.run.options import RunOptions, run_settings
 from batchgen.pipeline.run.windows import COLLECT_JOBS
+from batchgen.pipeline.run.committer import Committer, fault
 from batchgen.pipeline.run.executors import Executor, LocalExecutor, fingerprint  # noqa: F401 (the API's)
 from batchgen.pipeline.serve.errors import ServerUnreachable
 
@@ -178,7 +177,7 @@ class _Run:
         done = store.done(checked.total)
         fmt = options.output_format
         remove_stale_temps([self.output, errors_path(self.output, fmt), summary_path(self.output)])  # we hold the lock
-        committer = _Committer(store, options, checked.tokenizer)
+        committer = Committer(store, options, checked.tokenizer)
         if report_invalid:
             committer.commit_invalid(checked.invalid.table(), done)
         todo = mine & ~done[checked.orders]
@@ -307,7 +306,7 @@ class _Run:
                     w.write_table(table)  # the writer keeps its schema's columns (ORDER: shards only)
                 else:
                     w.write(table.drop_columns([ORDER]).to_pylist())  # one bucket of rows, for the line writer
-            _fault("final-write")
+            fault("final-write")
         with open_error_writer(errors_path(self.output, fmt), fmt, overwrite=True) as ew:
             for part in errors:  # Arrow tables, or the OpenAI writer's rows
                 if fmt == "openai":
@@ -333,59 +332,6 @@ class _Run:
                 r["request"] = request_key(o, index)
             out.append(r)
         return out
-
-
-class _Committer:
-    """Buffers finished jobs and commits them as a part every `commit_every` jobs or seconds,
-    with the engine work done by all runs so far."""
-
-    def __init__(self, store, options: RunOptions, tokenizer: Tokenizer) -> None:
-        self.store, self.options, self.tokenizer = store, options, tokenizer
-        self.base = add_work(store.stats)  # the work of the earlier runs, as they committed it
-        self.finished = RunStats()  # the work of this run's finished windows
-        self.run = ThisRun()  # the jobs this run completed
-        self.engine = None  # the window's engine, while it runs
-        self.results: list[dict[str, Any]] = []
-        self.errors: list[dict[str, Any]] = []
-        self.jobs = 0
-        self.last = time.monotonic()
-
-    def add(self, order: int, job: Job, completions: list[Completion]) -> None:
-        results, errors = job_rows(order, job, completions, self.tokenizer)
-        self.run.add_rows(results)
-        self.results += results
-        self.errors += errors
-        self.jobs += 1
-        if self.jobs >= self.options.commit_every or time.monotonic() - self.last >= self.options.commit_seconds:
-            self.flush()
-
-    def commit_invalid(self, invalid, done: np.ndarray, chunk: int = 65536) -> None:
-        """The rows that cannot run and are not committed yet, as error parts, before generating."""
-        if invalid.num_rows:
-            invalid = invalid.filter(pa.array(~done[invalid.column("order").to_numpy()]))
-        for start in range(0, invalid.num_rows, chunk):
-            rows = invalid.slice(start, chunk).rename_columns([ORDER, "id", "location", "reason"]).to_pylist()
-            self.store.commit([], rows, self.work())
-            _fault("after-commit")
-
-    def commit_not_run(self, numbers: np.ndarray, checked: Checked, reason: str, chunk: int = 4096) -> None:
-        """Jobs `numbers` (job numbers) as error rows with `reason`, committed: a run ended before
-        they ran (RunOptions.finish_now), so each still lands exactly once."""
-        for start in range(0, len(numbers), chunk):
-            jobs = checked.spool.get(numbers[start:start + chunk].tolist())
-            rows = [{**InvalidRow(job.location, job.id, reason).to_row(), ORDER: int(checked.orders[n])}
-                    for n, job in jobs.items()]
-            self.store.commit([], rows, self.work())
-
-    def work(self) -> dict[str, int]:
-        current = work_of(self.engine.stats) if self.engine is not None else {}
-        return add_work(self.base, work_of(self.finished), current)
-
-    def flush(self) -> None:
-        if self.results or self.errors:
-            self.store.commit(self.results, self.errors, self.work())
-            _fault("after-commit")
-        self.results, self.errors, self.jobs, self.last = [], [], 0, time.monotonic()
 
 
 def write_results(output: str, fmt: str, schema, rows: list[dict[str, Any]], errors: list[dict[str, Any]],
@@ -423,9 +369,3 @@ def _write_error(e: OSError, output: str, store) -> JobError:
         "make it writable or choose another -o" if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM) else "fix it"
     return JobError(f"cannot write {where}: {e.strerror or e}; {kept}{fix}, then rerun the same command"
                     + (" to resume" if kept else ""))
-
-
-def _fault(point: str) -> None:
-    """Fault injection for the crash tests: BATCHGEN_FAULT=<point> kills the process there."""
-    if os.environ.get("BATCHGEN_FAULT") == point:
-        os.kill(os.getpid(), signal.SIGKILL)
