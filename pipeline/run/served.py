@@ -48,8 +48,7 @@ def process_served(inputs: Sequence[str], output: str, options: RunOptions,
             load_config(options.model, options.trust_remote_code)
         server = None
         if options.engine == "vllm":  # it starts while the jobs are read and tokenized
-            server = cleanup.enter_context(_vllm_server(options, label, source, output))
-            server.spawn()
+            server = cleanup.enter_context(start_vllm(options, label, source, output))
         checked = check_inputs(list(inputs), options)
         cleanup.callback(checked.close)
         mine = mine_of(checked, options, shard)
@@ -61,21 +60,17 @@ def process_served(inputs: Sequence[str], output: str, options: RunOptions,
         job_set = job_set_key(checked.digest, settings)
         key = f"{job_set}:{options.shard}"
         may_resume(output + ".parts", read_manifest(output + ".parts"), key, options.overwrite)
-        about: dict[str, Any] = {}
         if server is not None:
             server.wait(stop.requested)
             if stop.requested():
                 raise Preempted("stopped by a signal before generation started; nothing was written; rerun the "
                                 "same command")
-            urls, names, alive = [server.url], [server.served_name], server.down
-            about.update(vllm_log=server.log_path, vllm_start_seconds=server.started_seconds)
-        else:
-            urls, alive = list(options.servers), None
-            names = [_model_name(url, label, options.retry_seconds, stop.requested) for url in urls]
-        servers = Servers(urls, options.concurrency, retry_seconds=options.retry_seconds, alive=alive)
+        try:
+            servers, names, about = connect(options, label, server, stop.requested)
+        except ServerUnreachable as e:
+            raise Preempted(f"{e}; nothing was generated; rerun the same command") from None
         cleanup.callback(servers.close)
-        about.update(servers=None if server is not None else urls, served_models=names)
-        server_of = groups_to_servers(checked.index, checked.orders, len(urls), options.min_shared_tokens)
+        server_of = groups_to_servers(checked.index, checked.orders, len(servers.urls), options.min_shared_tokens)
         executor = ServedExecutor("vllm" if server is not None else "server", servers, names, server_of, about, label,
                                   sample=Sample(options.verify) if options.verify else None)
         stop.defer()  # writing starts: a signal now stops between steps, after committing
@@ -90,10 +85,35 @@ def process_served(inputs: Sequence[str], output: str, options: RunOptions,
         return summary
 
 
+def start_vllm(options: RunOptions, label: str, source: str, output: str):
+    """`vllm serve` for the run's options, spawned (it loads while the caller reads the jobs; the
+    caller `wait`s for it, and stops it: it is a context manager); its log is `output`.vllm.log."""
+    server = _vllm_server(options, label, source, output)
+    server.spawn()
+    return server
+
+
+def connect(options: RunOptions, label: str, server: Any, should_stop: Callable[[], bool]
+            ) -> tuple[Servers, list[str], dict[str, Any]]:
+    """The client of the run's servers: the vLLM it started (`server`, healthy) or the --server
+    URLs; the name each serves the model under; what the summary says of them. A --server that
+    stays unreachable raises ServerUnreachable."""
+    about: dict[str, Any] = {}
+    if server is not None:
+        urls, names, alive = [server.url], [server.served_name], server.down
+        about.update(vllm_log=server.log_path, vllm_start_seconds=server.started_seconds)
+    else:
+        urls, alive = list(options.servers), None
+        names = [_model_name(url, label, options.retry_seconds, should_stop) for url in urls]
+    servers = Servers(urls, options.concurrency, retry_seconds=options.retry_seconds, alive=alive)
+    about.update(servers=None if server is not None else urls, served_models=names)
+    return servers, names, about
+
+
 def _model_name(url: str, label: str, retry_seconds: float, should_stop: Callable[[], bool]) -> str:
     """The name a running server serves the model under: its only one, or the one named as --model.
-    A server that stays unreachable for `retry_seconds` stops the run as one that goes away later
-    does: resumable, exit 75."""
+    A server that stays unreachable for `retry_seconds` (or until `should_stop()`) raises
+    ServerUnreachable: the CLI stops the run as when one goes away later, resumable (exit 75)."""
     began, delay = time.monotonic(), 0.5
     while True:
         try:
@@ -101,7 +121,7 @@ def _model_name(url: str, label: str, retry_seconds: float, should_stop: Callabl
             break
         except ServerUnreachable as e:
             if time.monotonic() - began >= retry_seconds or should_stop():
-                raise Preempted(f"{e}; nothing was generated; rerun the same command") from None
+                raise
             time.sleep(delay)
             delay = min(delay * 2, 8.0)
     if len(names) == 1:
