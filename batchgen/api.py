@@ -78,6 +78,7 @@ def generate(jobs: Any, model: str | None = None, *, output: str | None = None, 
             if name != "verify" or given:
                 raise OptionError(name, "is an option of served runs: it needs engine='vllm' or servers=")
         return Engine.load(model, **load).generate(jobs, output=output, progress=progress, **options)
+    _served_call(options, verify)  # a bad option fails before a server starts
     for name in ("device", "threads"):  # what a server loads, and on what, is its own
         if name in load:
             raise OptionError(name, "means nothing to a server, which loads the model itself; drop it (for "
@@ -213,11 +214,7 @@ class ServedEngine:
 
         if self._servers is None:
             raise BatchgenError("this served engine is closed; start another with Engine.serve() or Engine.connect()")
-        if not isinstance(verify, int) or isinstance(verify, bool) or verify < 0:
-            raise OptionError("verify", "must be a whole number of jobs, 0 or more", verify)
-        opts = run_options(options)
-        if opts.adapters:
-            raise OptionError("adapters", "do not run on servers yet; run adapters on batchgen's own engine")
+        opts = _served_call(options, verify)
         served = {f.name: getattr(self.options, f.name) for f in fields(self.options)
                   if f.name in ("model", "dtype", "trust_remote_code", *_SERVED_FIELDS)}
         return _generate(self, jobs, replace(opts, **served, verify=verify), output, progress)
@@ -267,6 +264,16 @@ class ServedEngine:
 
     def __exit__(self, kind: Any, *exc: Any) -> None:
         self.close(keep_log=kind is not None)
+
+
+def _served_call(options: dict[str, Any], verify: Any) -> Any:
+    """A served call's RunOptions from its keywords, with what servers cannot honour refused."""
+    if not isinstance(verify, int) or isinstance(verify, bool) or verify < 0:
+        raise OptionError("verify", "must be a whole number of jobs, 0 or more", verify)
+    opts = run_options(options)
+    if opts.adapters:
+        raise OptionError("adapters", "do not run on servers yet; run adapters on batchgen's own engine")
+    return opts
 
 
 _SERVED_FIELDS = ("engine", "servers", "vllm", "vllm_args", "concurrency", "retry_seconds")

@@ -36,6 +36,8 @@ JOBS = [{"id": 1, "prompt": "hello"}]
     ({"engine": "vllm", "concurrency": 0}, "concurrency=0: must be a number of requests, 1 or more"),
     ({"engine": "vllm", "dtype": "float8"}, "dtype='float8': must be one of auto"),
     ({"engine": "vllm", "vllm_args": [3]}, "vllm_args=[3]: must be a list"),
+    ({"engine": "vllm", "verify": -1}, "verify=-1: must be a whole number"),
+    ({"engine": "vllm", "adapters": {"a": "/nowhere"}}, "adapters= do not run on servers yet"),
 ])
 def test_a_bad_served_option_is_one_option_error_named_as_a_keyword(model_dir, options, named):
     with pytest.raises(OptionError) as info:
@@ -106,3 +108,18 @@ def test_requests_go_out_in_prefix_order_whole_groups_to_one_server():
     assert len({server_of(o) for o in range(len(prompts))}) == 2
     assert list(orders) == sorted(range(len(prompts)))
     assert isinstance(orders, np.ndarray)
+
+
+def test_the_cli_on_a_server_unreachable_from_the_start_exits_75(model_dir, tmp_path):
+    """The model-name discovery both faces share (served.connect): the CLI still stops resumable."""
+    import subprocess
+    import sys
+
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text('{"id": 1, "prompt": "hello"}\n')
+    r = subprocess.run([sys.executable, "-m", "batchgen", "process", str(jobs), "-o", str(tmp_path / "out.parquet"),
+                        "--model", str(model_dir), "--server", "http://127.0.0.1:9", "--retry-seconds", "0"],
+                       capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert r.returncode == 75, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert "127.0.0.1:9: cannot list its models" in last and "nothing was generated; rerun the same command" in last
