@@ -142,7 +142,7 @@ class Engine:
                                   concurrency=concurrency, retry_seconds=retry_seconds, dtype=dtype,
                                   trust_remote_code=trust_remote_code)
         label, source = _model_source(model)
-        # no output file to sit next to: the log goes to a directory of its own, kept (`log_path`)
+        # no output file to sit next to: the log goes to a directory of its own (`log_path`; see close)
         server = start_vllm(options, label, source, os.path.join(tempfile.mkdtemp(prefix="batchgen-vllm-"),
                                                                   "server"))
         try:

@@ -9,6 +9,9 @@ tokens the server reports). No model loads here; `--verify K` loads batchgen's o
 
 A server that stays unreachable ends the run with exit 75, finished jobs committed (rerun the same
 command to resume); a server that refuses one request (4xx) fails that job alone.
+
+The Python API's served calls (batchgen/api.py: `Engine.serve`, `Engine.connect`) start and reach
+their servers with the same functions (`start_vllm`, `connect`).
 """
 from __future__ import annotations
 
@@ -119,7 +122,7 @@ def _model_name(url: str, label: str, retry_seconds: float, should_stop: Callabl
         try:
             names = served_models(url)
             break
-        except ServerUnreachable as e:
+        except ServerUnreachable:
             if time.monotonic() - began >= retry_seconds or should_stop():
                 raise
             time.sleep(delay)
