@@ -210,13 +210,12 @@ class ServedEngine:
                  **options: Any) -> Any:
         """As `batchgen.generate`, on these servers; `verify=K`: K greedy jobs also run on
         batchgen's own engine here (it loads the model), the report in `.verified`."""
-        from dataclasses import fields, replace
+        from dataclasses import replace
 
         if self._servers is None:
             raise BatchgenError("this served engine is closed; start another with Engine.serve() or Engine.connect()")
         opts = _served_call(options, verify)
-        served = {f.name: getattr(self.options, f.name) for f in fields(self.options)
-                  if f.name in ("model", "dtype", "trust_remote_code", *_SERVED_FIELDS)}
+        served = {k: getattr(self.options, k) for k in ("model", "dtype", "trust_remote_code", *_SERVED_FIELDS)}
         return _generate(self, jobs, replace(opts, **served, verify=verify), output, progress)
 
     def _executor(self, checked: Any, opts: Any, adapters: Any) -> tuple[Any, list[Any]]:
@@ -276,7 +275,7 @@ def _served_call(options: dict[str, Any], verify: Any) -> Any:
     return opts
 
 
-_SERVED_FIELDS = ("engine", "servers", "vllm", "vllm_args", "concurrency", "retry_seconds")
+_SERVED_FIELDS = ("engine", "servers", *SERVE_OPTIONS)  # the RunOptions fields a served face keeps
 
 
 class _NeverStop:
