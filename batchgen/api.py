@@ -78,7 +78,11 @@ def generate(jobs: Any, model: str | None = None, *, output: str | None = None, 
             if name != "verify" or given:
                 raise OptionError(name, "is an option of served runs: it needs engine='vllm' or servers=")
         return Engine.load(model, **load).generate(jobs, output=output, progress=progress, **options)
-    _served_call(options, verify)  # a bad option fails before a server starts
+    opts = _served_call(options, verify)  # a bad option, or output, fails before a server starts
+    if output is not None:
+        from batchgen.pipeline.run.preflight import check_output
+
+        check_output(output, opts.output_format, opts.overwrite, source_of(jobs).paths or ())
     for name in ("device", "threads"):  # what a server loads, and on what, is its own
         if name in load:
             raise OptionError(name, "means nothing to a server, which loads the model itself; drop it (for "

@@ -47,6 +47,13 @@ def test_a_bad_served_option_is_one_option_error_named_as_a_keyword(model_dir, o
         assert flag not in str(info.value)  # the keyword, never the CLI's flag
 
 
+def test_a_bad_output_fails_before_a_server_starts(model_dir, tmp_path):
+    (tmp_path / "out.parquet").write_text("taken")
+    with pytest.raises(BatchgenError, match="pass overwrite=True to replace it"):
+        batchgen.generate(JOBS, str(model_dir), engine="vllm", vllm="/nonexistent/vllm",
+                          output=str(tmp_path / "out.parquet"))
+
+
 def test_a_vllm_that_does_not_start_is_one_error_and_leaves_nothing(model_dir, tmp_path):
     """A real executable that exits at once: the start fails with the log's end, the watchdog is gone."""
     fake = tmp_path / "vllm"
