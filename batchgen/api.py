@@ -364,11 +364,11 @@ def _served_options(model: str | None, **given: Any) -> Any:
     """The RunOptions a served face keeps: which model, where it is served, how it is reached."""
     from batchgen.pipeline.run.options import RunOptions
 
-    for name in ("concurrency", "retry_seconds"):
+    for name, kinds, least, what in (("concurrency", int, 1, "a whole number of requests, 1"),
+                                     ("retry_seconds", (int, float), 0, "a number of seconds, 0")):
         value = given[name]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < (name == "concurrency"):
-            raise OptionError(name, f"must be a number of {'requests, 1' if name == 'concurrency' else 'seconds, 0'}"
-                                    " or more", value)
+        if isinstance(value, bool) or not isinstance(value, kinds) or value < least:
+            raise OptionError(name, f"must be {what} or more", value)
     if given.get("dtype", "auto") not in ("auto", "float32", "bfloat16", "float16"):
         raise OptionError("dtype", "must be one of auto, float32, bfloat16, float16", given["dtype"])
     if given.get("vllm") is not None and not isinstance(given["vllm"], (str, os.PathLike)):
