@@ -147,8 +147,12 @@ class Engine:
                                   trust_remote_code=trust_remote_code)
         label, source = _model_source(model)
         # no output file to sit next to: the log goes to a directory of its own (`log_path`; see close)
-        server = start_vllm(options, label, source, os.path.join(tempfile.mkdtemp(prefix="batchgen-vllm-"),
-                                                                  "server"))
+        logs = tempfile.mkdtemp(prefix="batchgen-vllm-")
+        try:
+            server = start_vllm(options, label, source, os.path.join(logs, "server"))
+        except BaseException:  # nothing started (no executable, say): nothing to keep
+            shutil.rmtree(logs, ignore_errors=True)
+            raise
         try:
             return ServedEngine(options, server)  # the tokenizer loads while the server starts
         except BaseException:

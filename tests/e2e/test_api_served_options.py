@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 
 import numpy as np
 import pytest
@@ -62,9 +63,23 @@ def test_a_vllm_that_does_not_start_is_one_error_and_leaves_nothing(model_dir, t
     fake.write_text("#!/bin/sh\necho 'no GPU here' >&2\nexit 3\n")
     fake.chmod(0o755)
     before = _children()
-    with pytest.raises(BatchgenError, match=r"(?s)vLLM did not start \(it exited with code 3\).*no GPU here"):
+    with pytest.raises(BatchgenError, match=r"(?s)vLLM did not start \(it exited with code 3\).*no GPU here") as info:
         batchgen.generate(JOBS, str(model_dir), engine="vllm", vllm=str(fake))
     assert _children() == before
+    log = str(info.value).split("; log ", 1)[1].split(" ends:", 1)[0]
+    assert os.path.isfile(log)  # a failed start keeps its log, which the message names
+    shutil.rmtree(os.path.dirname(log))
+
+
+def test_a_vllm_that_is_not_there_is_one_error_and_leaves_nothing(model_dir):
+    import glob
+    import tempfile
+
+    pattern = os.path.join(tempfile.gettempdir(), "batchgen-vllm-*")
+    before = set(glob.glob(pattern))
+    with pytest.raises(BatchgenError, match="vLLM executable '/nonexistent/vllm' not found"):
+        batchgen.generate(JOBS, str(model_dir), engine="vllm", vllm="/nonexistent/vllm")
+    assert set(glob.glob(pattern)) == before
 
 
 def test_a_server_that_stays_unreachable_is_one_error(model_dir):
