@@ -13,13 +13,13 @@ only (pyproject's package-dir), so a user's own `jobs.py` or `pipeline.py` never
 from batchgen.jobs.errors import BatchgenError, OptionError
 from batchgen.pipeline import __version__
 
-__all__ = ["BatchgenError", "Engine", "OptionError", "generate", "__version__"]
+__all__ = ["BatchgenError", "Engine", "OptionError", "ServedEngine", "generate", "__version__"]
 
 
 def __getattr__(name: str):
     # the API (pyarrow, the readers) loads on first use: `python -m batchgen` and every
     # `batchgen.pipeline` import pass through this package and need none of it
-    if name in ("Engine", "generate"):
+    if name in ("Engine", "ServedEngine", "generate"):
         from batchgen import api
 
         return getattr(api, name)

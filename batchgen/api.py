@@ -6,11 +6,17 @@ output holds, plus an ``error`` column; a job that cannot run, or fails while ge
 row in its place with its ``id``, the ``error`` ("location: reason", as in the CLI's errors file)
 and nulls elsewhere. Nothing is written unless ``output`` is given: then the output and its errors
 file are written as the CLI writes them (for resumable runs, use the CLI).
+
+On servers (`engine="vllm"`, `servers=[url]`; `Engine.serve`, `Engine.connect`) the same call
+runs through the CLI's executor seam: `ServedExecutor` in place of batchgen's engine, the
+requests in prefix order, the servers started and found by pipeline/run/served.py's functions.
 """
 from __future__ import annotations
 
 import functools
 import os
+import shutil
+import tempfile
 from typing import Any, Callable, TypeVar
 
 import pyarrow as pa
@@ -18,7 +24,7 @@ import pyarrow as pa
 from batchgen.convert import ERROR, Source, results_as, source_of
 from batchgen.jobs import GenerationDefaults, InvalidRow, Job, JobError, Location
 from batchgen.jobs.checks import Checker
-from batchgen.jobs.errors import keyword_option, option_names
+from batchgen.jobs.errors import BatchgenError, OptionError, keyword_option, option, option_names
 from batchgen.jobs.params import CONSTRAINTS, PARAMS, constraint, split_fields
 from batchgen.jobs.columns import CREATED, ORDER
 
@@ -26,6 +32,8 @@ from batchgen.jobs.columns import CREATED, ORDER
 RUN_OPTIONS = ("prompt_template", "system", "min_shared_tokens", "max_batch_tokens", "output_format", "overwrite",
                "on_error", "adapters")
 LOAD_OPTIONS = ("device", "dtype", "trust_remote_code", "threads")
+# what a served call takes besides (`Engine.serve`, `Engine.connect`; `verify` is each call's)
+SERVE_OPTIONS = ("vllm", "vllm_args", "concurrency", "retry_seconds")
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
@@ -41,7 +49,7 @@ def _keywords(fn: _F) -> _F:
 
 @_keywords
 def generate(jobs: Any, model: str | None = None, *, output: str | None = None, progress: bool = False,
-             **options: Any) -> Any:
+             engine: str = "local", servers: Any = None, verify: int = 0, **options: Any) -> Any:
     """Generate for every job; results in input order, in the type of `jobs`.
 
     `jobs`: a list of dicts, a pandas DataFrame, a `datasets.Dataset`, or file paths (JSONL,
@@ -55,9 +63,43 @@ def generate(jobs: Any, model: str | None = None, *, output: str | None = None, 
     trust_remote_code, threads). `output`: also write the results and errors file there.
     `adapters`: {name: PEFT LoRA adapter directory}; a job's `adapter` field names one (or gives
     a directory), an OpenAI request's `body.model` may name one; jobs without run the base model.
+
+    On servers, as `batchgen process --engine vllm` / `--server URL` (docs/vllm.md): `engine="vllm"`
+    starts `vllm serve` for this call (`vllm`: its executable, `vllm_args`: more arguments; `dtype`
+    becomes its `--dtype`) and stops it when the call returns or raises; `servers=[url, ...]` uses
+    running ones. `concurrency`, `retry_seconds` as the CLI's; `verify=K`: K greedy jobs run again
+    on batchgen's own engine (the report is logged on the "batchgen" logger; `Engine.serve(...)`
+    keeps it as `.verified`). No model loads here, only its tokenizer.
     """
     load = {k: options.pop(k) for k in LOAD_OPTIONS if k in options}
-    return Engine.load(model, **load).generate(jobs, output=output, progress=progress, **options)
+    serve = {k: options.pop(k) for k in SERVE_OPTIONS if k in options}
+    if engine == "local" and servers is None:
+        for name, given in (*serve.items(), ("verify", verify)):
+            if name != "verify" or given:
+                raise OptionError(name, "is an option of served runs: it needs engine='vllm' or servers=")
+        return Engine.load(model, **load).generate(jobs, output=output, progress=progress, **options)
+    opts = _served_call(options, verify)  # a bad option, or output, fails before a server starts
+    if output is not None:
+        from batchgen.pipeline.run.preflight import check_output
+
+        check_output(output, opts.output_format, opts.overwrite, source_of(jobs).paths or ())
+    for name in ("device", "threads"):  # what a server loads, and on what, is its own
+        if name in load:
+            raise OptionError(name, "means nothing to a server, which loads the model itself; drop it (for "
+                                    "engine='vllm', pass vLLM's own flags in vllm_args=)")
+    if servers is not None:
+        if engine != "local":
+            raise OptionError("servers", f"uses running servers, {option('engine', engine)} starts one; pick one")
+        for name in ("vllm", "vllm_args"):
+            if name in serve:
+                raise OptionError(name, "is an option of the vLLM batchgen starts (engine='vllm'), not of servers=")
+        if "dtype" in load:
+            raise OptionError("dtype", "is the precision of a server batchgen starts (engine='vllm'); a running "
+                                       "server's is its own: drop it")
+        with Engine.connect(model, servers=servers, **load, **serve) as served:
+            return served.generate(jobs, output=output, progress=progress, verify=verify, **options)
+    with Engine.serve(model, engine=engine, **load, **serve) as served:
+        return served.generate(jobs, output=output, progress=progress, verify=verify, **options)
 
 
 class Engine:
@@ -87,70 +129,282 @@ class Engine:
         loaded, source = load_model(model, device, dtype, trust_remote_code)
         return cls(loaded, Tokenizer.load(source, trust_remote_code=trust_remote_code), name=model or DEFAULT_MODEL)
 
+    @classmethod
+    @_keywords
+    def serve(cls, model: str | None = None, *, engine: str = "vllm", vllm: str | None = None,
+              vllm_args: Any = (), concurrency: int | None = None, retry_seconds: float = 120.0, dtype: str = "auto",
+              trust_remote_code: bool = False) -> "ServedEngine":
+        """Start `vllm serve` for `model` (as `batchgen process --engine vllm`) and keep it for
+        repeated `generate` calls: a `ServedEngine`, whose `close()` (or the end of its `with`
+        block) stops the server; the server never outlives this process."""
+        from batchgen.pipeline.run.served import start_vllm
+
+        if engine != "vllm":
+            raise OptionError("engine", "must be 'local' (batchgen's own, in this process) or 'vllm' (a `vllm "
+                                        "serve` batchgen starts)", engine)
+        options = _served_options(model, engine="vllm", vllm=vllm, vllm_args=_vllm_args(vllm_args),
+                                  concurrency=concurrency, retry_seconds=retry_seconds, dtype=dtype,
+                                  trust_remote_code=trust_remote_code)
+        label, source = _model_source(model)
+        # no output file to sit next to: the log goes to a directory of its own (`log_path`; see close)
+        logs = tempfile.mkdtemp(prefix="batchgen-vllm-")
+        try:
+            server = start_vllm(options, label, source, os.path.join(logs, "server"))
+        except BaseException:  # nothing started (no executable, say): nothing to keep
+            shutil.rmtree(logs, ignore_errors=True)
+            raise
+        try:
+            return ServedEngine(options, server)  # the tokenizer loads while the server starts
+        except BaseException:
+            server.stop()
+            raise
+
+    @classmethod
+    @_keywords
+    def connect(cls, model: str | None = None, *, servers: Any, concurrency: int | None = None,
+                retry_seconds: float = 120.0, trust_remote_code: bool = False) -> "ServedEngine":
+        """Running OpenAI-compatible completions servers of `model` (vLLM, SGLang: as `batchgen
+        process --server URL`), for repeated `generate` calls; `model` names their tokenizer."""
+        urls = [servers] if isinstance(servers, str) else servers
+        if not isinstance(urls, (list, tuple)) or not urls or not all(isinstance(u, str) and u for u in urls):
+            raise OptionError("servers", "must be a list of server URLs, e.g. ['http://gpu1:8000']", servers)
+        return ServedEngine(_served_options(model, servers=tuple(urls), concurrency=concurrency,
+                                            retry_seconds=retry_seconds, trust_remote_code=trust_remote_code), None)
+
     @_keywords
     def generate(self, jobs: Any, *, output: str | None = None, progress: bool = False, **options: Any) -> Any:
         """As `batchgen.generate`, with this engine's model (loading options do not apply)."""
-        from batchgen.pipeline.run.inmemory import tokenized
-        from batchgen.pipeline.run.preflight import check_output
-        from batchgen.pipeline.run.runner import fingerprint, write_results
+        return _generate(self, jobs, run_options(options), output, progress)
 
-        from batchgen.pipeline.run.adapters import Adapters
+    @property
+    def config(self) -> Any:
+        return self.model.config
 
-        opts = run_options(options)
-        source = source_of(jobs)
-        if output is not None:  # a bad path, or one that is an input, fails before any work, as in the CLI
-            check_output(output, opts.output_format, opts.overwrite, source.paths or ())
-        adapters = Adapters.of(opts.adapters, self.model.config)
-        checked = tokenized(*self._read(source, opts, adapters), self.tokenizer, self.model.config, opts, adapters)
-        if opts.on_error == "fail" and checked.invalid:
-            listing = "\n".join(str(v) for v in list(checked.invalid.values())[:50])
-            raise JobError(f"{len(checked.invalid)} job(s) cannot run (on_error='fail'); nothing was generated:\n"
-                           f"{listing}")
+    def _executor(self, checked: Any, opts: Any, adapters: Any) -> tuple[Any, list[Any]]:
+        """What computes this call's requests, and the requests in the order it takes them."""
+        from batchgen.pipeline.run.executors import LocalExecutor
+
         if adapters.infos:  # the adapters this call's jobs use (index i + 1: infos[i])
             self.model.set_adapters(adapters.infos)
-        rows, errors = self._run(checked, opts, progress)
-        if output is not None:
-            write_results(output, opts.output_format, checked.schema, [dict(r) for r in rows],
-                          [dict(e) for e in errors], checked.jobs, self.name, fingerprint(self.model, self.name),
-                          self.tokenizer)
-        schema = pa.schema([f for f in checked.schema if f.name != CREATED])
-        return results_as(source, _in_order(rows, errors, checked, schema), schema)
+        return LocalExecutor(self.model, self.name, self.tokenizer.eos_token_ids, opts), checked.requests
 
-    def _read(self, source: Source, opts: Any, adapters: Any) -> tuple[dict[int, Job], dict[int, InvalidRow], pa.Schema]:
-        from batchgen.jobs.readers import jobs_of_records
-        from batchgen.pipeline.run.inmemory import checked_rows
-        from batchgen.pipeline.run.inputrows import read_checked
+    def _after(self, executor: Any, opts: Any) -> None:
+        pass
 
-        if source.kind == "files":
-            return read_checked(source.paths, opts, adapters)
-        jobs: dict[int, Job] = {}
-        invalid: dict[int, InvalidRow] = {}
-        for order, item in enumerate(jobs_of_records(source.records, opts.defaults, opts.prompt_template,
-                                                     opts.system)):
-            (jobs if isinstance(item, Job) else invalid)[order] = item
-        return checked_rows(jobs, invalid, source.hint, opts, adapters)
 
-    def _run(self, checked: Any, opts: Any, progress: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """Result rows and error rows, each with its input position, as the CLI's runner makes them."""
-        from tqdm.auto import tqdm
+class ServedEngine:
+    """Completions servers kept for repeated `generate` calls (`Engine.serve`, `Engine.connect`):
+    the model's tokenizer and config here (batchgen tokenizes and sends token ids), the model on
+    the servers. `close()`, or the end of a `with` block, stops a server `Engine.serve` started."""
 
-        from batchgen.pipeline.engine.engine import Engine as Core
-        from batchgen.pipeline.text.expand import finished_jobs
-        from batchgen.pipeline.text.results import job_rows
+    def __init__(self, options: Any, server: Any) -> None:
+        from batchgen.pipeline.model.load import load_config
+        from batchgen.pipeline.run.adapters import Adapters
+        from batchgen.pipeline.run.served import connect
+        from batchgen.pipeline.text.tokenize import Tokenizer
 
-        jobs = checked.jobs
-        core = Core.for_model(self.model, self.tokenizer.eos_token_ids, min_shared_tokens=opts.min_shared_tokens,
-                              max_batch_tokens=opts.max_batch_tokens)
-        rows: list[dict[str, Any]] = []
-        errors = [{**inv.to_row(), ORDER: o} for o, inv in checked.invalid.items()]
-        with tqdm(total=len(checked.expected), disable=not progress, unit="job") as bar:
-            for order, completions in finished_jobs(core.run(checked.requests), checked.expected):
-                done, failed = job_rows(order, jobs[order], completions, self.tokenizer)
-                rows += done
-                errors += failed
-                bar.update(1)
-        # input order, as the runner's committed parts give them back (job_rows orders samples)
-        return sorted(rows, key=lambda r: r[ORDER]), sorted(errors, key=lambda e: e[ORDER])
+        self.options, self._server = options, server
+        self.name, source = _model_source(options.model)
+        self.config = load_config(options.model, options.trust_remote_code, runs_here=False)
+        self.tokenizer = Tokenizer.load(source, trust_remote_code=options.trust_remote_code)
+        if server is not None:
+            server.wait()
+        self._servers, self.served_models, _, self._about = connect(options, self.name, server, lambda: False,
+                                                                    Adapters.of((), self.config))
+        self.urls = list(self._servers.urls)
+        self.log_path = server.log_path if server is not None else None  # the started vLLM's log
+        self.verified: dict[str, Any] | None = None  # the last call's verify report (verify=K)
+
+    @_keywords
+    def generate(self, jobs: Any, *, output: str | None = None, progress: bool = False, verify: int = 0,
+                 **options: Any) -> Any:
+        """As `batchgen.generate`, on these servers; `verify=K`: K greedy jobs also run on
+        batchgen's own engine here (it loads the model), the report in `.verified`."""
+        from dataclasses import replace
+
+        if self._servers is None:
+            raise BatchgenError("this served engine is closed; start another with Engine.serve() or Engine.connect()")
+        opts = _served_call(options, verify)
+        served = {k: getattr(self.options, k) for k in ("model", "dtype", "trust_remote_code", *_SERVED_FIELDS)}
+        return _generate(self, jobs, replace(opts, **served, verify=verify), output, progress)
+
+    @staticmethod
+    def refuse_directory(label: str) -> str:
+        """A job's adapter directory: a served engine here runs the base model only (for now)."""
+        return ("adapters do not run on a served engine from the Python API yet; run them with "
+                "`batchgen process --engine vllm --adapter NAME=PATH`, or on batchgen's own engine")
+
+    def _executor(self, checked: Any, opts: Any, adapters: Any) -> tuple[Any, list[Any]]:
+        from batchgen.pipeline.run.executors import ServedExecutor, groups_to_servers
+        from batchgen.pipeline.run.inmemory import in_prefix_order
+        from batchgen.pipeline.run.verify import Sample
+
+        requests, server_of = [], lambda order: 0
+        if checked.requests:
+            requests, index, orders = in_prefix_order(checked)
+            server_of = groups_to_servers(index, orders, len(self.urls), opts.min_shared_tokens)
+        executor = ServedExecutor("vllm" if self._server is not None else "server", self._servers,
+                                  self.served_models, server_of, dict(self._about), self.name,
+                                  sample=Sample(opts.verify) if opts.verify else None)
+        return executor, requests
+
+    def _after(self, executor: Any, opts: Any) -> None:
+        """`verify=K`: the sampled jobs on batchgen's own engine, agreement as the CLI's summary has it."""
+        import logging
+
+        from batchgen.pipeline.run.verify import verify
+
+        if not opts.verify:
+            return
+        self.verified = v = verify(executor.sample, opts, self.tokenizer.eos_token_ids, _NeverStop)
+        firsts = ", ".join(str(d["first_difference"]) for d in v["differ"][:10])
+        logging.getLogger("batchgen").log(
+            logging.WARNING if v["differ"] else logging.INFO,
+            f"verify: {v['agree']}/{v['jobs']} greedy jobs agree token for token with batchgen's own engine"
+            + (f"; the others first differ at token {firsts}" if v["differ"] else ""))
+
+    def close(self, keep_log: bool = False) -> None:
+        """Stop the server `Engine.serve` started (a connection's servers keep running), and remove
+        its log unless `keep_log` (a `with` block that raised keeps it)."""
+        servers, self._servers = self._servers, None
+        if servers is not None:
+            servers.close()
+        if self._server is not None:
+            self._server.stop()
+            if not keep_log:
+                shutil.rmtree(os.path.dirname(self._server.log_path), ignore_errors=True)
+
+    def __enter__(self) -> "ServedEngine":
+        return self
+
+    def __exit__(self, kind: Any, *exc: Any) -> None:
+        self.close(keep_log=kind is not None)
+
+
+def _served_call(options: dict[str, Any], verify: Any) -> Any:
+    """A served call's RunOptions from its keywords, with what servers cannot honour refused."""
+    if not isinstance(verify, int) or isinstance(verify, bool) or verify < 0:
+        raise OptionError("verify", "must be a whole number of jobs, 0 or more", verify)
+    opts = run_options(options)
+    if opts.adapters:
+        raise OptionError("adapters", "do not run on a served engine from the Python API yet; run them with "
+                                      "`batchgen process --engine vllm --adapter NAME=PATH`, or on batchgen's own "
+                                      "engine")
+    return opts
+
+
+_SERVED_FIELDS = ("engine", "servers", *SERVE_OPTIONS)  # the RunOptions fields a served face keeps
+
+
+class _NeverStop:
+    """An API call is not stopped by signals (the CLI's StopOnSignal): KeyboardInterrupt ends it."""
+
+    @staticmethod
+    def requested() -> bool:
+        return False
+
+
+def _generate(face: Any, jobs: Any, opts: Any, output: str | None, progress: bool) -> Any:
+    """One call on either face (`Engine`: batchgen's engine here; `ServedEngine`: servers): read
+    and check the jobs, tokenize them, run them on the face's executor, rows in input order."""
+    from batchgen.pipeline.run.adapters import Adapters
+    from batchgen.pipeline.run.inmemory import tokenized
+    from batchgen.pipeline.run.preflight import check_options, check_output
+    from batchgen.pipeline.run.runner import write_results
+
+    check_options(opts)
+    source = source_of(jobs)
+    if output is not None:  # a bad path, or one that is an input, fails before any work, as in the CLI
+        check_output(output, opts.output_format, opts.overwrite, source.paths or ())
+    adapters = Adapters.of(opts.adapters, face.config, refuse_directory=getattr(face, "refuse_directory", None))
+    checked = tokenized(*_read(source, opts, adapters), face.tokenizer, face.config, opts, adapters)
+    if opts.on_error == "fail" and checked.invalid:
+        listing = "\n".join(str(v) for v in list(checked.invalid.values())[:50])
+        raise JobError(f"{len(checked.invalid)} job(s) cannot run (on_error='fail'); nothing was generated:\n"
+                       f"{listing}")
+    executor, requests = face._executor(checked, opts, adapters)
+    rows, errors = _run(executor, checked, requests, progress)
+    if output is not None:
+        write_results(output, opts.output_format, checked.schema, [dict(r) for r in rows],
+                      [dict(e) for e in errors], checked.jobs, face.name, executor.fingerprint(), face.tokenizer)
+    face._after(executor, opts)
+    schema = pa.schema([f for f in checked.schema if f.name != CREATED])
+    return results_as(source, _in_order(rows, errors, checked, schema), schema)
+
+
+def _read(source: Source, opts: Any, adapters: Any) -> tuple[dict[int, Job], dict[int, InvalidRow], pa.Schema]:
+    from batchgen.jobs.readers import jobs_of_records
+    from batchgen.pipeline.run.inmemory import checked_rows
+    from batchgen.pipeline.run.inputrows import read_checked
+
+    if source.kind == "files":
+        return read_checked(source.paths, opts, adapters)
+    jobs: dict[int, Job] = {}
+    invalid: dict[int, InvalidRow] = {}
+    for order, item in enumerate(jobs_of_records(source.records, opts.defaults, opts.prompt_template, opts.system)):
+        (jobs if isinstance(item, Job) else invalid)[order] = item
+    return checked_rows(jobs, invalid, source.hint, opts, adapters)
+
+
+def _run(executor: Any, checked: Any, requests: list[Any], progress: bool
+         ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Result rows and error rows, each with its input position, as the CLI's runner makes them."""
+    from tqdm.auto import tqdm
+
+    from batchgen.pipeline.text.expand import finished_jobs
+    from batchgen.pipeline.text.results import job_rows
+
+    jobs = checked.jobs
+    rows: list[dict[str, Any]] = []
+    errors = [{**inv.to_row(), ORDER: o} for o, inv in checked.invalid.items()]
+    with tqdm(total=len(checked.expected), disable=not progress, unit="job") as bar:
+        for order, completions in finished_jobs(executor.run(jobs, requests, _NeverStop.requested),
+                                                checked.expected):
+            done, failed = job_rows(order, jobs[order], completions, checked.tokenizer)
+            rows += done
+            errors += failed
+            bar.update(1)
+    # input order, as the runner's committed parts give them back (job_rows orders samples)
+    return sorted(rows, key=lambda r: r[ORDER]), sorted(errors, key=lambda e: e[ORDER])
+
+
+def _model_source(model: str | None) -> tuple[str, str]:
+    from batchgen.pipeline.model.load import model_source
+
+    return model_source(model)
+
+
+def _served_options(model: str | None, **given: Any) -> Any:
+    """The RunOptions a served face keeps: which model, where it is served, how it is reached."""
+    from batchgen.pipeline.run.options import RunOptions
+
+    for name, kinds, least, what in (("concurrency", int, 1, "a whole number of requests, 1"),
+                                     ("retry_seconds", (int, float), 0, "a number of seconds, 0")):
+        value = given[name]
+        if value is None and name == "concurrency":  # the CLI's default (pipeline/serve/batching.py)
+            continue
+        if isinstance(value, bool) or not isinstance(value, kinds) or value < least:
+            raise OptionError(name, f"must be {what} or more", value)
+    if given.get("dtype", "auto") not in ("auto", "float32", "bfloat16", "float16"):
+        raise OptionError("dtype", "must be one of auto, float32, bfloat16, float16", given["dtype"])
+    if given.get("vllm") is not None and not isinstance(given["vllm"], (str, os.PathLike)):
+        raise OptionError("vllm", "must be the path of the vllm executable", given["vllm"])
+    if given.get("vllm") is not None:
+        given["vllm"] = os.fspath(given["vllm"])
+    # the server's own seed: the CLI's --seed default (each request carries its job's seed)
+    return RunOptions(model=model, defaults=GenerationDefaults(seed=0), **given)
+
+
+def _vllm_args(args: Any) -> tuple[str, ...]:
+    """`vllm_args=["--max-model-len 4096", ...]`: each split as a shell would, as the CLI's --vllm-arg."""
+    import shlex
+
+    if isinstance(args, str):
+        args = [args]
+    if not isinstance(args, (list, tuple)) or not all(isinstance(a, str) for a in args):
+        raise OptionError("vllm_args", "must be a list of `vllm serve` arguments, e.g. ['--max-model-len', '4096']",
+                          args)
+    return tuple(a for arg in args for a in shlex.split(arg))
 
 
 def run_options(options: dict[str, Any]) -> Any:

@@ -40,7 +40,12 @@ def cli_option(name: str, value: object = None) -> str:
     return f"{cli_flag(name)} {value}"
 
 
+# the CLI's repeatable flags are plural keywords in the Python API (`--server URL`: servers=[...])
+_KEYWORDS = {"server": "servers", "vllm_arg": "vllm_args"}
+
+
 def keyword_option(name: str, value: object = None) -> str:
+    name = _KEYWORDS.get(name, name)
     if value is not None:
         return f"{name}={value!r}"
     return f"{name}=True" if name in _BOOLEAN else f"{name}="

@@ -9,12 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
+import numpy as np
 import pyarrow as pa
 
 from batchgen.jobs import InvalidRow, Job, id_type_for, infer_extra_schema, result_schema
 from batchgen.jobs.writers import outputs_of
-from batchgen.pipeline.text.expand import completions_expected, tokenize_jobs
+from batchgen.pipeline.text.expand import completions_expected, order_of, tokenize_jobs
 from batchgen.pipeline.run.inputrows import check_extras, refusal, refused
+from batchgen.pipeline.run.prefix_index import PrefixIndex
 from batchgen.pipeline.run.preflight import check_default_constraint, context_window, make_requests, vocab_size
 from batchgen.pipeline.text.tokenize import Tokenizer, TokenizerError
 from batchgen.pipeline.engine.types import Request
@@ -66,6 +68,21 @@ def tokenized(jobs: dict[int, Job], invalid: dict[int, InvalidRow], schema: pa.S
                                           vocab_size(config), adapters)
     invalid.update(bad)
     return Loaded(jobs, dict(sorted(invalid.items())), requests, expected, schema, tokenizer)
+
+
+def in_prefix_order(loaded: Loaded) -> tuple[list[Request], PrefixIndex, np.ndarray]:
+    """The requests as the runner hands a server a window's (one window: the jobs are held whole):
+    each job's requests together, jobs in the prefix index's sorted order, so a prefix group's
+    requests reach the server together; with the index and each of its jobs' input position
+    (`orders`), from which `executors.groups_to_servers` gives each job its server."""
+    by_job: dict[int, list[Request]] = {}
+    for r in loaded.requests:
+        by_job.setdefault(order_of(r.key), []).append(r)
+    orders = np.array(sorted(by_job), dtype=np.int64)
+    firsts = [by_job[int(o)][0] for o in orders]  # a job's requests all share up to the same node (index_entry)
+    index = PrefixIndex.of([r.prompt_ids[: r.shared_len + 1] for r in firsts], vocab_size=loaded.tokenizer.vocab_size,
+                           requests=[[r.shape for r in by_job[int(o)]] for o in orders])
+    return [r for number in index.order.tolist() for r in by_job[int(orders[number])]], index, orders
 
 
 def to_requests(jobs: Mapping[int, Job], tokenizer: Tokenizer, window: int | None, run_seed: int | None,

@@ -9,6 +9,9 @@ tokens the server reports). No model loads here; `--verify K` loads batchgen's o
 
 A server that stays unreachable ends the run with exit 75, finished jobs committed (rerun the same
 command to resume); a server that refuses one request (4xx) fails that job alone.
+
+The Python API's served calls (batchgen/api.py: `Engine.serve`, `Engine.connect`) start and reach
+their servers with the same functions (`start_vllm`, `connect`).
 """
 from __future__ import annotations
 
@@ -54,8 +57,7 @@ def process_served(inputs: Sequence[str], output: str, options: RunOptions,
             if options.adapters:  # with the adapters the options name (served_adapters.py)
                 modules = option_modules(options.adapters, load_config(options.model, options.trust_remote_code,
                                                                        runs_here=False), taken=[label])
-            server = cleanup.enter_context(_vllm_server(options, label, source, output, modules))
-            server.spawn()
+            server = cleanup.enter_context(start_vllm(options, label, source, output, modules))
         checked = check_inputs(list(inputs), options)
         cleanup.callback(checked.close)
         infos = checked.adapters.infos  # every adapter the jobs run with (index i + 1: infos[i])
@@ -64,8 +66,7 @@ def process_served(inputs: Sequence[str], output: str, options: RunOptions,
             # all (why not vLLM's runtime loading: served_adapters.py)
             server.stop()
             modules = wanted
-            server = cleanup.enter_context(_vllm_server(options, label, source, output, modules))
-            server.spawn()
+            server = cleanup.enter_context(start_vllm(options, label, source, output, modules))
         mine = mine_of(checked, options, shard)
         report_invalid = shard is None or shard[0] == 0  # rows that cannot run: shard 0 reports them
         # the served model is its name: a run started with --engine vllm resumes on a --server
@@ -75,29 +76,18 @@ def process_served(inputs: Sequence[str], output: str, options: RunOptions,
         job_set = job_set_key(checked.digest, settings)
         key = f"{job_set}:{options.shard}"
         may_resume(output + ".parts", read_manifest(output + ".parts"), key, options.overwrite)
-        about: dict[str, Any] = {}
         if server is not None:
             server.wait(stop.requested)
             if stop.requested():
                 raise Preempted("stopped by a signal before generation started; nothing was written; rerun the "
                                 "same command")
-            urls, names, alive = [server.url], [server.served_name], server.down
-            adapter_names = served_names(modules, infos)
-            about.update(vllm_log=server.log_path, vllm_start_seconds=server.started_seconds)
-        else:
-            urls, alive = list(options.servers), None
-            listed = [_listed(url, options.retry_seconds, stop.requested) for url in urls]
-            names = [_model_name(url, label, served) for url, served in zip(urls, listed)]
-            adapter_names = registered_names(checked.adapters)
-            for url, name, served in zip(urls, names, listed):
-                check_served(url, served, adapter_names, name)
-        if adapter_names:
-            about["served_adapters"] = adapter_names
-        concurrency = options.concurrency or (in_flight(server.command) if server is not None else SERVERS_IN_FLIGHT)
-        servers = Servers(urls, concurrency, retry_seconds=options.retry_seconds, alive=alive)
+        try:
+            servers, names, adapter_names, about = connect(options, label, server, stop.requested, checked.adapters,
+                                                           modules)
+        except ServerUnreachable as e:
+            raise Preempted(f"{e}; nothing was generated; rerun the same command") from None
         cleanup.callback(servers.close)
-        about.update(servers=None if server is not None else urls, served_models=names, concurrency=concurrency)
-        server_of = groups_to_servers(checked.index, checked.orders, len(urls), options.min_shared_tokens)
+        server_of = groups_to_servers(checked.index, checked.orders, len(servers.urls), options.min_shared_tokens)
         executor = ServedExecutor("vllm" if server is not None else "server", servers, names, server_of, about, label,
                                   adapter_names, sample=Sample(options.verify) if options.verify else None)
         stop.defer()  # writing starts: a signal now stops between steps, after committing
@@ -112,18 +102,53 @@ def process_served(inputs: Sequence[str], output: str, options: RunOptions,
         return summary
 
 
+def start_vllm(options: RunOptions, label: str, source: str, output: str, modules: Sequence[Module] = ()):
+    """`vllm serve` for the run's options and LoRA `modules`, spawned (it loads while the caller
+    reads the jobs; the caller `wait`s for it, and stops it: it is a context manager); its log is
+    `output`.vllm.log."""
+    server = _vllm_server(options, label, source, output, modules)
+    server.spawn()
+    return server
+
+
+def connect(options: RunOptions, label: str, server: Any, should_stop: Callable[[], bool], adapters: Any,
+            modules: Sequence[Module] = ()) -> tuple[Servers, list[str], list[str | None], dict[str, Any]]:
+    """The client of the run's servers: the vLLM it started (`server`, healthy, serving `modules`)
+    or the --server URLs; the name each serves the model under; the served name of each adapter
+    the jobs use (`adapters`: the run's `Adapters`; a --server must list them); what the summary
+    says of them. A --server that stays unreachable raises ServerUnreachable."""
+    about: dict[str, Any] = {}
+    if server is not None:
+        urls, names, alive = [server.url], [server.served_name], server.down
+        adapter_names = served_names(modules, adapters.infos)
+        about.update(vllm_log=server.log_path, vllm_start_seconds=server.started_seconds)
+    else:
+        urls, alive = list(options.servers), None
+        listed = [_listed(url, options.retry_seconds, should_stop) for url in urls]
+        names = [_model_name(url, label, served) for url, served in zip(urls, listed)]
+        adapter_names = registered_names(adapters)
+        for url, name, served in zip(urls, names, listed):
+            check_served(url, served, adapter_names, name)
+    if adapter_names:
+        about["served_adapters"] = adapter_names
+    concurrency = options.concurrency or (in_flight(server.command) if server is not None else SERVERS_IN_FLIGHT)
+    servers = Servers(urls, concurrency, retry_seconds=options.retry_seconds, alive=alive)
+    about.update(servers=None if server is not None else urls, served_models=names, concurrency=concurrency)
+    return servers, names, adapter_names, about
+
+
 def _listed(url: str, retry_seconds: float, should_stop: Callable[[], bool]) -> dict[str, str | None]:
     """The model names a running server serves (`/v1/models`: its models, and its LoRA modules
-    with their base model as parent).
-    A server that stays unreachable for `retry_seconds` stops the run as one that goes away later
-    does: resumable, exit 75."""
+    with their base model as parent). A server that stays unreachable for `retry_seconds` (or
+    until `should_stop()`) raises ServerUnreachable: the CLI stops the run as when one goes away
+    later, resumable (exit 75)."""
     began, delay = time.monotonic(), 0.5
     while True:
         try:
             return served_models(url)
-        except ServerUnreachable as e:
+        except ServerUnreachable:
             if time.monotonic() - began >= retry_seconds or should_stop():
-                raise Preempted(f"{e}; nothing was generated; rerun the same command") from None
+                raise
             time.sleep(delay)
             delay = min(delay * 2, 8.0)
 

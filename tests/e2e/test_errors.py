@@ -111,6 +111,7 @@ def test_options_are_named_as_the_face_that_was_called_spells_them():
     with option_names(keyword_option):
         assert option("output", "o.parquet") == "output='o.parquet'" and option("overwrite") == "overwrite=True"
         assert option("json_schema") == "json_schema="
+        assert option("server") == "servers=" and option("vllm_arg") == "vllm_args="  # the API's plural keywords
         assert str(OptionError("shard", "need 0 <= I < N", "3/2")) == "shard='3/2': need 0 <= I < N"
     assert option("overwrite") == "--overwrite"  # the face's spelling ends with its call
     assert str(OptionError("json_schema", "cannot be used: bad")) == "--json-schema cannot be used: bad"
