@@ -231,8 +231,8 @@ class ServedEngine:
     @staticmethod
     def refuse_directory(label: str) -> str:
         """A job's adapter directory: a served engine here runs the base model only (for now)."""
-        return ("adapters do not run on a served engine from the Python API yet; run them with "
-                "`batchgen process --engine vllm --adapter NAME=PATH`, or on batchgen's own engine")
+        return ("adapters do not run on a served engine from the Python API yet; run them on batchgen's own "
+                "engine, or with the CLI's vLLM engine, which serves them")
 
     def _executor(self, checked: Any, opts: Any, adapters: Any) -> tuple[Any, list[Any]]:
         from batchgen.pipeline.run.executors import ServedExecutor, groups_to_servers
@@ -287,9 +287,8 @@ def _served_call(options: dict[str, Any], verify: Any) -> Any:
         raise OptionError("verify", "must be a whole number of jobs, 0 or more", verify)
     opts = run_options(options)
     if opts.adapters:
-        raise OptionError("adapters", "do not run on a served engine from the Python API yet; run them with "
-                                      "`batchgen process --engine vllm --adapter NAME=PATH`, or on batchgen's own "
-                                      "engine")
+        raise OptionError("adapters", "do not run on a served engine from the Python API yet; run them on "
+                                      "batchgen's own engine, or with the CLI's vLLM engine, which serves them")
     return opts
 
 
