@@ -120,7 +120,8 @@ class ThisRun:
             if r["sample_index"] == 0:
                 self.jobs += 1
                 self.prompt_tokens += int(r["prompt_tokens"] or 0)
-            self.completion_tokens += int(r["completion_tokens"] or 0)
+            turns = r.get("turn_completion_tokens")  # a conversation's row: every turn's tokens, as JobCounts
+            self.completion_tokens += sum(int(t or 0) for t in turns) if turns else int(r["completion_tokens"] or 0)
 
     @classmethod
     def of(cls, summary: Mapping[str, Any]) -> "ThisRun":

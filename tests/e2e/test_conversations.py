@@ -105,6 +105,7 @@ def test_every_turn_equals_generate_on_the_conversation_so_far(tmp_path, model_d
     assert summary["turn_reruns"] == 0 and summary["carried_tokens"] > 0
     # completion tokens: every turn's of a conversation
     assert summary["completion_tokens"] == sum(sum(r["turn_completion_tokens"] or [r["completion_tokens"]]) for r in rows)
+    assert summary["run_completion_tokens"] == summary["completion_tokens"]  # this run's share: every turn too
     # n = 2: each sample its own branch, from its first turn on (greedy: the same text)
     assert rows[1]["turns"] == rows[2]["turns"]
     if template == "plain":  # turns that end by a stop string (its text cut: the next prompt parts from the
