@@ -167,13 +167,8 @@ def _ray_refuses(job: Job) -> InvalidRow | None:
 
 def _served_refuses(job: Job) -> InvalidRow | None:
     """What a completions server (--server, --engine vllm) cannot run: a job's own LoRA adapter
-    (a server loads its adapters when it starts), and a conversation (its later turns are made
-    by batchgen's engine as each turn ends; a server would answer the first turn alone)."""
-    if job.turns > 1:
-        field = "messages" if job.messages is not None else "then"
-        return InvalidRow(job.location, job.id, f"field '{field}': a conversation of {job.turns} turns does not run "
-                                                f"with {option('engine', 'vllm')} or {option('server')} yet; run it "
-                                                "on batchgen's own engine")
+    (a server loads its adapters when it starts). Conversations run: each turn is a request
+    (executors.ServedConversations)."""
     if job.adapter is not None:
         return InvalidRow(job.location, job.id, f"field 'adapter': adapters do not run with {option('engine', 'vllm')} "
                                                 f"or {option('server')} yet; run it on batchgen's own engine")
