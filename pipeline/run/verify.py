@@ -67,8 +67,7 @@ def verify(sample: Sample, options, eos_token_ids, stop) -> dict[str, Any]:
         turns = max(len(mine_turns), len(theirs))  # (equal, unless one engine's conversation failed early)
         turn = next((t for t in range(turns) if _at(mine_turns, t) != _at(theirs, t)), None)
         if turn is not None:
-            mine, their = _at(mine_turns, turn), _at(theirs, turn)
-            mine, their = mine or [], their or []
+            mine, their = _at(mine_turns, turn) or [], _at(theirs, turn) or []
             first = next((i for i, (a, b) in enumerate(zip(mine, their)) if a != b), min(len(mine), len(their)))
             entry = {"input_position": order, "first_difference": first, "tokens": [len(mine), len(their)]}
             if request.next_turn is not None:

@@ -8,9 +8,9 @@ auto`), which batchgen's own engine never reads. The answer must carry the gener
 stop-string cuts and logprob token texts are the same code on every engine. Logprob entries come
 back keyed "token_id:N" (`return_tokens_as_token_ids`), never as texts that two tokens may share.
 
-A conversation's turn 1 is one request of the job's n samples, as a one-turn job is; each
-sample's later turns are requests of one sample (keyed `Turn`), seeded as that sample
-(`sample_seed`) from the turn's own seed (pipeline/text/turns.py's `turn_seed`).
+Each sample of a conversation is its own branch: its turns are requests of one sample (keyed
+`Turn`: executors.ServedConversations), each seeded as that sample of an n-sample request would
+be (`sample_seed`) from its turn's seed (pipeline/text/turns.py's `turn_seed`).
 
 A scoring request (nothing generated, `Request.score_from`) asks for the prompt's logprobs
 (vLLM's `prompt_logprobs`) and one generated token, which it drops: vLLM generates at least one.
