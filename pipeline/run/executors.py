@@ -12,12 +12,15 @@ a completion's cached tokens are the server's own count or must come from batchg
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol, Sequence
+from collections import deque
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 
 from batchgen.jobs import Job
-from batchgen.pipeline.engine.types import Completion, Request, RunStats
+from batchgen.pipeline.engine.turns import Conversations, Turn
+from batchgen.pipeline.engine.types import Completion, Request, RunStats, TurnError
 from batchgen.pipeline.text.expand import order_of
 
 if TYPE_CHECKING:
@@ -112,16 +115,20 @@ class ServedExecutor:
         from batchgen.pipeline.serve.mapping import AnswerError, completions, request_body
 
         self.stats = stats = RunStats()
+        talks = ServedConversations()
+        urgent: deque = deque()  # conversations' next turns: sent before the window's requests not yet sent
 
-        def items():
-            for r in requests:
-                order = order_of(r.key)
-                server = self.server_of(order)
-                yield server, r, request_body(r, jobs[order], self._served_model(r, server))
+        def item(r: Request) -> tuple[int, Request, dict[str, Any]]:
+            order = order_of(r.key)
+            server = self.server_of(order)
+            return server, r, request_body(r, jobs[order], self._served_model(r, server))
 
-        for request, answer in self.servers.run(items(), should_stop):
+        sent = (item(r) for request in requests for r in talks.split(request))
+        for request, answer in self.servers.run(sent, should_stop, urgent):
+            later = isinstance(request.key, Turn) and request.key.turn > 0
             if isinstance(answer, Failed):
-                out = _failed(request, f"the server answered {answer.status}: {answer.message}")
+                turn = f"turn {request.key.turn + 1}: " if later else ""
+                out = _failed(request, f"{turn}the server answered {answer.status}: {answer.message}")
             else:
                 try:
                     out = completions(request, answer)
@@ -130,16 +137,26 @@ class ServedExecutor:
                                             f"in a shape batchgen cannot use: {e}") from None
             first = out[0]
             if first.error is None:  # a refused request computed nothing
-                stats.jobs += 1
-                stats.rows += len(out)
-                stats.prompt_tokens += first.prompt_tokens
-                stats.cached_tokens += first.cached_tokens
                 stats.prefill_tokens += first.prompt_tokens - first.cached_tokens
+                if later:  # a conversation's later turn: what the server kept of it is its history, carried
+                    stats.turns += 1
+                    stats.prompt_tokens += first.prompt_tokens
+                    stats.carried_tokens += first.cached_tokens
+                else:  # a job's first request (a conversation's of n samples: one per sample, counted once)
+                    once = not isinstance(request.key, Turn) or request.key.sample == 0
+                    stats.jobs += once
+                    stats.rows += len(out)
+                    stats.prompt_tokens += first.prompt_tokens if once else 0
+                    stats.cached_tokens += first.cached_tokens if once else 0
             for c in out:
                 stats.completion_tokens += len(c.token_ids)
+                done = talks.ended(request, c)
+                if done is None:
+                    urgent.append(item(talks.next))
+                    continue
                 if self.sample is not None:
-                    self.sample.offer(request, c)
-                yield c
+                    self.sample.offer(talks.first(request), done)
+                yield done
 
     def about(self, stats: RunStats) -> dict[str, Any]:
         return {"engine": self.name, **self._about}
@@ -148,6 +165,54 @@ class ServedExecutor:
         from batchgen.pipeline import __version__
 
         return f"batchgen-{__version__}:{self.model_name}:{self.name}"
+
+
+class ServedConversations:
+    """Conversations on a server, each turn one request: as a sample's turn is answered, the
+    request's `next_turn` (pipeline/text/turns.py, the rendering batchgen's own engine uses) makes
+    the next turn's whole prompt, which goes out as a request of its own; the server's prefix
+    cache, not a slot, carries the history. Each sample is its own branch from turn 1 on: its
+    turns are requests of one sample, keyed `Turn` as on the own engine (`split`), and its turns
+    wait here (`Conversations`) until its last, which is yielded once with all of them."""
+
+    def __init__(self) -> None:
+        self.turns = Conversations()
+        self.roots: dict[Hashable, Request] = {}  # a conversation's first request, by its key
+        self.next: Request | None = None  # the turn `ended` made last
+
+    def split(self, request: Request) -> list[Request]:
+        """A request as sent: a conversation's first turn of n > 1 samples as one request per
+        sample (keyed `Turn`, turn 0), seeded as vLLM seeds each sample of one n-sample request
+        (mapping.sample_seed), so the draws are the same; vLLM refuses n > 1 when greedy."""
+        if request.next_turn is None or request.params.n == 1:
+            return [request]
+        self.roots[request.key] = request
+        one = replace(request.params, n=1)
+        return [replace(request, key=Turn(request.key, i, 0), params=one) for i in range(request.params.n)]
+
+    def first(self, request: Request) -> Request:
+        """The first request of the conversation `request` is a turn of (or `request` itself)."""
+        return self.roots[request.key.root] if isinstance(request.key, Turn) else request
+
+    def ended(self, request: Request, turn: Completion) -> Completion | None:
+        """A sample's turn answered: None when its conversation goes on (its next turn is
+        `self.next`), else the completion to yield, with all its turns when it is a conversation's
+        (under its first request's key and sample index, as the own engine yields it)."""
+        root = (request.key.root, request.key.sample) if isinstance(request.key, Turn) else \
+            (request.key, turn.sample_index)
+        done = replace(turn, key=root[0], sample_index=root[1])
+        if request.next_turn is not None and done.error is None:
+            try:
+                nxt = request.next_turn(root[1], list(done.token_ids), done.finish_reason)
+            except TurnError as e:  # the sample fails, with its turns so far, as on the own engine
+                nxt, done.finish_reason, done.error = None, "error", str(e)
+            if nxt is not None:
+                if not isinstance(request.key, Turn):
+                    self.roots[request.key] = request
+                self.turns.record(root, done)
+                self.next = self.turns.keyed(root, nxt)
+                return None
+        return self.turns.last(request, done)
 
 
 def fingerprint(model: Forward, model_name: str) -> str:

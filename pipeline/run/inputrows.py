@@ -135,9 +135,8 @@ def refusal(options: RunOptions) -> Callable[[Job], InvalidRow | None] | None:
     nothing): `process` refuses those rows, and so do `validate` and the Python API."""
     if options.engine == "ray":
         return _ray_refuses
-    if options.served:
-        return _served_refuses if options.output_format != "openai" else \
-            (lambda job: _served_refuses(job) or _openai_refuses(job))
+    # a served run (--server, --engine vllm) runs every job batchgen's engine runs: adapters as the
+    # server's LoRA modules (served_adapters.py), conversations a request per turn (executors.py)
     if options.output_format == "openai":
         return _openai_refuses
     return None
@@ -162,19 +161,6 @@ def _ray_refuses(job: Job) -> InvalidRow | None:
         return InvalidRow(job.location, job.id, "a scoring job (continuations, or prompt_logprobs with "
                                                 f"max_new_tokens 0) does not run with {option('engine', 'ray')} "
                                                 f"yet; run it without {option('engine', 'ray')}")
-    return None
-
-
-def _served_refuses(job: Job) -> InvalidRow | None:
-    """What a completions server (--server, --engine vllm) cannot run: a conversation (its later
-    turns are made by batchgen's engine as each turn ends; a server would answer the first turn
-    alone). Adapters run as the server's LoRA modules (pipeline/run/served_adapters.py; on a
-    --server, a directory no --adapter NAME=PATH names is refused as the adapter is resolved)."""
-    if job.turns > 1:
-        field = "messages" if job.messages is not None else "then"
-        return InvalidRow(job.location, job.id, f"field '{field}': a conversation of {job.turns} turns does not run "
-                                                f"with {option('engine', 'vllm')} or {option('server')} yet; run it "
-                                                "on batchgen's own engine")
     return None
 
 

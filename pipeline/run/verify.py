@@ -3,6 +3,10 @@
 hash of the job's input position: the same jobs whatever order they finish in). After the run,
 batchgen's own engine runs those requests in this process; the summary reports how many agree
 token for token, and where each other one first differs.
+
+A conversation is verified turn by turn: batchgen's engine runs the whole conversation from its
+first request, and it agrees when every turn does; one that differs is reported at its first
+differing turn (whose prompt, the turns before it being equal, is the same on both engines).
 """
 from __future__ import annotations
 
@@ -20,7 +24,8 @@ class Sample:
 
     def __init__(self, k: int) -> None:
         self.k = k
-        self._heap: list[tuple[int, int, Request, list[int]]] = []  # (-hash, order, request, ids): a max-heap
+        # (-hash, order, request, each turn's ids): a max-heap
+        self._heap: list[tuple[int, int, Request, list[list[int]]]] = []
 
     @staticmethod
     def eligible(request: Request) -> bool:
@@ -32,13 +37,13 @@ class Sample:
             return
         order = order_of(request.key)
         h = int.from_bytes(hashlib.blake2b(str(order).encode(), digest_size=8).digest(), "big")
-        item = (-h, order, request, list(completion.token_ids))
+        item = (-h, order, request, turn_ids(completion))
         if len(self._heap) < self.k:
             heapq.heappush(self._heap, item)
         elif -h > self._heap[0][0]:
             heapq.heapreplace(self._heap, item)
 
-    def items(self) -> list[tuple[int, Request, list[int]]]:
+    def items(self) -> list[tuple[int, Request, list[list[int]]]]:
         return sorted((order, r, ids) for _, order, r, ids in self._heap)
 
 
@@ -57,14 +62,29 @@ def verify(sample: Sample, options, eos_token_ids, stop, adapters: Sequence[Any]
     if adapters:
         model.set_adapters(list(adapters))
     executor = LocalExecutor(model, "", eos_token_ids, options)
-    ours = {c.key: list(c.token_ids) for c in executor.run({}, [r for _, r, _ in items], stop.requested)}
+    ours = {c.key: turn_ids(c) for c in executor.run({}, [r for _, r, _ in items], stop.requested)}
     differ = []
     for order, request, theirs in items:
-        mine = ours.get(request.key)
-        if mine is None:  # stopped by a signal before it ran
+        mine_turns = ours.get(request.key)
+        if mine_turns is None:  # stopped by a signal before it ran
             continue
-        if mine != theirs:
-            first = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
-            differ.append({"input_position": order, "first_difference": first, "tokens": [len(mine), len(theirs)]})
+        turns = max(len(mine_turns), len(theirs))  # (equal, unless one engine's conversation failed early)
+        turn = next((t for t in range(turns) if _at(mine_turns, t) != _at(theirs, t)), None)
+        if turn is not None:
+            mine, their = _at(mine_turns, turn) or [], _at(theirs, turn) or []
+            first = next((i for i, (a, b) in enumerate(zip(mine, their)) if a != b), min(len(mine), len(their)))
+            entry = {"input_position": order, "first_difference": first, "tokens": [len(mine), len(their)]}
+            if request.next_turn is not None:
+                entry["turn"] = turn + 1
+            differ.append(entry)
     checked = sum(1 for _, r, _ in items if r.key in ours)
     return {"jobs": checked, "agree": checked - len(differ), "differ": differ}
+
+
+def turn_ids(completion: Completion) -> list[list[int]]:
+    """A sample's generated ids per turn (one turn unless it is a conversation's)."""
+    return [list(t.token_ids) for t in completion.turns or [completion]]
+
+
+def _at(turns: list[list[int]], t: int) -> list[int] | None:
+    return turns[t] if t < len(turns) else None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
@@ -88,28 +89,57 @@ class Servers:
                 raise ServerUnreachable(f"{url}: the run is stopping")
             delay = min(delay * 2, _BACKOFF[1])
 
-    def run(self, items: Iterable[tuple[int, Any, dict[str, Any]]], should_stop: Callable[[], bool]
+    def run(self, items: Iterable[tuple[int, Any, dict[str, Any]]], should_stop: Callable[[], bool],
+            urgent: deque[tuple[int, Any, dict[str, Any]]] | None = None
             ) -> Iterator[tuple[Any, dict[str, Any] | Failed]]:
         """(tag, answer) of every (server, tag, body), in the order they finish; the bodies go out
         in the order given, at most `concurrency` in flight per server. Once `should_stop()` is
-        true, nothing more is sent and what is in flight is dropped. A `ServerUnreachable` ends it."""
+        true, nothing more is sent and what is in flight is dropped. A `ServerUnreachable` ends it.
+
+        `urgent`: bodies the caller adds while it reads the answers (a conversation's next turn,
+        made from its last turn's answer). They go out before any body of `items` not yet sent,
+        in the order added, within the same bound, so the server's prefix cache still holds what
+        they continue; the run ends once `items`, `urgent` and the requests in flight are all done."""
         pools = [ThreadPoolExecutor(self.concurrency, thread_name_prefix=f"server{i}") for i in range(len(self.urls))]
         flying: dict[Future, tuple[int, Any]] = {}
         load = [0] * len(self.urls)
+        urgent = urgent if urgent is not None else deque()
+        pending = iter(items)
+        held: tuple[int, Any, dict[str, Any]] | None = None  # the next of `items`, waiting for room on its server
+
+        def send(server: int, tag: Any, body: dict[str, Any]) -> None:
+            flying[pools[server].submit(self.post, server, body)] = (server, tag)
+            load[server] += 1
+
         try:
-            for server, tag, body in items:
-                while load[server] >= self.concurrency:
-                    yield from self._finished(flying, load, should_stop)
-                    if should_stop():
+            while True:
+                if should_stop():
+                    return
+                waiting = deque()  # urgent bodies whose server is full: first in line when it has room
+                while urgent:
+                    server, tag, body = urgent.popleft()
+                    if load[server] < self.concurrency:
+                        send(server, tag, body)
+                    else:
+                        waiting.append((server, tag, body))
+                urgent.extendleft(reversed(waiting))
+                blocked = {server for server, _, _ in urgent}  # an urgent body goes before the next of `items`
+                while pending is not None:
+                    if held is None:
+                        held = next(pending, None)
+                        if held is None:
+                            pending = None
+                            break
+                    server = held[0]
+                    if load[server] >= self.concurrency or server in blocked:
+                        break  # in the order given: the rest waits for room on this one's server
+                    send(*held)
+                    held = None
+                if not flying:
+                    if pending is None and not urgent:
                         return
-                if should_stop():
-                    return
-                flying[pools[server].submit(self.post, server, body)] = (server, tag)
-                load[server] += 1
-            while flying:
+                    raise AssertionError("requests wait for room on a server with none in flight")
                 yield from self._finished(flying, load, should_stop)
-                if should_stop():
-                    return
         finally:
             for f in flying:
                 f.cancel()

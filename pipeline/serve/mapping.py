@@ -8,6 +8,10 @@ auto`), which batchgen's own engine never reads. The answer must carry the gener
 stop-string cuts and logprob token texts are the same code on every engine. Logprob entries come
 back keyed "token_id:N" (`return_tokens_as_token_ids`), never as texts that two tokens may share.
 
+Each sample of a conversation is its own branch: its turns are requests of one sample (keyed
+`Turn`: executors.ServedConversations), each seeded as that sample of an n-sample request would
+be (`sample_seed`) from its turn's seed (pipeline/text/turns.py's `turn_seed`).
+
 A scoring request (nothing generated, `Request.score_from`) asks for the prompt's logprobs
 (vLLM's `prompt_logprobs`) and one generated token, which it drops: vLLM generates at least one.
 """
@@ -19,6 +23,7 @@ from typing import Any, Mapping
 
 from batchgen.jobs import Job
 from batchgen.jobs.errors import BatchgenError
+from batchgen.pipeline.engine.turns import Turn
 from batchgen.pipeline.engine.types import Completion, Request, TokenLogprob
 
 
@@ -55,7 +60,7 @@ def request_body(request: Request, job: Job, model: str) -> dict[str, Any]:
         "return_tokens_as_token_ids": True,
     }
     if p.seed is not None and not p.greedy:
-        body["seed"] = p.seed
+        body["seed"] = sample_seed(p.seed, request.key.sample) if isinstance(request.key, Turn) else p.seed
     if p.logprobs is not None and not scoring:
         body["logprobs"] = p.logprobs
     if request.score_from is not None:
@@ -63,6 +68,13 @@ def request_body(request: Request, job: Job, model: str) -> dict[str, Any]:
     if job.constraint is not None and not scoring:
         body["structured_outputs"] = structured_outputs(job.constraint.kind, job.constraint.spec)
     return body
+
+
+def sample_seed(seed: int, sample: int) -> int:
+    """The seed of one sample's request: vLLM seeds sample i of a request of n samples `seed + i`
+    (its parallel sampling's children), so a conversation's later turn of sample i, a request of
+    its own, draws as that sample of an n-sample request would (kept within vLLM's int64)."""
+    return (seed + sample) & (2**63 - 1)
 
 
 def structured_outputs(kind: str, spec: str) -> dict[str, Any]:

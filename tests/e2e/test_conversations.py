@@ -152,20 +152,20 @@ def test_bad_conversations_are_refused_with_their_location(tmp_path, model_dir):
     assert len(pq.read_table(str(out) + ".errors.parquet")) == 6
 
 
-def test_a_served_run_refuses_conversations_with_their_location(tmp_path, model_dir):
-    """A completions server answers one turn: batchgen makes a conversation's later turns as each
-    ends, so --server and --engine vllm refuse conversations (validate as process), never answering
-    the first turn alone."""
+def test_a_served_run_validates_conversations(tmp_path, model_dir):
+    """A completions server runs conversations (each turn a request, made by batchgen as the turn
+    before it is answered: tests/e2e/test_vllm_conversations.py), so `validate --engine vllm`
+    reports none of them; what a conversation cannot be, it still reports, with the location."""
     rows = [{"id": 1, "prompt": "x", "then": [" y"]},
             {"id": 2, "messages": chat("a") + [{"role": "user", "content": "b"}, {"role": "assistant", "content": None}]},
-            {"id": 3, "prompt": "one turn"}]
+            {"id": 3, "prompt": "one turn"},
+            {"id": 4, "prompt": "x", "then": [" y"], "logprobs": True}]
     src = write_jsonl(tmp_path / "turns.jsonl", rows)
     res = run(["validate", str(src), "--max-new-tokens", "3", "--engine", "vllm"], model_dir, ok=False)
     lines = [line for line in res.output.splitlines() if "turns.jsonl:" in line]
-    assert len(lines) == 2, res.output
-    assert "turns.jsonl:1" in lines[0] and "field 'then'" in lines[0] and "conversation of 2 turns" in lines[0]
-    assert "turns.jsonl:2" in lines[1] and "field 'messages'" in lines[1]
-    assert run(["validate", str(src), "--max-new-tokens", "3"], model_dir).exit_code == 0  # batchgen's engine runs them
+    assert len(lines) == 1 and "turns.jsonl:4" in lines[0] and "'logprobs'" in lines[0], res.output
+    ok = write_jsonl(tmp_path / "ok.jsonl", rows[:3])
+    run(["validate", str(ok), "--max-new-tokens", "3", "--engine", "vllm"], model_dir)  # exits 0
 
 
 def test_plan_reports_conversations_turns_and_the_expected_prefill(tmp_path, model_dir):

@@ -11,11 +11,13 @@ import sys
 import threading
 import time
 import uuid
+from collections import deque
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from batchgen.jobs.params import Constraint
+from batchgen.pipeline.engine.turns import Turn
 from batchgen.pipeline.engine.types import Request, SamplingParams
 from batchgen.pipeline.serve.client import Failed, Servers, ServerUnreachable
 from batchgen.pipeline.serve.mapping import AnswerError, completions, request_body
@@ -72,6 +74,7 @@ class _Server:
     def __init__(self, statuses):
         server = self
         self.statuses, self.posts = list(statuses), 0
+        self.prompts = []  # every POST's prompt, in the order they came
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *a):
@@ -80,6 +83,7 @@ class _Server:
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 server.posts += 1
+                server.prompts.append(body["prompt"])
                 status = server.statuses.pop(0) if server.statuses else 200
                 payload = {"error": {"message": f"status {status}"}} if status != 200 else \
                     {"choices": [{"index": 0, "token_ids": body["prompt"][::-1], "finish_reason": "length"}]}
@@ -109,6 +113,33 @@ def test_retries_then_refusals():
     assert got[0] == ("a", {"choices": [{"index": 0, "token_ids": [2, 1], "finish_reason": "length"}]})
     assert got[1] == ("b", Failed(400, "status 400"))  # a 4xx other than 429: the request's own
     assert server.posts == 5
+
+
+def test_urgent_bodies_go_before_the_rest_and_after_it():
+    """A conversation's next turn (added to `urgent` while the answers are read) goes out before
+    the requests not yet sent, within the bound; one added after the last of them still goes."""
+    server = _Server([])
+    servers = Servers([server.url], concurrency=1, retry_seconds=30)
+    urgent = deque()
+    answered = []
+    try:
+        for tag, answer in servers.run([(0, ("new", i), {"prompt": [i]}) for i in range(4)], lambda: False, urgent):
+            answered.append(tag)
+            if tag[0] == "new" and tag[1] in (0, 1, 3):
+                urgent.append((0, ("next", tag[1]), {"prompt": [100 + tag[1]]}))
+    finally:
+        servers.close()
+        server.close()
+    assert server.prompts == [[0], [100], [1], [101], [2], [3], [103]]
+    assert answered == [("new", 0), ("next", 0), ("new", 1), ("next", 1), ("new", 2), ("new", 3), ("next", 3)]
+
+
+def test_a_later_turn_of_a_sample_is_seeded_as_that_sample():
+    """vLLM seeds sample i of an n-sample request seed + i: a conversation's later turn of sample i
+    (a request of its own) gets the same."""
+    p = SamplingParams(max_new_tokens=3, temperature=0.8, seed=40, n=1)
+    assert request_body(Request(Turn(5, 1, 1), [1], p), _Job(), "m")["seed"] == 41
+    assert request_body(Request(5, [1], p), _Job(), "m")["seed"] == 40
 
 
 def test_a_server_that_stays_down_is_unreachable():
