@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from typing import Any, Mapping
 
 from batchgen.jobs import Job
@@ -40,7 +41,8 @@ def request_body(request: Request, job: Job, model: str) -> dict[str, Any]:
         "model": model,
         "prompt": list(request.prompt_ids),
         "max_tokens": 1 if scoring else p.max_new_tokens,
-        "n": 1 if scoring else p.n,
+        # greedy samples are one sample n times (vLLM refuses greedy n > 1): one is asked, `completions` repeats it
+        "n": 1 if scoring or p.greedy else p.n,
         "temperature": 0.0 if scoring else p.temperature,
         "top_p": p.top_p,
         "top_k": p.top_k if p.top_k > 0 else -1,  # vLLM: -1 considers every token
@@ -121,8 +123,12 @@ def completions(request: Request, answer: Mapping[str, Any]) -> list[Completion]
             else None
         out.append(Completion(request.key, index, [int(t) for t in ids], reason, prompt_len, cached,
                               logprobs=logprobs, prompt_logprobs=scores, prompt_greedy=greedy))
-    if len(out) != (1 if request.params.max_new_tokens == 0 else request.params.n):
-        raise AnswerError(f"{len(out)} choices for a request of n={request.params.n}")
+    p = request.params
+    if len(out) != (1 if p.max_new_tokens == 0 or p.greedy else p.n):
+        raise AnswerError(f"{len(out)} choices for a request of n={p.n}")
+    if p.greedy and p.max_new_tokens:  # greedy: every sample is the one decoded (request_body asked n = 1)
+        out = [replace(out[0], sample_index=i, logprobs=list(out[0].logprobs) if out[0].logprobs else out[0].logprobs)
+               for i in range(p.n)]
     return out
 
 

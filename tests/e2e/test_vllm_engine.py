@@ -187,6 +187,15 @@ def test_served_completions_equal_llm_generate(tiny, server, reference, tmp_path
     for row in rows[:5]:  # text through batchgen's own detokenizer, as on its own engine
         ids = [t["id"] for t in row["logprobs"]]
         assert row["completion"] == tok.decode(ids[: ids.index(2)] if 2 in ids else ids, skip_special_tokens=True)
+    # greedy n = 2, which vLLM refuses as a request ("n must be 1 when using greedy sampling"): each
+    # sample is the one greedy continuation
+    first = _jobs()[0]
+    twice = tmp_path / "twice.parquet"
+    r = _batchgen([*_common(tiny, _write(tmp_path / "twice.jsonl", [{**first, "n": 2}]), twice), "--server", server.url])
+    assert r.returncode == 0, r.stderr
+    samples = pq.read_table(twice).to_pylist()
+    assert [s["sample_index"] for s in samples] == [0, 1] and not any(s.get("error") for s in samples)
+    assert all([t["id"] for t in s["logprobs"]] == reference[first["id"]] for s in samples)
 
 
 def test_engine_vllm_killed_stopped_and_its_server_killed_then_resumed(tiny, server, reference, tmp_path):

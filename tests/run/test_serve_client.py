@@ -68,6 +68,23 @@ def test_answers_become_completions():
     assert s.token_ids == [] and s.prompt_logprobs == [-2.5] and s.prompt_greedy == [False] and s.cached_tokens == 0
 
 
+def test_greedy_samples_are_one_sample_asked_once_and_repeated():
+    """vLLM refuses greedy n > 1 ("n must be 1 when using greedy sampling"): greedy samples are the
+    one greedy continuation, so the body asks n = 1 and the answer gives each sample that one."""
+    r = Request(6, [1, 2], SamplingParams(max_new_tokens=2, n=3, logprobs=0))
+    body = request_body(r, _Job(), "m")
+    assert body["n"] == 1 and body["temperature"] == 0.0
+    answer = {"choices": [{"index": 0, "token_ids": [5, 6], "finish_reason": "length",
+                           "logprobs": {"token_logprobs": [-0.1, -0.2], "top_logprobs": [{}, {}]}}]}
+    out = completions(r, answer)
+    assert [(c.sample_index, c.token_ids, c.finish_reason) for c in out] == [(i, [5, 6], "length") for i in range(3)]
+    assert out[0].logprobs == out[2].logprobs and out[0].logprobs is not out[2].logprobs
+    sampled = request_body(Request(6, [1, 2], SamplingParams(max_new_tokens=2, n=3, temperature=0.5)), _Job(), "m")
+    assert sampled["n"] == 3
+    with pytest.raises(AnswerError, match="2 choices"):
+        completions(r, {"choices": [answer["choices"][0], {**answer["choices"][0], "index": 1}]})
+
+
 class _Server:
     """A real HTTP server on loopback: answers each POST with the next status of `statuses` (then 200s)."""
 
