@@ -19,8 +19,12 @@ __all__ = ["BatchgenError", "Engine", "OptionError", "ServedEngine", "generate",
 def __getattr__(name: str):
     # the API (pyarrow, the readers) loads on first use: `python -m batchgen` and every
     # `batchgen.pipeline` import pass through this package and need none of it
-    if name in ("Engine", "ServedEngine", "generate"):
+    if name in ("Engine", "generate"):
         from batchgen import api
 
         return getattr(api, name)
+    if name == "ServedEngine":
+        from batchgen.served import ServedEngine
+
+        return ServedEngine
     raise AttributeError(f"module 'batchgen' has no attribute {name!r}")

@@ -17,7 +17,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+import queue
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
@@ -106,10 +107,15 @@ class Servers:
         urgent = urgent if urgent is not None else deque()
         pending = iter(items)
         held: tuple[int, Any, dict[str, Any]] | None = None  # the next of `items`, waiting for room on its server
+        # finished requests, in the order they finish: O(1) a request, where waiting on every future
+        # in flight (concurrent.futures.wait) costs O(in flight) a wake-up, 2,048 in flight on a GPU
+        done: queue.SimpleQueue[Future] = queue.SimpleQueue()
 
         def send(server: int, tag: Any, body: dict[str, Any]) -> None:
-            flying[pools[server].submit(self.post, server, body)] = (server, tag)
+            future = pools[server].submit(self.post, server, body)
+            flying[future] = (server, tag)
             load[server] += 1
+            future.add_done_callback(done.put)
 
         try:
             while True:
@@ -139,22 +145,31 @@ class Servers:
                     if pending is None and not urgent:
                         return
                     raise AssertionError("requests wait for room on a server with none in flight")
-                yield from self._finished(flying, load, should_stop)
+                yield from self._finished(flying, load, should_stop, done)
         finally:
             for f in flying:
                 f.cancel()
             for p in pools:  # threads in flight end when their answer comes or close() stops them
                 p.shutdown(wait=False, cancel_futures=True)
 
-    def _finished(self, flying: dict[Future, tuple[int, Any]], load: list[int], should_stop: Callable[[], bool]
-                  ) -> Iterator[tuple[Any, dict[str, Any] | Failed]]:
-        done, _ = wait(list(flying), timeout=0.25, return_when=FIRST_COMPLETED)
-        for f in done:
+    def _finished(self, flying: dict[Future, tuple[int, Any]], load: list[int], should_stop: Callable[[], bool],
+                  done: queue.SimpleQueue) -> Iterator[tuple[Any, dict[str, Any] | Failed]]:
+        """The answers of the requests that finished: at least one, or none after 0.25 s."""
+        try:
+            finished = [done.get(timeout=0.25)]
+        except queue.Empty:
+            return
+        while True:
+            try:
+                finished.append(done.get_nowait())
+            except queue.Empty:
+                break
+        for f in finished:
             server, tag = flying.pop(f)
             load[server] -= 1
             yield tag, f.result()  # raises the request's ServerUnreachable or ServerAnswerError
-        if should_stop():
-            return
+            if should_stop():
+                return
 
 
 def health(url: str, timeout: float = 2.0) -> bool:

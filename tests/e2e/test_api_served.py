@@ -78,7 +78,7 @@ def test_servers_give_the_rows_the_cli_writes_as_list_and_dataframe(tiny, served
 def test_what_a_server_cannot_run_is_one_error(tiny, served):
     """An option the served route cannot honour is one OptionError naming the keyword; a job it
     cannot run is that job's error row, the others run."""
-    with pytest.raises(OptionError, match="adapters= do not run on a served engine from the Python API yet"):
+    with pytest.raises(OptionError, match="adapters= of a served engine are those it serves"):
         served.generate(_jobs()[:2], adapters={"a": "/nowhere"}, **OPTIONS)
     with pytest.raises(OptionError, match="device= means nothing to a server"):
         batchgen.generate(_jobs()[:2], str(tiny), servers=served.urls, device="cpu")

@@ -40,7 +40,7 @@ JOBS = [{"id": 1, "prompt": "hello"}]
     ({"engine": "vllm", "dtype": "float8"}, "dtype='float8': must be one of auto"),
     ({"engine": "vllm", "vllm_args": [3]}, "vllm_args=[3]: must be a list"),
     ({"engine": "vllm", "verify": -1}, "verify=-1: must be a whole number"),
-    ({"engine": "vllm", "adapters": {"a": "/nowhere"}}, "adapters= do not run on a served engine from the Python API yet"),
+    ({"engine": "vllm", "adapters": ["a"]}, "adapters= must be a dict"),
 ])
 def test_a_bad_served_option_is_one_option_error_named_as_a_keyword(model_dir, options, named):
     with pytest.raises(OptionError) as info:

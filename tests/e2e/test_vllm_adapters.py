@@ -184,3 +184,26 @@ def test_a_resume_refuses_an_adapter_changed_in_place(tiny, adapters, server, tm
     (a1 / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": config["lora_alpha"] * 2}))
     r = _batchgen(args)
     assert r.returncode != 0 and "holds work of a run with other jobs" in r.stderr, r.stderr
+
+
+def test_the_python_api_runs_a_servers_adapters(tiny, adapters, server, reference):
+    """`Engine.connect(adapters=...)`: the jobs' adapters by name, as `--server --adapter`; a
+    directory the server cannot be asked for, and a per-call `adapters=`, are refused."""
+    import batchgen
+    from batchgen.jobs.errors import OptionError
+
+    rows = _mixed(adapters, directory=False)
+    registered = {"a1": adapters["a1"], "a2": adapters["a2"]}
+    with batchgen.Engine.connect(str(tiny), servers=[server.url], adapters=registered) as served:
+        got = served.generate(rows, max_new_tokens=NEW, logprobs=True)
+        ours, base = reference
+        assert all(r["error"] is None for r in got)
+        assert {r["id"]: [t["id"] for t in r["logprobs"]] for r in got} == \
+            {r["id"]: (ours if r.get("adapter") else base)[r["id"]] for r in rows}
+        assert [r["adapter"] for r in got] == [r.get("adapter") for r in rows]
+        (refused,) = served.generate([{"id": "d", "prompt": "x", "adapter": adapters["a3"]}], max_new_tokens=2)
+        assert "a running server" in refused["error"] and "register it" in refused["error"]
+        with pytest.raises(OptionError, match="adapters= of a served engine are those it serves"):
+            served.generate(rows[:1], adapters=registered)
+    with pytest.raises(OptionError, match="adapter"):  # a name the server does not serve: before any job
+        batchgen.Engine.connect(str(tiny), servers=[server.url], adapters={"a3": adapters["a3"]})
