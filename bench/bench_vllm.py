@@ -38,19 +38,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from bench import corpus
+from bench.bench_engine import cpu_model
 
 ROOT = Path(__file__).resolve().parent.parent
 WRAPPER = ROOT / "bench" / "vllm_cpu_serve.sh"
 MAX_NUM_SEQS = 64  # vllm_run.py's
 KV_BYTES = 2 << 30  # vllm_run.py's
-
-
-def cpu_model() -> str:
-    fields = {}
-    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-        key, _, value = line.partition(":")
-        fields[key.strip()] = value.strip()
-    return f"{fields.get('Model name', '?')} (cpu family {fields.get('CPU family', '?')}, model {fields.get('Model', '?')})"
 
 
 def model_dir() -> str:

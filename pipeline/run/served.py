@@ -31,7 +31,7 @@ from batchgen.pipeline.run.served_adapters import (Module, check_served, lora_ar
                                                     registered_names, served_names)
 from batchgen.pipeline.run.signals import Preempted, StopOnSignal
 from batchgen.pipeline.run.verify import Sample, verify
-from batchgen.pipeline.serve.batching import SERVERS_IN_FLIGHT, in_flight
+from batchgen.pipeline.serve.batching import SERVERS_IN_FLIGHT, given, in_flight
 from batchgen.pipeline.serve.client import Servers, ServerUnreachable, served_models
 
 
@@ -169,7 +169,7 @@ def _vllm_server(options: RunOptions, label: str, source: str, output: str, modu
     from batchgen.pipeline.serve.vllm_server import VllmServer, vllm_executable
 
     args = list(options.vllm_args)
-    if options.dtype != "auto" and not any(a == "--dtype" or a.startswith("--dtype=") for a in args):
+    if options.dtype != "auto" and not given(args, "--dtype"):
         args += ["--dtype", options.dtype]
     if options.trust_remote_code:
         args.append("--trust-remote-code")

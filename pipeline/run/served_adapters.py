@@ -27,6 +27,7 @@ from typing import Any, Collection, Iterable, Sequence
 
 from batchgen.jobs.errors import BatchgenError, OptionError, option
 from batchgen.pipeline.run.adapters import parse_specs
+from batchgen.pipeline.serve.batching import given
 
 # the --max-lora-rank values vLLM 0.32 accepts (vllm/config/lora.py MaxLoRARanks): an adapter's rank rounds up
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -117,10 +118,6 @@ def max_rank(rank: int) -> int:
     raise BatchgenError(f"a LoRA adapter of rank {rank}: vLLM serves ranks up to {VLLM_RANKS[-1]}")
 
 
-def _given(args: Sequence[str], flag: str) -> bool:
-    return any(a == flag or a.startswith(flag + "=") for a in args)
-
-
 def lora_arguments(modules: Sequence[Module], user_args: Sequence[str]) -> list[str]:
     """The `vllm serve` flags that serve `modules` (none without modules): `--enable-lora`,
     `--lora-modules NAME=PATH ...`, `--max-lora-rank` (the largest rank, rounded up to a value
@@ -136,14 +133,14 @@ def lora_arguments(modules: Sequence[Module], user_args: Sequence[str]) -> list[
     `--vllm-arg='--max-loras K'` (on the CPU build K above the adapters' count)."""
     if not modules:
         return []
-    if _given(user_args, "--lora-modules"):
+    if given(user_args, "--lora-modules"):
         raise OptionError("vllm_arg", f"names adapters batchgen serves itself; give each as "
                                       f"{option('adapter', 'NAME=PATH')} instead", "--lora-modules")
-    out = [] if _given(user_args, "--enable-lora") else ["--enable-lora"]
+    out = [] if given(user_args, "--enable-lora") else ["--enable-lora"]
     out += ["--lora-modules", *(f"{m.name}={m.path}" for m in modules)]
-    if not _given(user_args, "--max-lora-rank"):
+    if not given(user_args, "--max-lora-rank"):
         out += ["--max-lora-rank", str(max_rank(max(m.rank for m in modules)))]
-    if not _given(user_args, "--max-loras"):
+    if not given(user_args, "--max-loras"):
         out += ["--max-loras", str(len(modules) + 1)]
     return out
 

@@ -56,6 +56,11 @@ def _flag(args: Sequence[str], *names: str) -> str | None:
     return None
 
 
+def given(args: Sequence[str], flag: str) -> bool:
+    """Whether `args` give `flag` (`--x`, `--x V` or `--x=V`): the user's flag wins over batchgen's."""
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
 def world_size(args: Sequence[str]) -> int:
     sizes = [_flag(args, "--tensor-parallel-size", "-tp"), _flag(args, "--pipeline-parallel-size", "-pp")]
     n = 1
